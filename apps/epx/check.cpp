@@ -1,0 +1,250 @@
+// `epx check` (GPU vs CPU reference), `epx selftest` (CPU reference only) and `epx sizes`.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "commands.hpp"
+#include "epx/all2all.hpp"
+#include "epx/config.hpp"
+#include "epx/error.hpp"
+#include "reference/reference.hpp"
+#if EPX_HAVE_CUDA
+#include "check/harness.hpp"
+#endif
+
+namespace epx::cli {
+namespace {
+
+struct ShapeFlags {
+  int world = 8;
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  int max_tokens = 0;  // 0 = the largest of --tokens (at least 1)
+  std::string dtype = "bf16-to-fp8";
+  std::string layout = "token";
+  std::string scale_layout = "row";
+  int timeout_ms = 0;  // 0 = EPX_TIMEOUT_MS or the default
+};
+
+void add_shape_flags(CLI::App* c, ShapeFlags& f) {
+  c->add_option("--world", f.world, "ranks (in-process, sharing the GPU)")->capture_default_str();
+  c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
+  c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
+  c->add_option("--topk", f.topk, "experts per token K")->capture_default_str();
+  c->add_option("--max-tokens", f.max_tokens,
+                "max tokens per rank (default: the largest --tokens value)");
+  c->add_option("--dtype", f.dtype, "bf16 | fp8 | bf16-to-fp8")->capture_default_str();
+  c->add_option("--layout", f.layout, "token | expert")->capture_default_str();
+  c->add_option("--scale-layout", f.scale_layout, "row | column (received fp8 scales)")
+      ->capture_default_str();
+  c->add_option("--timeout-ms", f.timeout_ms, "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
+}
+
+EpConfig make_config(const ShapeFlags& f, int max_tokens) {
+  EpConfig cfg;
+  cfg.world_size = f.world;
+  cfg.hidden = f.hidden;
+  cfg.num_experts = f.experts;
+  cfg.topk = f.topk;
+  cfg.max_tokens_per_rank = f.max_tokens > 0 ? f.max_tokens : std::max(1, max_tokens);
+  cfg.dtype = parse_dispatch_dtype(f.dtype);
+  cfg.layout = parse_output_layout(f.layout);
+  cfg.scale_layout = parse_scale_layout(f.scale_layout);
+  const EnvSettings env = read_env();
+  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
+  if (f.timeout_ms > 0) cfg.timeout_ms = f.timeout_ms;
+  cfg.validate();
+  return cfg;
+}
+
+ref::RoutingKind parse_routing(const std::string& s) {
+  if (s == "uniform") return ref::RoutingKind::kUniform;
+  if (s == "skew") return ref::RoutingKind::kSkewed;
+  if (s == "one-expert") return ref::RoutingKind::kOneExpert;
+  if (s == "masked") return ref::RoutingKind::kMasked;
+  EPX_THROW(ConfigError, "--routing = '" + s + "', expected one of uniform, skew, one-expert, masked");
+}
+
+std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20)); }
+
+struct CheckFlags {
+  ShapeFlags shape;
+  std::string tokens = "128";
+  std::string routing = "uniform";
+  std::string backend;
+  uint64_t seed = 1;
+  int iters = 2;
+  int graph = 0;
+  bool mixed = false;
+  bool ids64 = false;
+  int pool = 3;
+};
+
+}  // namespace
+
+void add_check(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<CheckFlags>();
+  CLI::App* c = app.add_subcommand(
+      "check", "run dispatch -> identity expert -> combine on the GPU and compare every output "
+               "with the CPU reference (exit 0 only if all match)");
+  add_shape_flags(c, f->shape);
+  c->add_option("--tokens", f->tokens, "tokens per rank: one count, or a comma list (one per rank)")
+      ->capture_default_str();
+  c->add_option("--routing", f->routing, "uniform | skew | one-expert | masked")->capture_default_str();
+  c->add_option("--backend", f->backend, "low_latency (default: EPX_BACKEND or low_latency)");
+  c->add_option("--seed", f->seed, "seed of inputs and routing")->capture_default_str();
+  c->add_option("--iters", f->iters, "eager calls, fresh inputs each")->capture_default_str();
+  c->add_option("--graph", f->graph, "capture once per rank, replay N times with fresh inputs");
+  c->add_flag("--mixed", f->mixed, "with --graph: rank 0 calls eagerly, the others replay");
+  c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
+  c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
+  c->callback([f, &exit_code] {
+#if EPX_HAVE_CUDA
+    check::CheckOptions o;
+    o.tokens = check::parse_token_list(f->tokens, "--tokens");
+    int max_t = 0;
+    for (int t : o.tokens) max_t = std::max(max_t, t);
+    o.cfg = make_config(f->shape, max_t);
+    const EnvSettings env = read_env();
+    o.backend = !f->backend.empty() ? parse_backend(f->backend)
+                                    : env.backend.value_or(Backend::kLowLatency);
+    if (env.config_path) o.launch = load_launch_configs(*env.config_path);
+    o.routing = parse_routing(f->routing);
+    o.seed = f->seed;
+    o.iters = f->iters;
+    o.graph_replays = f->graph;
+    o.mixed = f->mixed;
+    o.ids_int64 = f->ids64;
+    o.pool = f->pool;
+    o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
+    const EpConfig& cfg = o.cfg;
+    fmt::print("epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
+               "layout {}, scales {}, routing {}, seed {}\n",
+               to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk,
+               f->tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
+               to_string(cfg.scale_layout), f->routing, o.seed);
+    const auto t0 = std::chrono::steady_clock::now();
+    const check::CheckReport rep = check::run_check(o);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+    fmt::print("{}: {} call(s) checked, buffer {} per rank, {:.1f} s\n",
+               rep.ok ? "PASS" : "FAIL", rep.calls, mib(rep.buffer_bytes), secs);
+    exit_code = rep.ok ? 0 : 1;
+#else
+    (void)f;
+    (void)exit_code;
+    EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");
+#endif
+  });
+}
+
+void add_selftest(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<ShapeFlags>();
+  auto seeds = std::make_shared<int>(3);
+  auto tokens = std::make_shared<int>(128);
+  CLI::App* c = app.add_subcommand(
+      "selftest", "CPU only: check the reference's own invariants (delivery, dedup, counts, "
+                  "combine of identity experts = sum_k w_k x within bf16 rounding)");
+  add_shape_flags(c, *f);
+  c->add_option("--tokens", *tokens, "tokens per rank")->capture_default_str();
+  c->add_option("--seeds", *seeds, "random cases")->capture_default_str();
+  c->callback([f, seeds, tokens, &exit_code] {
+    EpConfig cfg = make_config(*f, *tokens);
+    int failures = 0;
+    double worst = 0.0;
+    for (int seed = 1; seed <= *seeds; ++seed) {
+      std::vector<ref::RankInput> in;
+      for (int r = 0; r < cfg.world_size; ++r) {
+        auto routing = ref::make_routing(ref::RoutingKind::kUniform, *tokens, cfg.num_experts,
+                                         cfg.topk, seed * 131 + r);
+        in.push_back(ref::make_rank_input(cfg, *tokens, routing, seed * 977 + r));
+      }
+      const auto tm = ref::dispatch_token_major(cfg, in);
+      std::vector<std::vector<uint16_t>> partials;
+      int64_t delivered = 0, expected = 0;
+      for (int r = 0; r < cfg.world_size; ++r) {
+        partials.push_back(ref::identity_partials(cfg, r, tm[r]));
+        delivered += tm[r].count;
+      }
+      for (const auto& ri : in) {
+        for (int n = 0; n < ri.num_tokens; ++n) {
+          uint64_t mask = 0;
+          for (int k = 0; k < cfg.topk; ++k) {
+            const int id = ri.routing.ids[size_t(n) * cfg.topk + k];
+            if (id >= 0) mask |= uint64_t(1) << cfg.expert_rank(id);
+          }
+          expected += __builtin_popcountll(mask);
+        }
+      }
+      if (delivered != expected) {
+        ++failures;
+        fmt::print("  seed {}: {} rows delivered, {} expected after per-rank dedup\n", seed,
+                   delivered, expected);
+      }
+      const auto y = ref::combine_token_major(cfg, in, tm, partials);
+      for (int s = 0; s < cfg.world_size; ++s) {
+        for (int n = 0; n < in[s].num_tokens; ++n) {
+          const auto v = ref::token_as_float(cfg, in[s], n);
+          double wsum = 0;
+          for (int k = 0; k < cfg.topk; ++k)
+            if (in[s].routing.ids[size_t(n) * cfg.topk + k] >= 0)
+              wsum += in[s].routing.weights[size_t(n) * cfg.topk + k];
+          for (int h = 0; h < cfg.hidden; ++h) {
+            const double want = wsum * v[h];
+            const double got = ref::bf16_to_float(y[s][size_t(n) * cfg.hidden + h]);
+            // bf16 rounding of each partial and of the sum: a few ulps of bf16 (2^-8 relative).
+            const double err = std::fabs(got - want) / (std::fabs(want) + 1e-3);
+            worst = std::max(worst, err);
+            if (err > 4.0 / 256) {
+              ++failures;
+              if (failures < 8)
+                fmt::print("  seed {} rank {} token {} col {}: got {} expected {}\n", seed, s, n,
+                           h, got, want);
+            }
+          }
+        }
+      }
+    }
+    fmt::print("{}: reference selftest, world {}, H {}, E {}, K {}, {} tokens/rank, {} seed(s), "
+               "worst relative combine error {:.2e}\n",
+               failures == 0 ? "PASS" : "FAIL", cfg.world_size, cfg.hidden, cfg.num_experts,
+               cfg.topk, *tokens, *seeds, worst);
+    exit_code = failures == 0 ? 0 : 1;
+  });
+}
+
+void add_sizes(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<ShapeFlags>();
+  auto tokens = std::make_shared<std::string>("128,1024");
+  CLI::App* c = app.add_subcommand("sizes", "device memory of one rank's low_latency object");
+  add_shape_flags(c, *f);
+  c->add_option("--tokens", *tokens, "max tokens per rank, comma list")->capture_default_str();
+  c->callback([f, tokens, &exit_code] {
+#if EPX_HAVE_CUDA
+    fmt::print("{:>10} {:>8} {:>7} {:>16}\n", "max_tok", "dtype", "layout", "bytes per rank");
+    for (int t : check::parse_token_list(*tokens, "--tokens")) {
+      for (const char* layout : {"token", "expert"}) {
+        ShapeFlags g = *f;
+        g.max_tokens = t;
+        g.layout = layout;
+        const EpConfig cfg = make_config(g, t);
+        fmt::print("{:>10} {:>8} {:>7} {:>16}\n", t, to_string(cfg.dtype), layout,
+                   mib(low_latency_buffer_bytes(cfg)));
+      }
+    }
+    exit_code = 0;
+#else
+    (void)f;
+    (void)tokens;
+    (void)exit_code;
+    EPX_THROW(UnsupportedError, "epx sizes needs a CUDA build of epx");
+#endif
+  });
+}
+
+}  // namespace epx::cli

@@ -1,0 +1,9 @@
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace epx::cli {
+// Each registers its subcommand on `app`; the callback runs it and sets the exit code.
+void add_check(CLI::App& app, int& exit_code);
+void add_selftest(CLI::App& app, int& exit_code);
+void add_sizes(CLI::App& app, int& exit_code);
+}  // namespace epx::cli

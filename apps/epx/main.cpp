@@ -1,0 +1,28 @@
+// epx: check, measure and size the expert-parallel all-to-all kernels.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+
+#include "commands.hpp"
+#include "epx/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"epx: expert-parallel dispatch/combine for MoE inference"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  epx::cli::add_check(app, exit_code);
+  epx::cli::add_selftest(app, exit_code);
+  epx::cli::add_sizes(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const epx::UnsupportedError& e) {
+    fmt::print(stderr, "epx: {}\n", e.what());
+    return 3;
+  } catch (const epx::Error& e) {
+    fmt::print(stderr, "epx: {} error: {}\n", epx::to_string(e.code()), e.what());
+    return 2;
+  }
+  return exit_code;
+}

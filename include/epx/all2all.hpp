@@ -1,0 +1,110 @@
+#pragma once
+// All2All: dispatch and combine of one expert-parallel MoE layer, one object per rank.
+//
+// Call order per layer forward, on every rank: dispatch -> expert stage -> combine, each on the
+// caller's stream. A dispatch's outputs stay valid until the next dispatch of any rank; every
+// dispatch must be followed by its combine before the next dispatch. Both calls are
+// asynchronous, never synchronise the host, and may be captured in a CUDA graph; ranks may mix
+// graph replays with eager calls. All cross-call state lives on the device.
+//
+// Errors: host-side argument problems throw InputError immediately and nothing is launched.
+// Device-side problems (timeouts, peers that never arrive, expert ids outside [-1, E) or
+// repeated in one token) are recorded in a device status word; poll(), synchronize() and the
+// next dispatch() throw the matching TimeoutError / InputError once, and every later call throws
+// StateError: recreate the object (the whole group, in an in-process world) to continue.
+// combine() does not look at the status word, so a round whose dispatch saw bad ids (those
+// tokens are sent nowhere) still completes on every rank and nobody waits in vain. After a
+// timeout the kernels of this rank return at once, so graph replays cannot hang either.
+//
+// Kernels are loaded when the object is created: with CUDA's lazy module loading, the first
+// launch of any kernel waits for the kernels already running, which deadlocks with ranks that
+// spin on each other. Load your own expert kernels before the first dispatch too (or run with
+// CUDA_MODULE_LOADING=EAGER).
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/config.hpp"
+
+namespace epx {
+
+class InProcessWorld;
+
+enum class IdType { kInt32, kInt64 };
+
+struct DispatchInput {
+  int num_tokens = 0;                  // N <= max_tokens_per_rank; 0 is legal
+  const void* x = nullptr;             // [N, H] bf16 (kBF16, kBF16ToFP8) or fp8 e4m3 (kFP8)
+  const float* x_scales = nullptr;     // [N, H/128] f32, row-major; kFP8 only
+  const void* topk_ids = nullptr;      // [N, K] int32 or int64; -1 = no expert
+  IdType ids_type = IdType::kInt32;
+  const float* topk_weights = nullptr;  // [N, K]
+};
+
+// Device pointers into the object's own memory; valid until the next dispatch.
+// Token-major (cfg.layout == kTokenMajor): rows [0, *recv_count) are valid, ordered by
+// (source rank, source index).
+// Expert-major: expert e's rows [0, expert_counts[e]) of [E/W][capacity] are valid, ordered the
+// same way; token-major staging fields are still filled (recv_count rows).
+struct DispatchResult {
+  int capacity = 0;                 // rows of the token-major area; rows per expert (expert-major)
+  const int32_t* recv_count = nullptr;      // device scalar M
+  const void* recv_x = nullptr;             // [capacity, H] bf16 or fp8
+  const float* recv_scales = nullptr;       // fp8: [capacity, H/128] or [H/128, capacity]
+  const int32_t* recv_src_rank = nullptr;   // [capacity]
+  const int32_t* recv_src_idx = nullptr;    // [capacity]
+  const int32_t* recv_topk_ids = nullptr;   // [capacity, K] (the token's full row)
+  const float* recv_topk_weights = nullptr;  // [capacity, K]
+  const int32_t* expert_counts = nullptr;   // [E/W] rows using each local expert
+  // expert-major only
+  const void* expert_x = nullptr;            // [E/W, capacity, H]
+  const float* expert_scales = nullptr;      // fp8: [E/W, capacity, H/128] or [E/W, H/128, capacity]
+  const int32_t* expert_src_rank = nullptr;  // [E/W, capacity]
+  const int32_t* expert_src_idx = nullptr;   // [E/W, capacity]
+  const int32_t* expert_topk_slot = nullptr;  // [E/W, capacity] k of this expert in its token
+  const float* expert_weight = nullptr;      // [E/W, capacity] topk_weights[k]
+};
+
+class All2All {
+ public:
+  virtual ~All2All() = default;
+
+  virtual const EpConfig& config() const = 0;
+  virtual Backend backend() const = 0;
+
+  // Enqueues dispatch on `stream`. Throws InputError for bad arguments, StateError after an error.
+  virtual DispatchResult dispatch(const DispatchInput& input, cudaStream_t stream) = 0;
+
+  // Where the expert stage should write its output to avoid a copy:
+  //   token-major: partials [capacity, H] bf16, row j = sum over local k of w_k * expert_k(row j);
+  //   expert-major: expert outputs [E/W, capacity, H] bf16, row-aligned with expert_x.
+  virtual void* combine_buffer() = 0;
+
+  // Enqueues combine: y[N, H] bf16 (N = the last dispatch's num_tokens). `expert_out` is the
+  // token-major partials or the expert-major outputs; combine_buffer() avoids a copy.
+  virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
+
+  // Throws the recorded device error, if any (never synchronises).
+  virtual void poll() = 0;
+  // cudaStreamSynchronize(stream), then poll().
+  virtual void synchronize(cudaStream_t stream) = 0;
+
+  // Bytes of symmetric (peer-visible) memory and of all device memory this object holds.
+  virtual size_t symmetric_bytes() const = 0;
+};
+
+// Bytes of device memory one rank's object needs for `cfg` (the one sizing function).
+size_t low_latency_buffer_bytes(const EpConfig& cfg);
+
+// One object per rank of an in-process world; cfg.rank and cfg.world_size are set per rank.
+// `launch` entries left at 0 are chosen per world and shape; explicit values above a rank's SM
+// budget throw ConfigError (they could not all be resident and would hang).
+std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
+                                                         const InProcessWorld& world,
+                                                         LaunchConfigs launch = {});
+
+}  // namespace epx

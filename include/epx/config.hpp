@@ -1,0 +1,109 @@
+#pragma once
+// EpConfig: the shape of one expert-parallel MoE layer as seen by one rank, and LaunchConfig:
+// the kernel launch shape per op. Both are plain values; validate() is the single place that
+// decides whether a combination is possible, and every message names the field, the value and
+// the bound.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace epx {
+
+// Hard limits of this build. Each exists for a reason stated here, not for convenience.
+inline constexpr int kMaxRanks = 64;             // rank masks are 64-bit words in the kernels
+inline constexpr int kMaxTopk = 32;              // one routing entry per lane of a warp
+inline constexpr int kMaxHidden = 1 << 16;       // row offsets stay in 32-bit arithmetic
+inline constexpr int kMaxTokensPerRank = 1 << 16;  // world_size * max_tokens fits in int32
+inline constexpr int kFp8BlockSize = 128;        // 1x128 activation scale blocks
+inline constexpr int kMaxTimeoutMs = 24 * 3600 * 1000;
+
+// What dispatch reads and what it puts on the wire.
+enum class DispatchDtype {
+  kBF16,       // bf16 in, bf16 on the wire and out
+  kFP8,        // fp8 e4m3 + f32 1x128 scales in, the same out
+  kBF16ToFP8,  // bf16 in, quantised inside dispatch, fp8 + scales out
+};
+
+// Layout of the received f32 scales. Input scales are always row-major [N, H/128].
+enum class ScaleLayout {
+  kRowMajor,     // recv_scales[row][group]
+  kColumnMajor,  // recv_scales[group][row] (token index fastest, as grouped fp8 GEMMs read)
+};
+
+enum class OutputLayout {
+  kTokenMajor,   // recv_x[M, H], one row per (source token, destination rank)
+  kExpertMajor,  // recv_x[E/W, W*max_tokens, H], one row per (source token, local expert)
+};
+
+enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency };
+
+struct EpConfig {
+  int rank = 0;
+  int world_size = 1;
+  int hidden = 7168;
+  int num_experts = 256;
+  int topk = 8;
+  int max_tokens_per_rank = 128;
+  DispatchDtype dtype = DispatchDtype::kBF16ToFP8;
+  ScaleLayout scale_layout = ScaleLayout::kRowMajor;
+  OutputLayout layout = OutputLayout::kTokenMajor;
+  // Rows are always ordered by (source rank, source index) in this implementation; the flag is
+  // kept so callers can state the requirement and a future reordering backend must honour it.
+  bool deterministic = true;
+  int timeout_ms = 10000;
+
+  int num_local_experts() const { return num_experts / world_size; }
+  int num_scale_groups() const { return hidden / kFp8BlockSize; }
+  bool input_fp8() const { return dtype == DispatchDtype::kFP8; }
+  bool wire_fp8() const { return dtype != DispatchDtype::kBF16; }
+  // Receive capacity of the token-major layout, and of each expert in the expert-major one.
+  int capacity() const { return world_size * max_tokens_per_rank; }
+  // Bytes of one received activation row.
+  int64_t wire_row_bytes() const { return wire_fp8() ? hidden : int64_t(hidden) * 2; }
+  int expert_rank(int expert) const { return expert / num_local_experts(); }
+
+  // Throws ConfigError naming the first impossible field.
+  void validate() const;
+};
+
+struct LaunchConfig {
+  int num_blocks = 0;       // 0 = choose per world and shape
+  int warps_per_block = 0;  // 0 = choose per world and shape
+};
+
+inline constexpr int kMaxWarpsPerBlock = 32;
+inline constexpr int kMaxBlocks = 1024;
+
+struct LaunchConfigs {
+  LaunchConfig dispatch;
+  LaunchConfig combine;
+};
+
+// Reads the JSON launch file (DESIGN §6): {"global": {...}, "dispatch": {...}, "combine": {...}}
+// with keys num_blocks / warps_per_block (aliases block_num / warp_num_per_block). "global"
+// fills what an op leaves unset. Unknown keys, wrong types and out-of-range values throw
+// ConfigError naming the file, the key and the allowed range.
+LaunchConfigs load_launch_configs(const std::string& path);
+LaunchConfigs parse_launch_configs(const std::string& json_text, const std::string& origin);
+std::string to_json(const LaunchConfigs& configs);
+
+// Process environment, parsed and validated in one place.
+struct EnvSettings {
+  std::optional<Backend> backend;        // EPX_BACKEND
+  std::optional<int> timeout_ms;         // EPX_TIMEOUT_MS
+  std::optional<std::string> config_path;  // EPX_CONFIG_PATH
+};
+EnvSettings read_env();
+EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* config_path);
+
+Backend parse_backend(const std::string& name);  // throws ConfigError listing the valid names
+const char* to_string(Backend b);
+const char* to_string(DispatchDtype d);
+const char* to_string(ScaleLayout s);
+const char* to_string(OutputLayout l);
+DispatchDtype parse_dispatch_dtype(const std::string& name);
+OutputLayout parse_output_layout(const std::string& name);
+ScaleLayout parse_scale_layout(const std::string& name);
+
+}  // namespace epx

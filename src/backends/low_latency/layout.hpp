@@ -1,0 +1,61 @@
+#pragma once
+// Byte layout of one rank's low_latency buffer, derived from EpConfig by make_layout() alone.
+// The first part is symmetric (peers write counts, rows and flags into it and read partials
+// from it); the rest is only touched by the owning rank but lives in the same allocation.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/sync_device_types.hpp"
+#include "epx/config.hpp"
+
+namespace epx::ll {
+
+// Device-resident cross-call state of one rank (DESIGN §5.1: epochs advance on the device).
+struct State {
+  uint32_t dispatch_epoch;  // last completed dispatch
+  uint32_t combine_epoch;   // last completed combine
+  int32_t num_tokens;       // N of the last dispatch (combine's output rows)
+  int32_t recv_count;       // M of the last dispatch
+  GridBarrierWord barrier;
+  int32_t dispatch_ticket;
+  int32_t combine_ready_ticket;
+  int32_t combine_ticket;
+  int32_t pad;
+};
+
+struct Layout {
+  // symmetric part
+  size_t count_matrix;   // uint64 [2][W][W]: (epoch << 32 | rows) from sender q for dest r
+  size_t arrived;        // int32 [2][W]: rows arrived from sender q
+  size_t ready;          // int32 [W]: combine epoch whose partials rank q has published
+  size_t recv_x;         // [cap][wire_row_bytes]
+  size_t recv_scales;    // f32 [cap][G] or [G][cap] (fp8 wires)
+  size_t recv_src_rank;  // int32 [cap]
+  size_t recv_src_idx;   // int32 [cap]
+  size_t recv_topk_ids;  // int32 [cap][K]
+  size_t recv_topk_w;    // f32 [cap][K]
+  size_t partials;       // [cap][H] bf16 (token-major) or f32 (expert-major, folded)
+  size_t symmetric_end;
+  // local part
+  size_t state;            // State
+  size_t status;           // DeviceStatus
+  size_t block_counts;     // int32 [kMaxBlocks][W] rows per (block, destination)
+  size_t send_slot;        // int32 [max_tokens][W] row of token n in rank r's recv area, or -1
+  size_t expert_counts;    // int32 [E/W]
+  // expert-major only (0 bytes otherwise)
+  size_t block_expert_counts;  // int32 [kMaxBlocks][E/W]
+  size_t row_expert_slot;      // int32 [cap][K] row of (recv row, k) in its expert, or -1
+  size_t expert_x;             // [E/W][cap][wire_row_bytes]
+  size_t expert_scales;        // f32 [E/W][cap][G] or [E/W][G][cap]
+  size_t expert_src_rank;      // int32 [E/W][cap]
+  size_t expert_src_idx;       // int32 [E/W][cap]
+  size_t expert_topk_slot;     // int32 [E/W][cap]
+  size_t expert_weight;        // f32 [E/W][cap]
+  size_t expert_out;           // bf16 [E/W][cap][H]
+  size_t total;
+};
+
+Layout make_layout(const EpConfig& cfg);
+
+}  // namespace epx::ll

@@ -1,0 +1,386 @@
+// EpConfig::validate(), the JSON launch file (DESIGN §6) and the EPX_* environment.
+
+#include "epx/config.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <charconv>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "epx/error.hpp"
+
+namespace epx {
+
+// ---- enum names ---------------------------------------------------------------------------
+
+namespace {
+
+template <typename Enum>
+struct NamedValue {
+  Enum value;
+  const char* name;
+};
+
+constexpr std::array<NamedValue<Backend>, 3> kBackendNames{{
+    {Backend::kNaive, "naive"},
+    {Backend::kAllgatherReduceScatter, "allgather_reducescatter"},
+    {Backend::kLowLatency, "low_latency"},
+}};
+constexpr std::array<NamedValue<DispatchDtype>, 3> kDtypeNames{{
+    {DispatchDtype::kBF16, "bf16"},
+    {DispatchDtype::kFP8, "fp8"},
+    {DispatchDtype::kBF16ToFP8, "bf16-to-fp8"},
+}};
+constexpr std::array<NamedValue<ScaleLayout>, 2> kScaleLayoutNames{{
+    {ScaleLayout::kRowMajor, "row"},
+    {ScaleLayout::kColumnMajor, "column"},
+}};
+constexpr std::array<NamedValue<OutputLayout>, 2> kOutputLayoutNames{{
+    {OutputLayout::kTokenMajor, "token"},
+    {OutputLayout::kExpertMajor, "expert"},
+}};
+
+template <typename Enum, size_t N>
+const char* name_of(const std::array<NamedValue<Enum>, N>& table, Enum v) {
+  for (const auto& nv : table) {
+    if (nv.value == v) return nv.name;
+  }
+  return "invalid";
+}
+
+template <typename Enum, size_t N>
+bool is_named(const std::array<NamedValue<Enum>, N>& table, Enum v) {
+  return std::any_of(table.begin(), table.end(), [v](const auto& nv) { return nv.value == v; });
+}
+
+template <typename Enum, size_t N>
+std::string list_names(const std::array<NamedValue<Enum>, N>& table) {
+  std::string out;
+  for (const auto& nv : table) {
+    if (!out.empty()) out += ", ";
+    out += nv.name;
+  }
+  return out;
+}
+
+// `what` names where the text came from (a field or an environment variable).
+template <typename Enum, size_t N>
+Enum parse_named(const std::array<NamedValue<Enum>, N>& table, std::string_view what,
+                 const std::string& text) {
+  for (const auto& nv : table) {
+    if (text == nv.name) return nv.value;
+  }
+  EPX_THROW(ConfigError,
+            fmt::format("{} = \"{}\", expected one of {}", what, text, list_names(table)));
+}
+
+}  // namespace
+
+const char* to_string(Backend b) { return name_of(kBackendNames, b); }
+const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
+const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
+const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
+
+Backend parse_backend(const std::string& name) {
+  return parse_named(kBackendNames, "backend", name);
+}
+DispatchDtype parse_dispatch_dtype(const std::string& name) {
+  return parse_named(kDtypeNames, "dtype", name);
+}
+OutputLayout parse_output_layout(const std::string& name) {
+  return parse_named(kOutputLayoutNames, "layout", name);
+}
+ScaleLayout parse_scale_layout(const std::string& name) {
+  return parse_named(kScaleLayoutNames, "scale_layout", name);
+}
+
+// ---- EpConfig -------------------------------------------------------------------------------
+
+void EpConfig::validate() const {
+  // Rank masks in the kernels are one 64-bit word; a world of 0 ranks has nobody to talk to.
+  EPX_CHECK(world_size >= 1 && world_size <= kMaxRanks, ConfigError, "world_size", world_size,
+            fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+  // The rank indexes the peer table and picks this rank's experts.
+  EPX_CHECK(rank >= 0 && rank < world_size, ConfigError, "rank", rank,
+            fmt::format("in [0, world_size = {})", world_size));
+  // Row offsets inside one row stay in 32-bit arithmetic.
+  EPX_CHECK(hidden >= 1 && hidden <= kMaxHidden, ConfigError, "hidden", hidden,
+            fmt::format("in [1, kMaxHidden = {}]", kMaxHidden));
+  // Kernels copy rows in 16-byte vectors; a bf16 row must be a whole number of them.
+  EPX_CHECK(hidden % 8 == 0, ConfigError, "hidden", hidden,
+            "a multiple of 8 (bf16 rows are copied in 16-byte vectors)");
+  // Enum fields can hold any integer after a cast; refuse values that have no meaning.
+  EPX_CHECK(is_named(kDtypeNames, dtype), ConfigError, "dtype", static_cast<int>(dtype),
+            fmt::format("one of {}", list_names(kDtypeNames)));
+  EPX_CHECK(is_named(kScaleLayoutNames, scale_layout), ConfigError, "scale_layout",
+            static_cast<int>(scale_layout),
+            fmt::format("one of {}", list_names(kScaleLayoutNames)));
+  EPX_CHECK(is_named(kOutputLayoutNames, layout), ConfigError, "layout", static_cast<int>(layout),
+            fmt::format("one of {}", list_names(kOutputLayoutNames)));
+  // fp8 rows carry one f32 scale per 1x128 block; a partial block has no defined scale.
+  EPX_CHECK(!wire_fp8() || hidden % kFp8BlockSize == 0, ConfigError, "hidden", hidden,
+            fmt::format("a multiple of kFp8BlockSize = {} for dtype {}", kFp8BlockSize,
+                        to_string(dtype)));
+  // Every rank holds at least one expert ...
+  EPX_CHECK(num_experts >= world_size, ConfigError, "num_experts", num_experts,
+            fmt::format(">= world_size = {}", world_size));
+  // ... and the same number of them: expert e lives on rank e / (E / W).
+  EPX_CHECK(num_experts % world_size == 0, ConfigError, "num_experts", num_experts,
+            fmt::format("a multiple of world_size = {}", world_size));
+  // One routing entry per warp lane, and a token's experts are distinct, so K <= E.
+  const int max_topk = std::min(kMaxTopk, num_experts);
+  EPX_CHECK(topk >= 1 && topk <= max_topk, ConfigError, "topk", topk,
+            fmt::format("in [1, min(kMaxTopk = {}, num_experts = {})] = [1, {}]", kMaxTopk,
+                        num_experts, max_topk));
+  // Buffers are sized for at least one token, and world_size * max_tokens must fit in int32.
+  EPX_CHECK(max_tokens_per_rank >= 1 && max_tokens_per_rank <= kMaxTokensPerRank, ConfigError,
+            "max_tokens_per_rank", max_tokens_per_rank,
+            fmt::format("in [1, kMaxTokensPerRank = {}]", kMaxTokensPerRank));
+  // Every device wait is bounded (DESIGN §5): 0 would fail at once, and a day is plenty.
+  EPX_CHECK(timeout_ms >= 1 && timeout_ms <= kMaxTimeoutMs, ConfigError, "timeout_ms", timeout_ms,
+            fmt::format("in [1, kMaxTimeoutMs = {}]", kMaxTimeoutMs));
+}
+
+// ---- JSON launch file ----------------------------------------------------------------------
+
+namespace {
+
+using nlohmann::json;
+
+struct LaunchKey {
+  const char* name;   // epx's key
+  const char* alias;  // the key of the system we descend from
+  int max;
+  int LaunchConfig::*field;
+};
+
+constexpr std::array<LaunchKey, 2> kLaunchKeys{{
+    {"num_blocks", "block_num", kMaxBlocks, &LaunchConfig::num_blocks},
+    {"warps_per_block", "warp_num_per_block", kMaxWarpsPerBlock, &LaunchConfig::warps_per_block},
+}};
+constexpr std::array<const char*, 3> kSections{"global", "dispatch", "combine"};
+
+std::string allowed_inner_keys() {
+  std::string out;
+  for (const auto& k : kLaunchKeys) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("{} (alias {})", k.name, k.alias);
+  }
+  return out;
+}
+
+// Fields left at 0 are "unset" (the file never writes 0: the allowed ranges start at 1).
+LaunchConfig parse_section(const json& section, const std::string& section_name,
+                           const std::string& origin) {
+  if (!section.is_object()) {
+    EPX_THROW(ConfigError,
+              fmt::format("{}: {} is a JSON {}, expected an object with keys {}", origin,
+                          section_name, section.type_name(), allowed_inner_keys()));
+  }
+  LaunchConfig out;
+  for (const auto& key : kLaunchKeys) {
+    const bool has_name = section.contains(key.name);
+    const bool has_alias = section.contains(key.alias);
+    if (has_name && has_alias) {
+      EPX_THROW(ConfigError,
+                fmt::format("{}: {}.{} and its alias {}.{} are both set, expected one of them",
+                            origin, section_name, key.name, section_name, key.alias));
+    }
+  }
+  for (const auto& [name, value] : section.items()) {
+    const auto* key = std::find_if(kLaunchKeys.begin(), kLaunchKeys.end(), [&](const auto& k) {
+      return name == k.name || name == k.alias;
+    });
+    const std::string path = section_name + "." + name;
+    if (key == kLaunchKeys.end()) {
+      EPX_THROW(ConfigError, fmt::format("{}: unknown key {}, expected one of {}", origin, path,
+                                         allowed_inner_keys()));
+    }
+    const std::string range = fmt::format("an integer in [1, {}]", key->max);
+    if (!value.is_number_integer()) {
+      EPX_THROW(ConfigError, fmt::format("{}: {} = {} (a JSON {}), expected {}", origin, path,
+                                         value.dump(), value.type_name(), range));
+    }
+    // Unsigned JSON integers may exceed int64; compare them as unsigned.
+    const bool in_range =
+        value.is_number_unsigned()
+            ? value.get<uint64_t>() >= 1 && value.get<uint64_t>() <= static_cast<uint64_t>(key->max)
+            : value.get<int64_t>() >= 1 && value.get<int64_t>() <= key->max;
+    if (!in_range) {
+      EPX_THROW(ConfigError,
+                fmt::format("{}: {} = {}, expected {}", origin, path, value.dump(), range));
+    }
+    out.*(key->field) = static_cast<int>(value.get<int64_t>());
+  }
+  return out;
+}
+
+// nlohmann::json keeps the last of two equal keys; a tuning file that says the same thing twice
+// is a mistake, so the parser callback refuses it.
+json parse_strict(const std::string& text, const std::string& origin) {
+  std::vector<std::set<std::string>> open_objects;
+  std::vector<std::string> paths;  // dotted path of each open object, for the message
+  std::string last_key;
+  auto callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        paths.push_back(paths.empty()
+                            ? std::string()
+                            : (paths.back().empty() ? last_key : paths.back() + "." + last_key));
+        open_objects.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        if (!open_objects.empty()) {
+          open_objects.pop_back();
+          paths.pop_back();
+        }
+        break;
+      case json::parse_event_t::key: {
+        last_key = parsed.get<std::string>();
+        if (!open_objects.empty() && !open_objects.back().insert(last_key).second) {
+          const std::string path = paths.back().empty() ? last_key : paths.back() + "." + last_key;
+          EPX_THROW(ConfigError,
+                    fmt::format("{}: duplicate key {}, expected each key once", origin, path));
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, callback);
+  } catch (const json::exception& e) {
+    EPX_THROW(ConfigError, fmt::format("{}: invalid JSON ({}), expected an object with keys {}",
+                                       origin, e.what(), "global, dispatch, combine"));
+  }
+}
+
+}  // namespace
+
+LaunchConfigs parse_launch_configs(const std::string& json_text, const std::string& origin) {
+  const json doc = parse_strict(json_text, origin);
+  if (!doc.is_object()) {
+    EPX_THROW(ConfigError,
+              fmt::format("{}: top level is a JSON {}, expected an object with keys global, "
+                          "dispatch, combine",
+                          origin, doc.type_name()));
+  }
+  for (const auto& [name, value] : doc.items()) {
+    if (std::find(kSections.begin(), kSections.end(), name) == kSections.end()) {
+      EPX_THROW(ConfigError,
+                fmt::format("{}: unknown key {}, expected one of global, dispatch, combine", origin,
+                            name));
+    }
+  }
+  auto section = [&](const char* name) {
+    return doc.contains(name) ? parse_section(doc.at(name), name, origin) : LaunchConfig{};
+  };
+  const LaunchConfig global = section("global");
+  auto with_fallback = [&](LaunchConfig op) {
+    for (const auto& key : kLaunchKeys) {
+      if (op.*(key.field) == 0) op.*(key.field) = global.*(key.field);
+    }
+    return op;
+  };
+  LaunchConfigs out;
+  out.dispatch = with_fallback(section("dispatch"));
+  out.combine = with_fallback(section("combine"));
+  return out;
+}
+
+LaunchConfigs load_launch_configs(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty()) {
+    EPX_THROW(ConfigError, "launch config path is empty, expected a JSON file");
+  }
+  if (!fs::exists(path, ec)) {
+    EPX_THROW(ConfigError,
+              fmt::format("launch config file {} does not exist, expected a JSON file", path));
+  }
+  if (!fs::is_regular_file(path, ec)) {
+    EPX_THROW(
+        ConfigError,
+        fmt::format("launch config path {} is not a regular file, expected a JSON file", path));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in.good() && !in.eof()) {
+    EPX_THROW(ConfigError, fmt::format("launch config file {} could not be read", path));
+  }
+  return parse_launch_configs(text.str(), path);
+}
+
+std::string to_json(const LaunchConfigs& configs) {
+  // Only set fields are written: 0 means "choose", which the file format cannot say.
+  auto section = [](const LaunchConfig& c) {
+    nlohmann::ordered_json s = nlohmann::ordered_json::object();
+    for (const auto& key : kLaunchKeys) {
+      if (c.*(key.field) != 0) s[key.name] = c.*(key.field);
+    }
+    return s;
+  };
+  nlohmann::ordered_json doc = nlohmann::ordered_json::object();
+  doc["dispatch"] = section(configs.dispatch);
+  doc["combine"] = section(configs.combine);
+  return doc.dump(2) + "\n";
+}
+
+// ---- environment -----------------------------------------------------------------------------
+
+namespace {
+
+// Strict decimal: digits only, no sign, no spaces, no suffix, no exponent.
+int parse_timeout_ms(std::string_view name, std::string_view text) {
+  const std::string bound = fmt::format("a decimal integer in [1, {}]", kMaxTimeoutMs);
+  const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) != 0;
+  });
+  if (!digits_only) {
+    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, text, bound));
+  }
+  uint64_t value = 0;
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (err != std::errc() || end != text.data() + text.size() || value < 1 ||
+      value > static_cast<uint64_t>(kMaxTimeoutMs)) {
+    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, text, bound));
+  }
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* config_path) {
+  EnvSettings out;
+  if (backend != nullptr) out.backend = parse_named(kBackendNames, "EPX_BACKEND", backend);
+  if (timeout_ms != nullptr) out.timeout_ms = parse_timeout_ms("EPX_TIMEOUT_MS", timeout_ms);
+  if (config_path != nullptr) {
+    if (*config_path == '\0') {
+      EPX_THROW(ConfigError, "EPX_CONFIG_PATH = \"\", expected the path of a JSON launch file");
+    }
+    out.config_path = std::string(config_path);
+  }
+  return out;
+}
+
+EnvSettings read_env() {
+  return parse_env(std::getenv("EPX_BACKEND"), std::getenv("EPX_TIMEOUT_MS"),
+                   std::getenv("EPX_CONFIG_PATH"));
+}
+
+}  // namespace epx

@@ -1,0 +1,162 @@
+#pragma once
+// Device-side synchronisation helpers with the memory order named at the call site, bounded
+// waits, and the status-word recorder. Included by .cu files only.
+
+#include <cstdint>
+
+#include "core/device_status.hpp"
+#include "core/sync_device_types.hpp"
+
+namespace epx::dev {
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int32_t ld_acquire_sys(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int32_t ld_relaxed_sys(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(int32_t* p, int32_t v) {
+  asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t atomic_add_release_sys(int32_t* p, int32_t v) {
+  int32_t old;
+  asm volatile("atom.add.release.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
+  int32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Everything a bounded wait needs: the rank's status word (device-arbitrated, host-mirrored),
+// the deadline, and who is waiting.
+struct WaitContext {
+  DeviceStatus* status;       // device memory: code arbitrated with atomicCAS
+  DeviceStatus* host_status;  // mapped host memory: the mirror the host reads
+  uint64_t timeout_ns;
+  int32_t rank;
+};
+
+// First error wins; later ones are dropped. Safe to call from any thread.
+__device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase phase, int32_t peer,
+                                    int64_t expected, int64_t seen, int32_t token = -1,
+                                    int32_t slot = -1) {
+  if (atomicCAS(&ctx.status->code, 0, code) != 0) return;
+  DeviceStatus s{code, static_cast<int32_t>(phase), ctx.rank, peer, expected, seen, token, slot, 1, 0};
+  ctx.status->phase = s.phase;
+  ctx.status->rank = s.rank;
+  ctx.status->peer = s.peer;
+  ctx.status->expected = s.expected;
+  ctx.status->seen = s.seen;
+  ctx.status->token = s.token;
+  ctx.status->slot = s.slot;
+  if (ctx.host_status != nullptr) {
+    volatile DeviceStatus* h = ctx.host_status;  // plain mirror writes; `valid` is released last
+    h->code = s.code;
+    h->phase = s.phase;
+    h->rank = s.rank;
+    h->peer = s.peer;
+    h->expected = s.expected;
+    h->seen = s.seen;
+    h->token = s.token;
+    h->slot = s.slot;
+    __threadfence_system();
+    st_release_sys(const_cast<int32_t*>(&ctx.host_status->valid), 1);
+  }
+}
+
+// True once this rank recorded an error that ends calls (a timeout: the peers' state is unknown).
+// Bad input does not: the call completes without the bad tokens, so no peer waits in vain, and
+// the host refuses further eager calls once it has raised the error.
+__device__ __forceinline__ bool aborted(const WaitContext& ctx) {
+  const int32_t code = ld_relaxed_sys(&ctx.status->code);
+  return code != 0 && code != 2 /* ErrorCode::kInput */;
+}
+
+// Spins until pred() holds. Returns false (after recording a timeout unless another error was
+// already recorded) when the deadline passes or this rank has already failed.
+template <typename Pred, typename Seen>
+__device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t peer,
+                                    int64_t expected, Pred pred, Seen seen) {
+  if (pred()) return true;
+  const uint64_t start = globaltimer_ns();
+  for (uint32_t iter = 1;; ++iter) {
+    if (pred()) return true;
+    if ((iter & 255u) == 0) {
+      if (aborted(ctx)) return false;
+      if (globaltimer_ns() - start > ctx.timeout_ns) {
+        record_error(ctx, 3 /* ErrorCode::kTimeout */, phase, peer, expected, seen());
+        return false;
+      }
+    }
+  }
+}
+
+// Grid-wide barrier over the blocks of one kernel (all resident by construction). Works across
+// launches with different grid sizes: `count` returns to 0 at each generation.
+using GridBarrier = GridBarrierWord;
+
+__device__ inline bool grid_barrier(GridBarrier* bar, const WaitContext& ctx) {
+  __shared__ int32_t ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int32_t gen = ld_acquire_sys(&bar->generation);
+    __threadfence();
+    if (atomic_add_acq_rel_gpu(&bar->count, 1) == static_cast<int32_t>(gridDim.x) - 1) {
+      bar->count = 0;
+      st_release_sys(&bar->generation, gen + 1);
+      ok = 1;
+    } else {
+      ok = bounded_wait(ctx, Phase::kGridBarrier, ctx.rank, gen + 1,
+                        [&] { return ld_acquire_sys(&bar->generation) != gen; },
+                        [&] { return static_cast<int64_t>(ld_acquire_sys(&bar->generation)); });
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// Last-block-out ticket: returns true in exactly one block (the last to arrive), after which
+// every block's earlier writes are visible to it. Resets itself.
+__device__ inline bool last_block(int32_t* ticket) {
+  __shared__ int32_t last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomic_add_acq_rel_gpu(ticket, 1) == static_cast<int32_t>(gridDim.x) - 1;
+    if (last) *ticket = 0;
+  }
+  __syncthreads();
+  return last != 0;
+}
+
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+}  // namespace epx::dev

@@ -1,0 +1,131 @@
+#pragma once
+// CPU oracle of the dispatch/combine contract (DESIGN §4). No CUDA. Every GPU test and
+// `epx check` compares against these functions.
+//
+// Conventions shared with the kernels (they must agree bit for bit):
+//  * bf16 is stored as its 16 raw bits; float -> bf16 rounds to nearest even (NaN stays NaN).
+//  * fp8 is e4m3fn stored as raw bytes; float -> fp8 rounds to nearest even and saturates to
+//    +-448 (NaN -> 0x7F), the behaviour of cvt.rn.satfinite.e4m3x2.f32.
+//  * quantisation of one 1x128 block: amax = max |x| (x as float); scale = a / 448 and
+//    q = fp8(x * (448 / a)) with a = amax if amax > 0 else 1; all in f32 with IEEE rounding.
+//  * token-major rows of a receiving rank are ordered by (source rank, source index).
+//  * expert-major rows of each local expert are ordered the same way.
+//  * a token is invalid when any id is outside [-1, E) or an expert id repeats within the
+//    token; an invalid token is sent nowhere (the device also reports an input error).
+//  * token-major combine: y[n] = bf16( sum over ranks r ascending that received token n of
+//    float(partial_r[row]) ), f32 accumulation starting from +0.0f.
+//  * expert-major combine: p_r = sum over k ascending with e_k on rank r of
+//    fmaf(w_k, float(out[e_k][slot]), p_r) from +0.0f; y[n] = bf16(sum over r ascending of p_r).
+
+#include <cstdint>
+#include <vector>
+
+#include "epx/config.hpp"
+
+namespace epx::ref {
+
+// ---- numerics ------------------------------------------------------------------------------
+uint16_t bf16_from_float(float f);
+float bf16_to_float(uint16_t b);
+uint8_t fp8_from_float(float f);
+float fp8_to_float(uint8_t q);
+inline constexpr float kFp8Max = 448.0f;
+
+// bf16 [rows][hidden] -> fp8 [rows][hidden] + scales [rows][hidden/128] (row-major).
+void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* scales);
+// fp8 + scales -> float [rows][hidden].
+void dequantize_fp8(const uint8_t* q, const float* scales, int rows, int hidden, float* out);
+
+// ---- routing generators (deterministic by seed) ------------------------------------------
+enum class RoutingKind {
+  kUniform,    // top-k distinct experts, uniformly at random
+  kSkewed,     // distinct experts, most picks from a few hot experts
+  kOneExpert,  // every token's first id is expert `hot_expert`, the rest -1
+  kMasked,     // uniform, then about a quarter of the entries set to -1
+};
+
+struct Routing {
+  int num_tokens = 0;
+  int topk = 0;
+  std::vector<int32_t> ids;     // [num_tokens][topk], -1 = none
+  std::vector<float> weights;   // [num_tokens][topk], positive, summing to 1 over valid ids
+};
+
+Routing make_routing(RoutingKind kind, int num_tokens, int num_experts, int topk, uint64_t seed,
+                     int hot_expert = 0);
+
+// Per-rank token counts in [0, max_tokens]: `spec` < 0 draws counts (0 and max included with
+// good probability) from the seed, otherwise every rank gets `spec`.
+std::vector<int> make_token_counts(int world_size, int max_tokens, int spec, uint64_t seed);
+
+// ---- one rank's dispatch input -----------------------------------------------------------
+struct RankInput {
+  int num_tokens = 0;
+  std::vector<uint16_t> x_bf16;  // [N][H], for kBF16 and kBF16ToFP8
+  std::vector<uint8_t> x_fp8;    // [N][H], for kFP8
+  std::vector<float> scales;     // [N][H/128], for kFP8
+  Routing routing;
+};
+
+// Random activations with realistic magnitudes (normal, std 1, a few outliers), by seed.
+RankInput make_rank_input(const EpConfig& cfg, int num_tokens, const Routing& routing,
+                          uint64_t seed);
+
+// True when every id is in [-1, E) and no expert repeats within the token.
+bool token_valid(const int32_t* ids, int topk, int num_experts);
+
+// ---- dispatch ------------------------------------------------------------------------------
+// What one rank receives in the token-major layout.
+struct TokenMajorRecv {
+  int count = 0;                      // M
+  std::vector<uint8_t> x;             // [M][wire_row_bytes] (bf16 bits or fp8 bytes)
+  std::vector<float> scales;          // fp8 only: [M][H/128] row-major, regardless of layout
+  std::vector<int32_t> src_rank;      // [M]
+  std::vector<int32_t> src_idx;       // [M]
+  std::vector<int32_t> topk_ids;      // [M][K] the token's full row (invalid tokens never sent)
+  std::vector<float> topk_weights;    // [M][K]
+  std::vector<int32_t> expert_counts;  // [E/W] rows that use each local expert
+};
+
+// What one rank receives in the expert-major layout (only the first count[e] rows per expert).
+struct ExpertMajorRecv {
+  std::vector<int32_t> count;                  // [E/W]
+  std::vector<std::vector<uint8_t>> x;         // [E/W] -> [count][wire_row_bytes]
+  std::vector<std::vector<float>> scales;      // [E/W] -> [count][H/128] (fp8 only)
+  std::vector<std::vector<int32_t>> src_rank;  // [E/W] -> [count]
+  std::vector<std::vector<int32_t>> src_idx;   // [E/W] -> [count]
+  std::vector<std::vector<int32_t>> topk_slot;  // [E/W] -> [count], k of this expert in the token
+  std::vector<std::vector<float>> weight;      // [E/W] -> [count], topk_weights[k]
+};
+
+// inputs[r] is rank r's input; cfg.rank is ignored. Returns one entry per receiving rank.
+std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
+                                                 const std::vector<RankInput>& inputs);
+std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
+                                                   const std::vector<RankInput>& inputs);
+
+// ---- combine -------------------------------------------------------------------------------
+// partials[r]: [M_r][H] bf16 bits, row-aligned with recv[r]. Returns y[s]: [N_s][H] bf16 bits.
+std::vector<std::vector<uint16_t>> combine_token_major(
+    const EpConfig& cfg, const std::vector<RankInput>& inputs,
+    const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials);
+
+// out[r][e]: [count_e][H] bf16 bits, row-aligned with recv[r].x[e].
+std::vector<std::vector<uint16_t>> combine_expert_major(
+    const EpConfig& cfg, const std::vector<RankInput>& inputs,
+    const std::vector<ExpertMajorRecv>& recv,
+    const std::vector<std::vector<std::vector<uint16_t>>>& out);
+
+// ---- test helpers ------------------------------------------------------------------------
+// Deterministic "expert" used by tests: partial row of token-major row j on rank r is
+// bf16(sum over local k of w_k * dequant(x) * (1 + e_k % 3)) etc. Kept simple: identity scaled
+// by the sum of local weights, so combine of it equals sum_k w_k * x within bf16 rounding.
+std::vector<uint16_t> identity_partials(const EpConfig& cfg, int rank, const TokenMajorRecv& recv);
+std::vector<std::vector<uint16_t>> identity_expert_outputs(const EpConfig& cfg,
+                                                           const ExpertMajorRecv& recv);
+
+// Row of token n of rank s as floats (dequantised for fp8 inputs; the bf16-to-fp8 path uses
+// the quantised values, as the wire does).
+std::vector<float> token_as_float(const EpConfig& cfg, const RankInput& in, int n);
+
+}  // namespace epx::ref

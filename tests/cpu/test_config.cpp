@@ -1,0 +1,509 @@
+// EpConfig::validate(), the JSON launch file, the EPX_* environment and the error helpers.
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <initializer_list>
+#include <string>
+
+#include "epx/config.hpp"
+#include "epx/error.hpp"
+
+namespace epx {
+namespace {
+
+// Runs fn, expects a ConfigError whose message contains every one of `parts`.
+testing::AssertionResult throws_config_error(const std::function<void()>& fn,
+                                             std::initializer_list<std::string> parts) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    if (e.code() != ErrorCode::kConfig) return testing::AssertionFailure() << "wrong code";
+    const std::string msg = e.what();
+    for (const auto& p : parts) {
+      if (msg.find(p) == std::string::npos) {
+        return testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << p << "\"";
+      }
+    }
+    return testing::AssertionSuccess() << msg;
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw something else: " << e.what();
+  }
+  return testing::AssertionFailure() << "did not throw";
+}
+
+EpConfig valid_config() {
+  EpConfig c;
+  c.rank = 3;
+  c.world_size = 8;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  c.topk = 8;
+  c.max_tokens_per_rank = 128;
+  c.dtype = DispatchDtype::kBF16ToFP8;
+  return c;
+}
+
+testing::AssertionResult invalid(std::function<void(EpConfig&)> change,
+                                 std::initializer_list<std::string> parts) {
+  EpConfig c = valid_config();
+  change(c);
+  return throws_config_error([&] { c.validate(); }, parts);
+}
+
+// ---- validate ---------------------------------------------------------------------------------
+
+TEST(ConfigValidate, AcceptsDefaultsAndEdges) {
+  EXPECT_NO_THROW(EpConfig{}.validate());
+  EXPECT_NO_THROW(valid_config().validate());
+  EpConfig c = valid_config();
+  c.world_size = kMaxRanks;
+  c.rank = kMaxRanks - 1;
+  c.num_experts = kMaxRanks;
+  c.topk = kMaxRanks / 2;
+  EXPECT_NO_THROW(c.validate());
+  c = valid_config();
+  c.dtype = DispatchDtype::kBF16;
+  c.hidden = 8;  // bf16 needs only 16-byte rows
+  EXPECT_NO_THROW(c.validate());
+  c.hidden = kMaxHidden;
+  c.max_tokens_per_rank = kMaxTokensPerRank;
+  c.timeout_ms = kMaxTimeoutMs;
+  c.num_experts = 8;
+  c.topk = 8;  // K == E is possible: every token uses every expert
+  EXPECT_NO_THROW(c.validate());
+  c = valid_config();
+  c.world_size = 3;
+  c.rank = 2;
+  c.num_experts = 9;
+  c.topk = 9;
+  c.timeout_ms = 1;
+  c.max_tokens_per_rank = 1;
+  EXPECT_NO_THROW(c.validate());
+}
+
+TEST(ConfigValidate, WorldSize) {
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.world_size = 0;
+        c.rank = 0;
+      },
+      {"world_size = 0", "[1, kMaxRanks = 64]"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.world_size = 65; }, {"world_size = 65", "64"}));
+}
+
+TEST(ConfigValidate, Rank) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.rank = -1; }, {"rank = -1", "[0, world_size = 8)"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.rank = 8; }, {"rank = 8", "[0, world_size = 8)"}));
+}
+
+TEST(ConfigValidate, Hidden) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.hidden = 0; }, {"hidden = 0", "kMaxHidden = 65536"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.hidden = kMaxHidden + 128; },
+                      {"hidden = 65664", "[1, kMaxHidden = 65536]"}));
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.dtype = DispatchDtype::kBF16;
+        c.hidden = 100;
+      },
+      {"hidden = 100", "multiple of 8"}));
+}
+
+TEST(ConfigValidate, HiddenForFp8) {
+  for (DispatchDtype d : {DispatchDtype::kFP8, DispatchDtype::kBF16ToFP8}) {
+    EXPECT_TRUE(invalid(
+        [d](EpConfig& c) {
+          c.dtype = d;
+          c.hidden = 1000;
+        },
+        {"hidden = 1000", "multiple of kFp8BlockSize = 128", to_string(d)}));
+  }
+  EpConfig c = valid_config();
+  c.dtype = DispatchDtype::kBF16;
+  c.hidden = 1000;
+  EXPECT_NO_THROW(c.validate());
+}
+
+TEST(ConfigValidate, NumExperts) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.num_experts = 250; },
+                      {"num_experts = 250", "a multiple of world_size = 8"}));
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.num_experts = 4;
+        c.topk = 2;
+      },
+      {"num_experts = 4", ">= world_size = 8"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.num_experts = 0; }, {"num_experts = 0"}));
+}
+
+TEST(ConfigValidate, Topk) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.topk = 0; }, {"topk = 0", "[1, 32]"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.topk = 33; }, {"topk = 33", "kMaxTopk = 32"}));
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.num_experts = 16;
+        c.topk = 17;
+      },
+      {"topk = 17", "num_experts = 16", "[1, 16]"}));
+}
+
+TEST(ConfigValidate, MaxTokens) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.max_tokens_per_rank = 0; },
+                      {"max_tokens_per_rank = 0", "[1, kMaxTokensPerRank = 65536]"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.max_tokens_per_rank = kMaxTokensPerRank + 1; },
+                      {"max_tokens_per_rank = 65537", "65536"}));
+}
+
+TEST(ConfigValidate, Timeout) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.timeout_ms = 0; },
+                      {"timeout_ms = 0", "[1, kMaxTimeoutMs = 86400000]"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.timeout_ms = kMaxTimeoutMs + 1; },
+                      {"timeout_ms = 86400001", "86400000"}));
+}
+
+TEST(ConfigValidate, EnumsOutOfRange) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.dtype = static_cast<DispatchDtype>(7); },
+                      {"dtype = 7", "bf16, fp8, bf16-to-fp8"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.scale_layout = static_cast<ScaleLayout>(5); },
+                      {"scale_layout = 5", "row, column"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.layout = static_cast<OutputLayout>(-1); },
+                      {"layout = -1", "token, expert"}));
+}
+
+TEST(ConfigValidate, MessageCarriesLocation) {
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.world_size = 0; }, {"(config.cpp:"}));
+}
+
+// ---- derived sizes ------------------------------------------------------------------------
+
+TEST(ConfigDerived, Sizes) {
+  EpConfig c = valid_config();
+  EXPECT_EQ(c.num_local_experts(), 32);
+  EXPECT_EQ(c.num_scale_groups(), 56);
+  EXPECT_EQ(c.capacity(), 1024);
+  EXPECT_EQ(c.wire_row_bytes(), 7168);
+  EXPECT_EQ(c.expert_rank(0), 0);
+  EXPECT_EQ(c.expert_rank(31), 0);
+  EXPECT_EQ(c.expert_rank(32), 1);
+  EXPECT_EQ(c.expert_rank(255), 7);
+  c.dtype = DispatchDtype::kBF16;
+  EXPECT_EQ(c.wire_row_bytes(), 2 * 7168);
+}
+
+// ---- enum names -----------------------------------------------------------------------------
+
+TEST(ConfigNames, RoundTrip) {
+  for (Backend b : {Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kLowLatency}) {
+    EXPECT_EQ(parse_backend(to_string(b)), b);
+  }
+  for (DispatchDtype d : {DispatchDtype::kBF16, DispatchDtype::kFP8, DispatchDtype::kBF16ToFP8}) {
+    EXPECT_EQ(parse_dispatch_dtype(to_string(d)), d);
+  }
+  for (ScaleLayout s : {ScaleLayout::kRowMajor, ScaleLayout::kColumnMajor}) {
+    EXPECT_EQ(parse_scale_layout(to_string(s)), s);
+  }
+  for (OutputLayout l : {OutputLayout::kTokenMajor, OutputLayout::kExpertMajor}) {
+    EXPECT_EQ(parse_output_layout(to_string(l)), l);
+  }
+  EXPECT_STREQ(to_string(Backend::kAllgatherReduceScatter), "allgather_reducescatter");
+  EXPECT_STREQ(to_string(DispatchDtype::kBF16ToFP8), "bf16-to-fp8");
+  EXPECT_STREQ(to_string(ScaleLayout::kColumnMajor), "column");
+  EXPECT_STREQ(to_string(OutputLayout::kExpertMajor), "expert");
+  EXPECT_STREQ(to_string(static_cast<Backend>(9)), "invalid");
+}
+
+TEST(ConfigNames, UnknownNamesListTheValidOnes) {
+  EXPECT_TRUE(
+      throws_config_error([] { parse_backend("deepep"); },
+                          {"backend = \"deepep\"", "naive, allgather_reducescatter, low_latency"}));
+  EXPECT_TRUE(throws_config_error([] { parse_backend("Naive"); }, {"naive"}));
+  EXPECT_TRUE(throws_config_error([] { parse_dispatch_dtype("e4m3"); },
+                                  {"dtype = \"e4m3\"", "bf16, fp8, bf16-to-fp8"}));
+  EXPECT_TRUE(throws_config_error([] { parse_scale_layout("diagonal"); }, {"row, column"}));
+  EXPECT_TRUE(throws_config_error([] { parse_output_layout(""); }, {"token, expert"}));
+}
+
+// ---- JSON launch files ------------------------------------------------------------------------
+
+LaunchConfigs parse(const std::string& text) { return parse_launch_configs(text, "tune.json"); }
+
+TEST(LaunchJson, DesignExample) {
+  const LaunchConfigs c = parse(R"({ "global":   {"warps_per_block": 8,  "num_blocks": 64},
+                                      "dispatch": {"warps_per_block": 16, "num_blocks": 64},
+                                      "combine":  {"warps_per_block": 8} })");
+  EXPECT_EQ(c.dispatch.num_blocks, 64);
+  EXPECT_EQ(c.dispatch.warps_per_block, 16);
+  EXPECT_EQ(c.combine.num_blocks, 64);  // from global
+  EXPECT_EQ(c.combine.warps_per_block, 8);
+}
+
+TEST(LaunchJson, Aliases) {
+  const LaunchConfigs c = parse(R"({"dispatch": {"block_num": 24, "warp_num_per_block": 32},
+                                    "combine": {"block_num": 1, "warps_per_block": 1}})");
+  EXPECT_EQ(c.dispatch.num_blocks, 24);
+  EXPECT_EQ(c.dispatch.warps_per_block, 32);
+  EXPECT_EQ(c.combine.num_blocks, 1);
+  EXPECT_EQ(c.combine.warps_per_block, 1);
+}
+
+TEST(LaunchJson, GlobalFillsOnlyWhatIsUnset) {
+  LaunchConfigs c = parse(R"({"global": {"block_num": 32, "warps_per_block": 4},
+                              "combine": {"num_blocks": 1024}})");
+  EXPECT_EQ(c.dispatch.num_blocks, 32);
+  EXPECT_EQ(c.dispatch.warps_per_block, 4);
+  EXPECT_EQ(c.combine.num_blocks, 1024);
+  EXPECT_EQ(c.combine.warps_per_block, 4);
+  c = parse(R"({"global": {"num_blocks": 7}})");
+  EXPECT_EQ(c.dispatch.num_blocks, 7);
+  EXPECT_EQ(c.dispatch.warps_per_block, 0);  // 0 = choose
+  EXPECT_EQ(c.combine.num_blocks, 7);
+}
+
+TEST(LaunchJson, EmptyMeansChoose) {
+  for (const char* text : {"{}", R"({"dispatch": {}, "global": {}})"}) {
+    const LaunchConfigs c = parse(text);
+    EXPECT_EQ(c.dispatch.num_blocks, 0);
+    EXPECT_EQ(c.dispatch.warps_per_block, 0);
+    EXPECT_EQ(c.combine.num_blocks, 0);
+    EXPECT_EQ(c.combine.warps_per_block, 0);
+  }
+}
+
+TEST(LaunchJson, UnknownKeys) {
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"dispath": {"num_blocks": 4}})"); },
+                                  {"tune.json", "dispath", "global, dispatch, combine"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"combine": {"num_block": 4}})"); },
+                                  {"tune.json", "combine.num_block", "num_blocks (alias block_num)",
+                                   "warps_per_block (alias warp_num_per_block)"}));
+  EXPECT_TRUE(
+      throws_config_error([] { parse(R"({"global": {"num_sms": 4}})"); }, {"global.num_sms"}));
+}
+
+TEST(LaunchJson, WrongTypes) {
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"dispatch": 5})"); },
+                                  {"tune.json", "dispatch", "number", "expected an object"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"combine": [1, 2]})"); }, {"combine", "array"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"([{"dispatch": {}}])"); },
+                                  {"tune.json", "top level", "array"}));
+  for (const char* value : {"\"8\"", "8.0", "8.5", "true", "null", "[8]", "{}"}) {
+    const std::string text = std::string(R"({"dispatch": {"num_blocks": )") + value + "}}";
+    EXPECT_TRUE(throws_config_error(
+        [&] { parse(text); }, {"tune.json", "dispatch.num_blocks", "an integer in [1, 1024]"}))
+        << value;
+  }
+}
+
+TEST(LaunchJson, OutOfRange) {
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"dispatch": {"num_blocks": 0}})"); },
+                                  {"tune.json", "dispatch.num_blocks = 0", "[1, 1024]"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"dispatch": {"num_blocks": 1025}})"); },
+                                  {"dispatch.num_blocks = 1025", "[1, 1024]"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"combine": {"warps_per_block": 33}})"); },
+                                  {"combine.warps_per_block = 33", "[1, 32]"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"global": {"warp_num_per_block": -4}})"); },
+                                  {"global.warp_num_per_block = -4", "[1, 32]"}));
+  EXPECT_TRUE(
+      throws_config_error([] { parse(R"({"global": {"block_num": 18446744073709551615}})"); },
+                          {"global.block_num = 18446744073709551615", "[1, 1024]"}));
+  EXPECT_TRUE(throws_config_error(
+      [] { parse(R"({"global": {"block_num": -9223372036854775808}})"); }, {"[1, 1024]"}));
+}
+
+TEST(LaunchJson, DuplicateKeys) {
+  EXPECT_TRUE(
+      throws_config_error([] { parse(R"({"dispatch": {"num_blocks": 4, "block_num": 8}})"); },
+                          {"tune.json", "dispatch", "num_blocks", "block_num"}));
+  EXPECT_TRUE(throws_config_error(
+      [] { parse(R"({"combine": {"warp_num_per_block": 4, "warps_per_block": 4}})"); },
+      {"combine", "warps_per_block", "warp_num_per_block"}));
+  EXPECT_TRUE(
+      throws_config_error([] { parse(R"({"dispatch": {"num_blocks": 4, "num_blocks": 8}})"); },
+                          {"tune.json", "duplicate key dispatch.num_blocks"}));
+  EXPECT_TRUE(
+      throws_config_error([] { parse(R"({"dispatch": {}, "combine": {}, "dispatch": {}})"); },
+                          {"duplicate key dispatch"}));
+}
+
+TEST(LaunchJson, InvalidJson) {
+  for (const char* text : {"", "{", R"({"dispatch": {"num_blocks": 4},})", "{'global': {}}",
+                           R"({"global": {"num_blocks": 4}} trailing)", "// comment\n{}"}) {
+    EXPECT_TRUE(throws_config_error([&] { parse(text); }, {"tune.json", "invalid JSON"})) << text;
+  }
+}
+
+class TempDir : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ =
+        std::filesystem::temp_directory_path() / ("epx_test_config_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& text) {
+    const auto path = dir_ / name;
+    std::ofstream(path) << text;
+    return path.string();
+  }
+  std::filesystem::path dir_;
+};
+
+using LaunchFile = TempDir;
+
+TEST_F(LaunchFile, LoadsAValidFile) {
+  const std::string path =
+      write("ok.json", R"({"dispatch": {"block_num": 48, "warp_num_per_block": 12}})");
+  const LaunchConfigs c = load_launch_configs(path);
+  EXPECT_EQ(c.dispatch.num_blocks, 48);
+  EXPECT_EQ(c.dispatch.warps_per_block, 12);
+  EXPECT_EQ(c.combine.num_blocks, 0);
+}
+
+TEST_F(LaunchFile, ErrorsNameThePath) {
+  const std::string path = write("bad.json", R"({"combine": {"num_blocks": 2000}})");
+  EXPECT_TRUE(throws_config_error([&] { load_launch_configs(path); },
+                                  {path, "combine.num_blocks = 2000", "[1, 1024]"}));
+  const std::string broken = write("broken.json", "{\"global\": ");
+  EXPECT_TRUE(throws_config_error([&] { load_launch_configs(broken); }, {broken, "invalid JSON"}));
+}
+
+TEST_F(LaunchFile, MissingFileAndDirectory) {
+  const std::string missing = (dir_ / "nope.json").string();
+  EXPECT_TRUE(
+      throws_config_error([&] { load_launch_configs(missing); }, {missing, "does not exist"}));
+  EXPECT_TRUE(throws_config_error([&] { load_launch_configs(dir_.string()); },
+                                  {dir_.string(), "not a regular file"}));
+  EXPECT_TRUE(throws_config_error([] { load_launch_configs(""); }, {"empty"}));
+}
+
+TEST_F(LaunchFile, ToJsonRoundTrips) {
+  LaunchConfigs c;
+  c.dispatch = {.num_blocks = 132, .warps_per_block = 16};
+  c.combine = {.num_blocks = 0, .warps_per_block = 8};
+  const std::string text = to_json(c);
+  EXPECT_EQ(text.find("num_blocks\": 0"), std::string::npos) << text;
+  const LaunchConfigs back = load_launch_configs(write("rt.json", text));
+  EXPECT_EQ(back.dispatch.num_blocks, 132);
+  EXPECT_EQ(back.dispatch.warps_per_block, 16);
+  EXPECT_EQ(back.combine.num_blocks, 0);
+  EXPECT_EQ(back.combine.warps_per_block, 8);
+  const LaunchConfigs empty = parse(to_json(LaunchConfigs{}));
+  EXPECT_EQ(empty.dispatch.num_blocks, 0);
+  EXPECT_EQ(empty.combine.warps_per_block, 0);
+}
+
+// ---- environment ----------------------------------------------------------------------------
+
+TEST(Env, UnsetIsEmpty) {
+  const EnvSettings s = parse_env(nullptr, nullptr, nullptr);
+  EXPECT_FALSE(s.backend.has_value());
+  EXPECT_FALSE(s.timeout_ms.has_value());
+  EXPECT_FALSE(s.config_path.has_value());
+}
+
+TEST(Env, GoodValues) {
+  const EnvSettings s = parse_env("low_latency", "2500", "/etc/epx/tune.json");
+  EXPECT_EQ(s.backend, Backend::kLowLatency);
+  EXPECT_EQ(s.timeout_ms, 2500);
+  EXPECT_EQ(s.config_path, "/etc/epx/tune.json");
+  EXPECT_EQ(parse_env("naive", nullptr, nullptr).backend, Backend::kNaive);
+  EXPECT_EQ(parse_env("allgather_reducescatter", nullptr, nullptr).backend,
+            Backend::kAllgatherReduceScatter);
+  EXPECT_EQ(parse_env(nullptr, "1", nullptr).timeout_ms, 1);
+  EXPECT_EQ(parse_env(nullptr, "0010", nullptr).timeout_ms, 10);
+  EXPECT_EQ(parse_env(nullptr, "86400000", nullptr).timeout_ms, kMaxTimeoutMs);
+}
+
+TEST(Env, BadBackend) {
+  EXPECT_TRUE(throws_config_error(
+      [] { parse_env("fast", nullptr, nullptr); },
+      {"EPX_BACKEND = \"fast\"", "naive, allgather_reducescatter, low_latency"}));
+  EXPECT_TRUE(throws_config_error([] { parse_env("", nullptr, nullptr); }, {"EPX_BACKEND"}));
+  EXPECT_TRUE(
+      throws_config_error([] { parse_env("low_latency ", nullptr, nullptr); }, {"EPX_BACKEND"}));
+}
+
+TEST(Env, BadTimeout) {
+  for (const char* text : {"10s", "", "-1", "1e3", "0", " 5", "5 ", "+5", "0x10", "1.5", "86400001",
+                           "99999999999999999999999"}) {
+    EXPECT_TRUE(throws_config_error([&] { parse_env(nullptr, text, nullptr); },
+                                    {"EPX_TIMEOUT_MS", "[1, 86400000]"}))
+        << '"' << text << '"';
+  }
+}
+
+TEST(Env, BadConfigPath) {
+  EXPECT_TRUE(throws_config_error([] { parse_env(nullptr, nullptr, ""); }, {"EPX_CONFIG_PATH"}));
+}
+
+TEST(Env, ReadsTheProcessEnvironment) {
+  // Save and restore, so the test leaves the environment as it found it.
+  const char* names[] = {"EPX_BACKEND", "EPX_TIMEOUT_MS", "EPX_CONFIG_PATH"};
+  std::string saved[3];
+  bool had[3];
+  for (int i = 0; i < 3; ++i) {
+    const char* v = std::getenv(names[i]);
+    had[i] = v != nullptr;
+    if (had[i]) saved[i] = v;
+  }
+  ::setenv("EPX_BACKEND", "allgather_reducescatter", 1);
+  ::setenv("EPX_TIMEOUT_MS", "1234", 1);
+  ::unsetenv("EPX_CONFIG_PATH");
+  EnvSettings s = read_env();
+  EXPECT_EQ(s.backend, Backend::kAllgatherReduceScatter);
+  EXPECT_EQ(s.timeout_ms, 1234);
+  EXPECT_FALSE(s.config_path.has_value());
+  ::setenv("EPX_TIMEOUT_MS", "10s", 1);
+  EXPECT_TRUE(throws_config_error([] { read_env(); }, {"EPX_TIMEOUT_MS = \"10s\""}));
+  for (int i = 0; i < 3; ++i) {
+    if (had[i]) {
+      ::setenv(names[i], saved[i].c_str(), 1);
+    } else {
+      ::unsetenv(names[i]);
+    }
+  }
+}
+
+// ---- errors ---------------------------------------------------------------------------------
+
+TEST(Errors, CodeNames) {
+  EXPECT_STREQ(to_string(ErrorCode::kOk), "ok");
+  EXPECT_STREQ(to_string(ErrorCode::kConfig), "config");
+  EXPECT_STREQ(to_string(ErrorCode::kInput), "input");
+  EXPECT_STREQ(to_string(ErrorCode::kTimeout), "timeout");
+  EXPECT_STREQ(to_string(ErrorCode::kPeer), "peer");
+  EXPECT_STREQ(to_string(ErrorCode::kCuda), "cuda");
+  EXPECT_STREQ(to_string(ErrorCode::kState), "state");
+  EXPECT_STREQ(to_string(ErrorCode::kUnsupported), "unsupported");
+  EXPECT_STREQ(to_string(static_cast<ErrorCode>(99)), "unknown");
+}
+
+TEST(Errors, LocatedKeepsOnlyTheFileName) {
+  EXPECT_EQ(detail::located("boom", "/a/b/c/file.cpp", 42), "boom (file.cpp:42)");
+  EXPECT_EQ(detail::located("boom", "file.cpp", 7), "boom (file.cpp:7)");
+  EXPECT_EQ(detail::located("x", "C:\\src\\w.cpp", 1), "x (w.cpp:1)");
+}
+
+TEST(Errors, CheckMacroThrowsTheRequestedType) {
+  const int tokens = 300;
+  try {
+    EPX_CHECK(tokens <= 256, InputError, "num_tokens", tokens, "<= max_tokens_per_rank = 256");
+    FAIL() << "EPX_CHECK did not throw";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInput);
+    const std::string msg = e.what();
+    EXPECT_EQ(
+        msg.rfind("num_tokens = 300, expected <= max_tokens_per_rank = 256 (test_config.cpp:", 0),
+        0u)
+        << msg;
+  }
+  EXPECT_NO_THROW(EPX_CHECK(tokens > 0, InputError, "num_tokens", tokens, "> 0"));
+  EXPECT_THROW(EPX_THROW(StateError, std::string("refused")), Error);
+}
+
+}  // namespace
+}  // namespace epx

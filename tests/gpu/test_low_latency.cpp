@@ -1,0 +1,325 @@
+// GPU suite of the low_latency backend on in-process worlds sharing one GPU (DESIGN §7).
+// Every case runs dispatch -> identity expert -> combine and compares all outputs with the CPU
+// reference: dispatch exactly, combine bit for bit.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "check/harness.hpp"
+#include "core/cuda_check.hpp"
+#include "epx/all2all.hpp"
+#include "epx/error.hpp"
+#include "epx/world.hpp"
+
+namespace epx {
+namespace {
+
+#define REQUIRE_GPU()                                                  \
+  do {                                                                 \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "needs an NVIDIA GPU"; \
+  } while (0)
+
+struct Case {
+  const char* name;
+  int world, hidden, experts, topk;
+  const char* tokens;
+  DispatchDtype dtype;
+  OutputLayout layout;
+  ref::RoutingKind routing;
+  ScaleLayout scales = ScaleLayout::kRowMajor;
+  bool ids64 = false;
+  int iters = 2;
+};
+
+using D = DispatchDtype;
+using L = OutputLayout;
+using R = ref::RoutingKind;
+
+const Case kCases[] = {
+    // world 1: everything stays local
+    {"w1_h2048_e8_k1_bf16", 1, 2048, 8, 1, "7", D::kBF16, L::kTokenMajor, R::kUniform},
+    {"w1_h4096_e16_k4_fp8_expert", 1, 4096, 16, 4, "128", D::kFP8, L::kExpertMajor, R::kUniform},
+    // world 2 and 3 (3 does not divide the power-of-two expert counts: 24, 48 experts)
+    {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, "0,128", D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
+    {"w2_h2048_e8_k8_bf16_expert", 2, 2048, 8, 8, "1,7", D::kBF16, L::kExpertMajor, R::kUniform},
+    {"w3_h2048_e24_k4_fp8", 3, 2048, 24, 4, "7,0,128", D::kFP8, L::kTokenMajor, R::kSkewed},
+    {"w3_h4096_e48_k8_q_expert_col", 3, 4096, 48, 8, "128,1,7", D::kBF16ToFP8, L::kExpertMajor,
+     R::kMasked, ScaleLayout::kColumnMajor},
+    // world 4
+    {"w4_h4096_e32_k4_bf16_masked", 4, 4096, 32, 4, "0,1,7,128", D::kBF16, L::kTokenMajor, R::kMasked},
+    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, "128,128,0,7", D::kBF16ToFP8, L::kTokenMajor,
+     R::kOneExpert},
+    {"w4_h7168_e64_k8_q_oneexpert_expert", 4, 7168, 64, 8, "128,7,0,128", D::kBF16ToFP8,
+     L::kExpertMajor, R::kOneExpert},
+    {"w4_h2048_e16_k1_fp8_col_ids64", 4, 2048, 16, 1, "1024,0,7,1", D::kFP8, L::kTokenMajor,
+     R::kUniform, ScaleLayout::kColumnMajor, true},
+    // world 8: the DeepSeek-R1 shape and friends
+    {"w8_r1_128_q", 8, 7168, 256, 8, "128", D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
+    {"w8_r1_128_bf16", 8, 7168, 256, 8, "128", D::kBF16, L::kTokenMajor, R::kUniform},
+    {"w8_r1_128_fp8_expert", 8, 7168, 256, 8, "128", D::kFP8, L::kExpertMajor, R::kUniform},
+    {"w8_r1_mixed_tokens_q", 8, 7168, 256, 8, "0,1,7,128,1024,0,128,7", D::kBF16ToFP8,
+     L::kTokenMajor, R::kSkewed},
+    {"w8_r1_1024_q", 8, 7168, 256, 8, "1024", D::kBF16ToFP8, L::kTokenMajor, R::kUniform,
+     ScaleLayout::kRowMajor, false, 1},
+    {"w8_r1_1024_bf16_expert", 8, 7168, 256, 8, "1024", D::kBF16, L::kExpertMajor, R::kUniform,
+     ScaleLayout::kRowMajor, false, 1},
+    {"w8_h4096_e8_k1_fp8_masked", 8, 4096, 8, 1, "128,0,1,7,128,1,0,7", D::kFP8, L::kTokenMajor,
+     R::kMasked},
+    {"w8_h2048_e128_k4_q_oneexpert_expert", 8, 2048, 128, 4, "7,128,1,0,128,7,1,128",
+     D::kBF16ToFP8, L::kExpertMajor, R::kOneExpert},
+};
+
+class CheckCase : public testing::TestWithParam<Case> {};
+
+check::CheckOptions options_for(const Case& c) {
+  check::CheckOptions o;
+  o.cfg.world_size = c.world;
+  o.cfg.hidden = c.hidden;
+  o.cfg.num_experts = c.experts;
+  o.cfg.topk = c.topk;
+  o.cfg.dtype = c.dtype;
+  o.cfg.layout = c.layout;
+  o.cfg.scale_layout = c.scales;
+  o.tokens = check::parse_token_list(c.tokens, "tokens");
+  int max_t = 1;
+  for (int t : o.tokens) max_t = std::max(max_t, t);
+  o.cfg.max_tokens_per_rank = max_t;
+  o.routing = c.routing;
+  o.ids_int64 = c.ids64;
+  o.iters = c.iters;
+  o.seed = 11;
+  return o;
+}
+
+std::string describe(const check::CheckReport& rep) {
+  std::string s;
+  for (const auto& m : rep.mismatches) s += "\n  " + m;
+  return s;
+}
+
+TEST_P(CheckCase, MatchesReference) {
+  REQUIRE_GPU();
+  const auto rep = check::run_check(options_for(GetParam()));
+  EXPECT_TRUE(rep.ok) << describe(rep);
+  EXPECT_EQ(rep.calls, GetParam().iters);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, testing::ValuesIn(kCases),
+                         [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+// The comparison itself can fail: one flipped bit in one rank's output is caught.
+TEST(LowLatency, CorruptedOutputIsDetected) {
+  REQUIRE_GPU();
+  auto o = options_for(kCases[10]);
+  o.iters = 1;
+  o.corrupt_rank = 3;
+  const auto rep = check::run_check(o);
+  ASSERT_FALSE(rep.ok);
+  ASSERT_FALSE(rep.mismatches.empty());
+  EXPECT_NE(rep.mismatches[0].find("rank 3 combine y"), std::string::npos) << rep.mismatches[0];
+}
+
+TEST(LowLatency, ThousandGraphReplays) {
+  REQUIRE_GPU();
+  auto o = options_for(kCases[10]);
+  o.iters = 1;
+  o.graph_replays = 1000;
+  o.pool = 3;
+  const auto rep = check::run_check(o);
+  EXPECT_TRUE(rep.ok) << describe(rep);
+  EXPECT_EQ(rep.calls, 1001);
+}
+
+TEST(LowLatency, MixedEagerAndGraph) {
+  REQUIRE_GPU();
+  for (const Case& c : {kCases[10], kCases[12]}) {
+    auto o = options_for(c);
+    o.iters = 1;
+    o.graph_replays = 50;
+    o.mixed = true;
+    const auto rep = check::run_check(o);
+    EXPECT_TRUE(rep.ok) << c.name << describe(rep);
+    EXPECT_EQ(rep.calls, 51);
+  }
+}
+
+// ---- error paths ---------------------------------------------------------------------------
+
+struct Group {
+  EpConfig cfg;
+  InProcessWorld world;
+  std::vector<std::unique_ptr<All2All>> a2a;
+  std::vector<cudaStream_t> streams;
+  std::vector<void*> bufs;
+
+  Group(EpConfig c, int world_size) : cfg(c), world(world_size) {
+    cfg.world_size = world_size;
+    a2a = make_all2all_group(Backend::kLowLatency, cfg, world);
+    streams.resize(world_size);
+    for (auto& s : streams) EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~Group() {
+    for (auto s : streams) {
+      (void)cudaStreamSynchronize(s);
+      (void)cudaStreamDestroy(s);
+    }
+    for (void* b : bufs) (void)cudaFree(b);
+  }
+  template <typename T>
+  T* upload(const std::vector<T>& h) {
+    void* d = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(16, h.size() * sizeof(T))));
+    if (!h.empty()) EPX_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    bufs.push_back(d);
+    return static_cast<T*>(d);
+  }
+};
+
+EpConfig small_config() {
+  EpConfig c;
+  c.hidden = 2048;
+  c.num_experts = 16;
+  c.topk = 4;
+  c.max_tokens_per_rank = 8;
+  c.dtype = DispatchDtype::kBF16;
+  c.timeout_ms = 300;
+  return c;
+}
+
+TEST(LowLatency, InvalidExpertIdIsReportedAndTokenNotSent) {
+  REQUIRE_GPU();
+  Group g(small_config(), 2);
+  const int N = 4, K = 4, H = 2048;
+  std::vector<uint16_t> x(size_t(N) * H, 0x3f80);  // 1.0
+  std::vector<float> w(N * K, 0.25f);
+  std::vector<int32_t> good = {0, 5, 9, 13, 1, 2, 3, 4, -1, -1, 8, -1, 15, 14, 13, 12};
+  std::vector<int32_t> bad = good;
+  bad[2 * K + 1] = 16;  // token 2, slot 1: outside [-1, 16)
+  std::vector<void*> ys;
+  std::vector<DispatchResult> res(2);
+  for (int r = 0; r < 2; ++r) {
+    DispatchInput in;
+    in.num_tokens = N;
+    in.x = g.upload(x);
+    in.topk_ids = g.upload(r == 1 ? bad : good);
+    in.topk_weights = g.upload(w);
+    res[r] = g.a2a[r]->dispatch(in, g.streams[r]);
+    ys.push_back(g.upload(std::vector<uint16_t>(size_t(N) * H)));
+  }
+  for (int r = 0; r < 2; ++r) g.a2a[r]->combine(g.a2a[r]->combine_buffer(), ys[r], g.streams[r]);
+  // Rank 0 is fine (the call completed everywhere: no hang); rank 1 reports the bad id.
+  EXPECT_NO_THROW(g.a2a[0]->synchronize(g.streams[0]));
+  try {
+    g.a2a[1]->synchronize(g.streams[1]);
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("topk_ids[2][1] = 16"), std::string::npos) << m;
+    EXPECT_NE(m.find("[0, 16)"), std::string::npos) << m;
+  }
+  // Token 2 of rank 1 went nowhere. Rank 1 (experts 8..15) receives rank 0's tokens 0, 2, 3
+  // and rank 1's tokens 0, 3: 5 rows; rank 0 receives tokens 0, 1 of both ranks: 4 rows.
+  int32_t m0 = 0, m1 = 0;
+  EPX_CUDA_CHECK(cudaMemcpy(&m0, res[0].recv_count, 4, cudaMemcpyDeviceToHost));
+  EPX_CUDA_CHECK(cudaMemcpy(&m1, res[1].recv_count, 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(m0, 4);
+  ASSERT_EQ(m1, 5);
+  std::vector<int32_t> src_rank(5), src_idx(5);
+  EPX_CUDA_CHECK(cudaMemcpy(src_rank.data(), res[1].recv_src_rank, 20, cudaMemcpyDeviceToHost));
+  EPX_CUDA_CHECK(cudaMemcpy(src_idx.data(), res[1].recv_src_idx, 20, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(src_rank, (std::vector<int32_t>{0, 0, 0, 1, 1}));
+  EXPECT_EQ(src_idx, (std::vector<int32_t>{0, 2, 3, 0, 3}));
+  // The object refuses further calls.
+  DispatchInput empty;
+  EXPECT_THROW(g.a2a[1]->dispatch(empty, g.streams[1]), StateError);
+}
+
+TEST(LowLatency, RepeatedExpertInTokenIsReported) {
+  REQUIRE_GPU();
+  Group g(small_config(), 1);
+  const int N = 2, K = 4, H = 2048;
+  std::vector<uint16_t> x(size_t(N) * H, 0x3f80);
+  std::vector<float> w(N * K, 0.25f);
+  std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5, 4, -1};
+  DispatchInput in;
+  in.num_tokens = N;
+  in.x = g.upload(x);
+  in.topk_ids = g.upload(ids);
+  in.topk_weights = g.upload(w);
+  g.a2a[0]->dispatch(in, g.streams[0]);
+  try {
+    g.a2a[0]->synchronize(g.streams[0]);
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("topk_ids[1][2] = 4 repeats the expert of slot 0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(LowLatency, MissingRankTimesOutNamingIt) {
+  REQUIRE_GPU();
+  Group g(small_config(), 4);
+  const int N = 3, K = 4, H = 2048;
+  std::vector<uint16_t> x(size_t(N) * H, 0x3f80);
+  std::vector<float> w(N * K, 0.25f);
+  std::vector<int32_t> ids = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14};
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 1; r < 4; ++r) {  // rank 0 never calls dispatch
+    DispatchInput in;
+    in.num_tokens = N;
+    in.x = g.upload(x);
+    in.topk_ids = g.upload(ids);
+    in.topk_weights = g.upload(w);
+    g.a2a[r]->dispatch(in, g.streams[r]);
+  }
+  for (int r = 1; r < 4; ++r) {
+    try {
+      g.a2a[r]->synchronize(g.streams[r]);
+      FAIL() << "rank " << r << ": expected TimeoutError";
+    } catch (const TimeoutError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("for rank 0"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank " + std::to_string(r)), std::string::npos) << m;
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(secs, 0.3 + 2.0);  // within the timeout, plus slack for launch and teardown
+  // The process goes on and the objects refuse further calls.
+  DispatchInput empty;
+  EXPECT_THROW(g.a2a[1]->dispatch(empty, g.streams[1]), StateError);
+}
+
+TEST(LowLatency, HostSideInputErrors) {
+  REQUIRE_GPU();
+  Group g(small_config(), 1);
+  DispatchInput in;
+  in.num_tokens = 9;  // max is 8
+  try {
+    g.a2a[0]->dispatch(in, g.streams[0]);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("num_tokens = 9"), std::string::npos) << e.what();
+  }
+  in.num_tokens = 2;  // null pointers
+  EXPECT_THROW(g.a2a[0]->dispatch(in, g.streams[0]), InputError);
+}
+
+TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {
+  REQUIRE_GPU();
+  EpConfig c = small_config();
+  InProcessWorld world(8);
+  LaunchConfigs lc;
+  lc.dispatch.num_blocks = world.sm_budget(0) + 1;
+  try {
+    make_all2all_group(Backend::kLowLatency, c, world, lc);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("dispatch.num_blocks"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace epx
