@@ -98,6 +98,7 @@ class All2All {
 };
 
 // Bytes of device memory one rank's object needs for `cfg` (the one sizing function).
+size_t buffer_bytes(Backend backend, const EpConfig& cfg);
 size_t low_latency_buffer_bytes(const EpConfig& cfg);
 
 // One object per rank of an in-process world; cfg.rank and cfg.world_size are set per rank.

@@ -1,6 +1,8 @@
 #include <string>
 
+#include "backends/allgather_reducescatter/allgather_reducescatter.hpp"
 #include "backends/low_latency/low_latency.hpp"
+#include "backends/naive/naive.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 
@@ -10,14 +12,24 @@ std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConf
                                                          const InProcessWorld& world,
                                                          LaunchConfigs launch) {
   switch (backend) {
-    case Backend::kLowLatency:
-      return ll::make_in_process_group(cfg, world, launch);
-    case Backend::kNaive:
+    case Backend::kLowLatency: return low_latency::make_group(cfg, world, launch);
+    case Backend::kNaive: return naive::make_group(cfg, world, launch);
     case Backend::kAllgatherReduceScatter:
-      break;
+      return allgather_reducescatter::make_group(cfg, world, launch);
   }
-  EPX_THROW(UnsupportedError, std::string("backend '") + to_string(backend) +
-                                  "' is not part of this build yet; available: low_latency");
+  EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
+                         "allgather_reducescatter, low_latency");
 }
+
+size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
+  switch (backend) {
+    case Backend::kLowLatency: return low_latency::buffer_bytes(cfg);
+    case Backend::kNaive: return naive::buffer_bytes(cfg);
+    case Backend::kAllgatherReduceScatter: return allgather_reducescatter::buffer_bytes(cfg);
+  }
+  return 0;
+}
+
+size_t low_latency_buffer_bytes(const EpConfig& cfg) { return low_latency::buffer_bytes(cfg); }
 
 }  // namespace epx

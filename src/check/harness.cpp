@@ -60,7 +60,7 @@ InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::vector<
     s.in.push_back(ref::make_rank_input(cfg, counts[r], routing, rs ^ 0x5bd1e995ull));
     s.ids64.emplace_back(routing.ids.begin(), routing.ids.end());
   }
-  s.tm = ref::dispatch_token_major(cfg, s.in);
+  s.tm = ref::dispatch_token_major(cfg, s.in, o.backend != Backend::kLowLatency);
   if (cfg.layout == OutputLayout::kTokenMajor) {
     std::vector<std::vector<uint16_t>> partials;
     for (int r = 0; r < W; ++r) partials.push_back(ref::identity_partials(cfg, r, s.tm[r]));

@@ -120,7 +120,8 @@ int checked_token(const std::vector<RankInput>& inputs, const std::vector<int>& 
 // ---- dispatch ------------------------------------------------------------------------------
 
 std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
-                                                 const std::vector<RankInput>& inputs) {
+                                                 const std::vector<RankInput>& inputs,
+                                                 bool every_rank) {
   check_inputs(cfg, inputs);
   const int world = cfg.world_size;
   const int topk = cfg.topk;
@@ -147,7 +148,7 @@ std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
             ++out.expert_counts[ids[k] - r * local];
           }
         }
-        if (!routed_here) continue;  // once per rank however many experts live here
+        if (!routed_here && !every_rank) continue;  // once per rank however many experts live here
         append_row(out.x, wire[s].x, static_cast<size_t>(n), row_bytes);
         if (groups > 0) append_row(out.scales, wire[s].scales, static_cast<size_t>(n), groups);
         out.src_rank.push_back(s);

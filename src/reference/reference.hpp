@@ -99,8 +99,11 @@ struct ExpertMajorRecv {
 };
 
 // inputs[r] is rank r's input; cfg.rank is ignored. Returns one entry per receiving rank.
+// every_rank: every valid token goes to every rank, routed there or not (the all-gather of the
+// naive and allgather_reducescatter backends); rows keep the same order and metadata.
 std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
-                                                 const std::vector<RankInput>& inputs);
+                                                 const std::vector<RankInput>& inputs,
+                                                 bool every_rank = false);
 std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
                                                    const std::vector<RankInput>& inputs);
 

@@ -366,6 +366,31 @@ TEST(HandDispatch, TokenMajor) {
   EXPECT_TRUE(check_token_major(t.cfg, t.inputs, recv));
 }
 
+TEST(HandDispatch, EveryRankDeliversEveryValidToken) {
+  Tiny t;
+  const auto recv = dispatch_token_major(t.cfg, t.inputs, /*every_rank=*/true);
+  ASSERT_EQ(recv.size(), 2u);
+  // Both ranks get all four of rank 0's tokens (t3, routed nowhere, too) and rank 1's one valid
+  // token, in (source, index) order; local expert counts are those of the routed layout.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(recv[r].count, 5) << r;
+    EXPECT_EQ(recv[r].src_rank, (std::vector<int32_t>{0, 0, 0, 0, 1})) << r;
+    EXPECT_EQ(recv[r].src_idx, (std::vector<int32_t>{0, 1, 2, 3, 0})) << r;
+  }
+  EXPECT_EQ(recv[0].expert_counts, (std::vector<int32_t>{2, 2}));
+  EXPECT_EQ(recv[1].expert_counts, (std::vector<int32_t>{2, 1}));
+  // Combine of identity partials gives the same bits as with the routed layout: the extra rows
+  // carry +0 partials.
+  const auto routed = dispatch_token_major(t.cfg, t.inputs);
+  std::vector<std::vector<uint16_t>> pr, pe;
+  for (int r = 0; r < 2; ++r) {
+    pr.push_back(identity_partials(t.cfg, r, routed[r]));
+    pe.push_back(identity_partials(t.cfg, r, recv[r]));
+  }
+  EXPECT_EQ(combine_token_major(t.cfg, t.inputs, routed, pr),
+            combine_token_major(t.cfg, t.inputs, recv, pe));
+}
+
 TEST(HandDispatch, ExpertMajor) {
   Tiny t;
   const auto recv = dispatch_expert_major(t.cfg, t.inputs);

@@ -109,6 +109,43 @@ TEST_P(CheckCase, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, testing::ValuesIn(kCases),
                          [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
+// The baselines on every token-major case: same contract (every token delivered), same bits.
+class BaselineCase : public testing::TestWithParam<std::tuple<Backend, int>> {};
+
+TEST_P(BaselineCase, MatchesReference) {
+  REQUIRE_GPU();
+  const auto [backend, index] = GetParam();
+  auto o = options_for(kCases[index]);
+  o.backend = backend;
+  const auto rep = check::run_check(o);
+  EXPECT_TRUE(rep.ok) << describe(rep);
+  EXPECT_EQ(rep.calls, kCases[index].iters);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Baselines, BaselineCase,
+    testing::Combine(testing::Values(Backend::kNaive, Backend::kAllgatherReduceScatter),
+                     testing::Values(0, 2, 4, 6, 7, 9, 10, 11, 13, 16)),
+    [](const testing::TestParamInfo<std::tuple<Backend, int>>& i) {
+      return std::string(to_string(std::get<0>(i.param))) + "_" + kCases[std::get<1>(i.param)].name;
+    });
+
+TEST(Baselines, GraphReplaysAndMixed) {
+  REQUIRE_GPU();
+  for (Backend b : {Backend::kNaive, Backend::kAllgatherReduceScatter}) {
+    for (bool mixed : {false, true}) {
+      auto o = options_for(kCases[10]);
+      o.backend = b;
+      o.iters = 1;
+      o.graph_replays = 100;
+      o.mixed = mixed;
+      const auto rep = check::run_check(o);
+      EXPECT_TRUE(rep.ok) << to_string(b) << (mixed ? " mixed" : "") << describe(rep);
+      EXPECT_EQ(rep.calls, 101);
+    }
+  }
+}
+
 // The comparison itself can fail: one flipped bit in one rank's output is caught.
 TEST(LowLatency, CorruptedOutputIsDetected) {
   REQUIRE_GPU();
@@ -319,6 +356,14 @@ TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("dispatch.num_blocks"), std::string::npos) << e.what();
   }
+}
+
+TEST(Baselines, ExpertMajorIsAConfigError) {
+  REQUIRE_GPU();
+  EpConfig c = small_config();
+  c.layout = OutputLayout::kExpertMajor;
+  InProcessWorld world(2);
+  EXPECT_THROW(make_all2all_group(Backend::kNaive, c, world), ConfigError);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 #pragma once
-// Byte layout of one rank's low_latency buffer, derived from EpConfig by make_layout() alone.
+// Byte layout of one rank's buffer, derived from EpConfig and the algorithm by make_layout() alone.
 // The first part is symmetric (peers write counts, rows and flags into it and read partials
 // from it); the rest is only touched by the owning rank but lives in the same allocation.
 
@@ -9,7 +9,14 @@
 #include "core/sync_device_types.hpp"
 #include "epx/config.hpp"
 
-namespace epx::ll {
+namespace epx::peer {
+
+// What distinguishes the backends built on these kernels.
+struct Algorithm {
+  Backend backend;
+  bool every_rank;  // dispatch: every valid token to every rank (all-gather), not only routed
+  bool all_reduce;  // combine: all-reduce of all rows, then this rank's slice (naive)
+};
 
 // Device-resident cross-call state of one rank (DESIGN §5.1: epochs advance on the device).
 struct State {
@@ -21,7 +28,7 @@ struct State {
   int32_t dispatch_ticket;
   int32_t combine_ready_ticket;
   int32_t combine_ticket;
-  int32_t pad;
+  int32_t combine_reduced_ticket;
 };
 
 struct Layout {
@@ -29,6 +36,7 @@ struct Layout {
   size_t count_matrix;   // uint64 [2][W][W]: (epoch << 32 | rows) from sender q for dest r
   size_t arrived;        // int32 [2][W]: rows arrived from sender q
   size_t ready;          // int32 [W]: combine epoch whose partials rank q has published
+  size_t ready2;         // int32 [W]: all-reduce: combine epoch whose reduced chunk q published
   size_t recv_x;         // [cap][wire_row_bytes]
   size_t recv_scales;    // f32 [cap][G] or [G][cap] (fp8 wires)
   size_t recv_src_rank;  // int32 [cap]
@@ -36,6 +44,7 @@ struct Layout {
   size_t recv_topk_ids;  // int32 [cap][K]
   size_t recv_topk_w;    // f32 [cap][K]
   size_t partials;       // [cap][H] bf16 (token-major) or f32 (expert-major, folded)
+  size_t reduced;        // all-reduce: bf16 [cap][H], rows of this rank's reduce-scatter chunk
   size_t symmetric_end;
   // local part
   size_t state;            // State
@@ -56,6 +65,6 @@ struct Layout {
   size_t total;
 };
 
-Layout make_layout(const EpConfig& cfg);
+Layout make_layout(const EpConfig& cfg, const Algorithm& algo);
 
-}  // namespace epx::ll
+}  // namespace epx::peer

@@ -1,17 +1,17 @@
 #pragma once
-// Launch parameters of the low_latency kernels and their launchers (host-callable, defined in
+// Launch parameters of the peer-to-peer dispatch/combine kernels and their launchers (host-callable, defined in
 // kernels.cu). One params struct per kernel (STYLE §7); everything trivially copyable.
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "backends/low_latency/layout.hpp"
+#include "backends/common/layout.hpp"
 #include "core/device_status.hpp"
 #include "epx/config.hpp"
 #include "epx/symmetric.hpp"
 
-namespace epx::ll {
+namespace epx::peer {
 
 struct Shape {
   int32_t world;
@@ -26,6 +26,8 @@ struct Shape {
   int32_t expert_major;      // output layout
   int32_t scale_col_major;   // recv scale layout
   int32_t wire_row_bytes;
+  int32_t every_rank;        // dispatch every valid token to every rank
+  int32_t all_reduce;        // combine by all-reduce + slice
 };
 
 struct Waits {
@@ -61,4 +63,4 @@ void launch_dispatch(const DispatchParams& p, DispatchDtype dtype, LaunchConfig 
                      cudaStream_t stream);
 void launch_combine(const CombineParams& p, LaunchConfig lc, cudaStream_t stream);
 
-}  // namespace epx::ll
+}  // namespace epx::peer

@@ -23,11 +23,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "backends/low_latency/kernels.hpp"
+#include "backends/common/kernels.hpp"
 #include "core/cuda_check.hpp"
 #include "core/sync_device.cuh"
 
-namespace epx::ll {
+namespace epx::peer {
 namespace {
 
 using dev::WaitContext;
@@ -253,7 +253,11 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
             mask |= uint64_t(1) << (id / experts_per_rank);
           }
         }
-        if (!ok) mask = 0;  // invalid tokens are sent nowhere
+        if (!ok) {
+          mask = 0;  // invalid tokens are sent nowhere
+        } else if (S.every_rank) {
+          mask = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;  // all-gather
+        }
       }
       const uint32_t lt = dev::lanemask_lt();
       for (int r = 0; r < W; ++r) {
@@ -563,6 +567,72 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y);
   constexpr int kChunkVecs = kWarp * 4;  // 1024 columns per work item
   const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+  if constexpr (sizeof(PartialT) == 2) {
+    if (S.all_reduce) {
+      // All-reduce of every row, then this rank's slice (the naive baseline). Every rank holds
+      // the same M rows in the same order. Reduce-scatter: rank s sums rows [r0, r1) over all
+      // ranks in rank order into its `reduced` area ...
+      const int per = (M + W - 1) / W;
+      const int r0 = min(M, s * per), r1 = min(M, r0 + per);
+      __nv_bfloat16* reduced = at<__nv_bfloat16>(local, L.reduced);
+      for (int item = b * num_warps + warp; item < (r1 - r0) * chunks; item += nb * num_warps) {
+        const int j = r0 + item / chunks, chunk = item % chunks;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int v = chunk * kChunkVecs + u * kWarp + lane;
+          if (v >= vecs) continue;
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          for (int q = 0; q < W; ++q) {
+            float f[8];
+            load8(at<PartialT>(peers[q], L.partials) + size_t(j) * H + v * 8, f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += f[i];
+          }
+          int4 o;
+          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+          *reinterpret_cast<int4*>(reduced + size_t(j) * H + v * 8) = o;
+        }
+      }
+      if (dev::last_block(&state->combine_reduced_ticket)) {
+        for (int d = threadIdx.x; d < W; d += blockDim.x) {
+          dev::fence_acq_rel_sys();
+          dev::st_release_sys(at<int32_t>(peers[d], L.ready2) + s, int32_t(epoch));
+        }
+      }
+      int32_t* ready2 = at<int32_t>(local, L.ready2);
+      for (int q = threadIdx.x; q < W; q += blockDim.x) {
+        const bool ok = dev::bounded_wait(
+            wait, Phase::kCombineReady, q, epoch,
+            [&] { return dev::ld_acquire_sys(ready2 + q) == int32_t(epoch); },
+            [&] { return int64_t(dev::ld_acquire_sys(ready2 + q)); });
+        if (!ok) failed = 1;
+      }
+      __syncthreads();
+      if (failed) return;
+      // ... all-gather: every rank copies all M reduced rows into its own partials area (every
+      // peer has finished reading it: they published ready2 after their reduce-scatter) ...
+      int4* gathered = reinterpret_cast<int4*>(partials);
+      const size_t total = size_t(M) * vecs;
+      for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < total; i += size_t(nb) * blockDim.x) {
+        const int j = int(i / vecs);
+        gathered[i] = reinterpret_cast<const int4*>(at<__nv_bfloat16>(peers[j / per], L.reduced))[i];
+      }
+      if (!dev::grid_barrier(&state->barrier, wait)) return;
+      // ... and takes its own tokens' rows.
+      for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs; i += size_t(nb) * blockDim.x) {
+        const int n = int(i / vecs), v = int(i % vecs);
+        const int row = send_slot[size_t(n) * W + s];
+        reinterpret_cast<int4*>(y)[i] = gathered[size_t(row) * vecs + v];
+      }
+      if (dev::last_block(&state->combine_ticket)) {
+        if (threadIdx.x == 0) state->combine_epoch = epoch;
+      }
+      return;
+    }
+  }
+
   for (int item = b * num_warps + warp; item < N * chunks; item += nb * num_warps) {
     const int n = item / chunks, chunk = item % chunks;
     int slot_lo = -1, slot_hi = -1;
@@ -645,4 +715,4 @@ void launch_combine(const CombineParams& p, LaunchConfig lc, cudaStream_t stream
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
-}  // namespace epx::ll
+}  // namespace epx::peer

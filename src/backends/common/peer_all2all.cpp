@@ -1,0 +1,310 @@
+#include "backends/common/peer_all2all.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backends/common/kernels.hpp"
+#include "backends/common/layout.hpp"
+#include "core/cuda_check.hpp"
+#include "epx/world.hpp"
+
+namespace epx {
+namespace peer {
+
+namespace {
+constexpr size_t kAlign = 256;
+size_t carve(size_t& cursor, size_t bytes) {
+  const size_t off = cursor;
+  cursor = (cursor + bytes + kAlign - 1) / kAlign * kAlign;
+  return off;
+}
+}  // namespace
+
+Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
+  const size_t W = cfg.world_size, K = cfg.topk, H = cfg.hidden, cap = cfg.capacity();
+  const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
+  const size_t row = cfg.wire_row_bytes();
+  const size_t Le = cfg.num_local_experts();
+  const bool em = cfg.layout == OutputLayout::kExpertMajor;
+  Layout L{};
+  size_t c = 0;
+  L.count_matrix = carve(c, 2 * W * W * sizeof(uint64_t));
+  L.arrived = carve(c, 2 * W * sizeof(int32_t));
+  L.ready = carve(c, W * sizeof(int32_t));
+  L.ready2 = carve(c, W * sizeof(int32_t));
+  L.recv_x = carve(c, cap * row);
+  L.recv_scales = carve(c, cap * G * sizeof(float));
+  L.recv_src_rank = carve(c, cap * sizeof(int32_t));
+  L.recv_src_idx = carve(c, cap * sizeof(int32_t));
+  L.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
+  L.recv_topk_w = carve(c, cap * K * sizeof(float));
+  L.partials = carve(c, cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  L.reduced = carve(c, algo.all_reduce ? cap * H * sizeof(uint16_t) : 0);
+  L.symmetric_end = c;
+  L.state = carve(c, sizeof(State));
+  L.status = carve(c, sizeof(DeviceStatus));
+  L.block_counts = carve(c, size_t(kMaxBlocks) * W * sizeof(int32_t));
+  L.send_slot = carve(c, size_t(cfg.max_tokens_per_rank) * W * sizeof(int32_t));
+  L.expert_counts = carve(c, Le * sizeof(int32_t));
+  const size_t em_rows = em ? Le * cap : 0;
+  L.block_expert_counts = carve(c, em ? size_t(kMaxBlocks) * Le * sizeof(int32_t) : 0);
+  L.row_expert_slot = carve(c, em ? cap * K * sizeof(int32_t) : 0);
+  L.expert_x = carve(c, em_rows * row);
+  L.expert_scales = carve(c, em_rows * G * sizeof(float));
+  L.expert_src_rank = carve(c, em_rows * sizeof(int32_t));
+  L.expert_src_idx = carve(c, em_rows * sizeof(int32_t));
+  L.expert_topk_slot = carve(c, em_rows * sizeof(int32_t));
+  L.expert_weight = carve(c, em_rows * sizeof(float));
+  L.expert_out = carve(c, em_rows * H * sizeof(uint16_t));
+  L.total = c;
+  return L;
+}
+
+namespace {
+
+class PeerAll2All final : public All2All {
+ public:
+  PeerAll2All(const EpConfig& cfg, const Algorithm& algo, SymmetricBuffer buf, LaunchConfigs launch)
+      : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch) {
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_status_), sizeof(DeviceStatus), cudaHostAllocMapped));
+    std::memset(host_status_, 0, sizeof(DeviceStatus));
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_status_dev_),
+                                            host_status_, 0));
+  }
+  ~PeerAll2All() override {
+    if (host_status_ != nullptr) (void)cudaFreeHost(host_status_);
+  }
+
+  const EpConfig& config() const override { return cfg_; }
+  Backend backend() const override { return algo_.backend; }
+  size_t symmetric_bytes() const override { return buf_.bytes(); }
+
+  void* combine_buffer() override {
+    return buf_.local() + (cfg_.layout == OutputLayout::kExpertMajor ? layout_.expert_out
+                                                                      : layout_.partials);
+  }
+
+  DispatchResult dispatch(const DispatchInput& in, cudaStream_t stream) override {
+    poll();
+    check_usable();
+    const int N = in.num_tokens;
+    EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
+              "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    if (N > 0) {
+      check_ptr(in.x, "x", 16);
+      check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
+      check_ptr(in.topk_weights, "topk_weights", 4);
+      if (cfg_.input_fp8()) check_ptr(in.x_scales, "x_scales", 4);
+    }
+    DispatchParams p{};
+    p.sym = buf_.device_handle();
+    p.layout = layout_;
+    p.shape = shape();
+    p.waits = waits();
+    p.num_tokens = N;
+    p.x = in.x;
+    p.x_scales = in.x_scales;
+    p.topk_ids = in.topk_ids;
+    p.ids_int64 = in.ids_type == IdType::kInt64;
+    p.topk_weights = in.topk_weights;
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    launch_dispatch(p, cfg_.dtype, launch_.dispatch, stream);
+    return result();
+  }
+
+  void combine(const void* expert_out, void* y, cudaStream_t stream) override {
+    // No poll() here: a bad-input error recorded by this round's dispatch must not keep this
+    // rank out of the round's combine (its peers would wait for it); it surfaces at
+    // synchronize() or the next dispatch.
+    check_usable();
+    check_ptr(expert_out, "expert_out", 16);
+    check_ptr(y, "y", 16);
+    CombineParams p{};
+    p.sym = buf_.device_handle();
+    p.layout = layout_;
+    p.shape = shape();
+    p.waits = waits();
+    p.expert_out = expert_out;
+    p.y = y;
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    launch_combine(p, launch_.combine, stream);
+  }
+
+  void poll() override {
+    check_usable();
+    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
+    if (st->valid == 0) return;
+    failed_ = true;
+    try {
+      raise_recorded();
+    } catch (const Error& e) {
+      first_error_ = e.what();
+      throw;
+    }
+  }
+
+  void raise_recorded() {
+    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
+    const DeviceStatus s{st->code, st->phase, st->rank, st->peer, st->expected,
+                         st->seen, st->token, st->slot, st->valid, 0};
+    const std::string where = fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
+    switch (ErrorCode(s.code)) {
+      case ErrorCode::kTimeout:
+        if (Phase(s.phase) == Phase::kGridBarrier) {
+          EPX_THROW(TimeoutError,
+                    fmt::format("{}: the blocks of this rank's own kernel did not all become "
+                                "resident within {} ms (generation expected {}, seen {}); the "
+                                "launch shape exceeds what the GPU can hold at once",
+                                where, cfg_.timeout_ms, s.expected, s.seen));
+        }
+        EPX_THROW(TimeoutError,
+                  fmt::format("{}: waited {} ms for rank {} (expected {}, saw {}); rank {} did "
+                              "not take part in this call or failed",
+                              where, cfg_.timeout_ms, s.peer, s.expected, s.seen, s.peer));
+      case ErrorCode::kInput:
+        if (s.expected >= 0 && s.expected < cfg_.topk && s.seen >= 0 && s.seen < cfg_.num_experts) {
+          EPX_THROW(InputError,
+                    fmt::format("{}: topk_ids[{}][{}] = {} repeats the expert of slot {}; each "
+                                "token must list distinct experts (the token was not sent)",
+                                where, s.token, s.slot, s.seen, s.expected));
+        }
+        EPX_THROW(InputError,
+                  fmt::format("{}: topk_ids[{}][{}] = {}, expected -1 or an expert id in [0, {}) "
+                              "(the token was not sent)",
+                              where, s.token, s.slot, s.seen, cfg_.num_experts));
+      default:
+        EPX_THROW(PeerError, fmt::format("{}: device error code {} (peer {}, expected {}, saw {})",
+                                         where, s.code, s.peer, s.expected, s.seen));
+    }
+  }
+
+  void synchronize(cudaStream_t stream) override {
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    poll();
+  }
+
+ private:
+  void check_usable() const {
+    if (failed_) {
+      EPX_THROW(StateError, fmt::format("rank {}: this All2All refuses further calls after an "
+                                        "earlier error; recreate it. The error was: {}",
+                                        cfg_.rank, first_error_));
+    }
+  }
+  static void check_ptr(const void* p, const char* name, size_t align) {
+    EPX_CHECK(p != nullptr, InputError, name, "nullptr", "a device pointer");
+    EPX_CHECK(reinterpret_cast<uintptr_t>(p) % align == 0, InputError, name, p,
+              std::to_string(align) + "-byte alignment");
+  }
+  Shape shape() const {
+    return Shape{cfg_.world_size,
+                 cfg_.rank,
+                 cfg_.hidden,
+                 cfg_.num_experts,
+                 cfg_.num_local_experts(),
+                 cfg_.topk,
+                 cfg_.max_tokens_per_rank,
+                 cfg_.capacity(),
+                 cfg_.num_scale_groups(),
+                 cfg_.layout == OutputLayout::kExpertMajor,
+                 cfg_.scale_layout == ScaleLayout::kColumnMajor,
+                 int32_t(cfg_.wire_row_bytes()),
+                 algo_.every_rank,
+                 algo_.all_reduce};
+  }
+  Waits waits() const {
+    return Waits{host_status_dev_, uint64_t(cfg_.timeout_ms) * 1000000ull};
+  }
+  DispatchResult result() const {
+    uint8_t* b = buf_.local();
+    const Layout& L = layout_;
+    DispatchResult r;
+    r.capacity = cfg_.capacity();
+    r.recv_count = reinterpret_cast<const int32_t*>(b + L.state + offsetof(State, recv_count));
+    r.recv_x = b + L.recv_x;
+    r.recv_scales = cfg_.wire_fp8() ? reinterpret_cast<const float*>(b + L.recv_scales) : nullptr;
+    r.recv_src_rank = reinterpret_cast<const int32_t*>(b + L.recv_src_rank);
+    r.recv_src_idx = reinterpret_cast<const int32_t*>(b + L.recv_src_idx);
+    r.recv_topk_ids = reinterpret_cast<const int32_t*>(b + L.recv_topk_ids);
+    r.recv_topk_weights = reinterpret_cast<const float*>(b + L.recv_topk_w);
+    r.expert_counts = reinterpret_cast<const int32_t*>(b + L.expert_counts);
+    if (cfg_.layout == OutputLayout::kExpertMajor) {
+      r.expert_x = b + L.expert_x;
+      r.expert_scales = cfg_.wire_fp8() ? reinterpret_cast<const float*>(b + L.expert_scales) : nullptr;
+      r.expert_src_rank = reinterpret_cast<const int32_t*>(b + L.expert_src_rank);
+      r.expert_src_idx = reinterpret_cast<const int32_t*>(b + L.expert_src_idx);
+      r.expert_topk_slot = reinterpret_cast<const int32_t*>(b + L.expert_topk_slot);
+      r.expert_weight = reinterpret_cast<const float*>(b + L.expert_weight);
+    }
+    return r;
+  }
+
+  EpConfig cfg_;
+  Algorithm algo_;
+  Layout layout_;
+  SymmetricBuffer buf_;
+  LaunchConfigs launch_;
+  DeviceStatus* host_status_ = nullptr;
+  DeviceStatus* host_status_dev_ = nullptr;
+  bool failed_ = false;
+  std::string first_error_;
+};
+
+LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int world_size) {
+  if (lc.warps_per_block == 0) lc.warps_per_block = 8;
+  if (lc.num_blocks == 0) lc.num_blocks = std::min(budget, 32);
+  EPX_CHECK(lc.num_blocks >= 1 && lc.num_blocks <= budget, ConfigError,
+            fmt::format("{}.num_blocks (rank {})", op, rank), lc.num_blocks,
+            fmt::format("1..{}: the SM budget of one rank when {} ranks share the GPU (more "
+                        "blocks could not all be resident and the ranks would wait forever)",
+                        budget, world_size));
+  EPX_CHECK(lc.warps_per_block >= 1 && lc.warps_per_block <= kMaxWarpsPerBlock, ConfigError,
+            fmt::format("{}.warps_per_block", op), lc.warps_per_block,
+            "1.." + std::to_string(kMaxWarpsPerBlock));
+  return lc;
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
+                                                            const InProcessWorld& world,
+                                                            const LaunchConfigs& launch,
+                                                            const Algorithm& algo) {
+  EpConfig cfg = base;
+  cfg.world_size = world.size();
+  cfg.rank = 0;
+  cfg.validate();
+  // Expert-major expansion keeps one counter per local expert in shared memory.
+  EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= 12 * 1024,
+            ConfigError, "num_experts / world_size", cfg.num_local_experts(),
+            "at most 12288 for the expert-major layout");
+  // The baselines deliver every token of every rank in the token-major layout only.
+  EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
+            ConfigError, "layout", to_string(cfg.layout),
+            std::string("token (backend ") + to_string(algo.backend) +
+                " has no expert-major output; use low_latency)");
+  const Layout L = make_layout(cfg, algo);
+  for (int r = 0; r < world.size(); ++r) preload_kernels(world.device_of(r));
+  auto bufs = SymmetricBuffer::create_in_process(world, L.total);
+  std::vector<std::unique_ptr<All2All>> out;
+  for (int r = 0; r < world.size(); ++r) {
+    EpConfig rc = cfg;
+    rc.rank = r;
+    const int budget = world.sm_budget(r);
+    LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", r, world.size()),
+                     resolve(launch.combine, budget, "combine", r, world.size())};
+    out.push_back(std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc));
+  }
+  return out;
+}
+
+size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {
+  return make_layout(cfg, algo).total;
+}
+
+}  // namespace peer
+}  // namespace epx

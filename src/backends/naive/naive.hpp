@@ -1,0 +1,14 @@
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "epx/all2all.hpp"
+
+namespace epx {
+class InProcessWorld;
+namespace naive {
+std::vector<std::unique_ptr<All2All>> make_group(const EpConfig& cfg, const InProcessWorld& world,
+                                                 const LaunchConfigs& launch);
+size_t buffer_bytes(const EpConfig& cfg);
+}  // namespace naive
+}  // namespace epx
