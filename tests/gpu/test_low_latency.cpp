@@ -191,9 +191,10 @@ struct Group {
   std::vector<cudaStream_t> streams;
   std::vector<void*> bufs;
 
-  Group(EpConfig c, int world_size) : cfg(c), world(world_size) {
+  Group(EpConfig c, int world_size, Backend backend = Backend::kLowLatency)
+      : cfg(c), world(world_size) {
     cfg.world_size = world_size;
-    a2a = make_all2all_group(Backend::kLowLatency, cfg, world);
+    a2a = make_all2all_group(backend, cfg, world);
     streams.resize(world_size);
     for (auto& s : streams) EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   }
@@ -225,16 +226,20 @@ EpConfig small_config() {
   return c;
 }
 
-TEST(LowLatency, InvalidExpertIdIsReportedAndTokenNotSent) {
+class InvalidIds : public testing::TestWithParam<Backend> {};
+
+TEST_P(InvalidIds, AreReportedAndTheTokenIsNotSent) {
   REQUIRE_GPU();
-  Group g(small_config(), 2);
+  const Backend backend = GetParam();
+  EpConfig cfg = small_config();
+  Group g(cfg, 2, backend);
   const int N = 4, K = 4, H = 2048;
   std::vector<uint16_t> x(size_t(N) * H, 0x3f80);  // 1.0
   std::vector<float> w(N * K, 0.25f);
   std::vector<int32_t> good = {0, 5, 9, 13, 1, 2, 3, 4, -1, -1, 8, -1, 15, 14, 13, 12};
   std::vector<int32_t> bad = good;
   bad[2 * K + 1] = 16;  // token 2, slot 1: outside [-1, 16)
-  std::vector<void*> ys;
+  std::vector<uint16_t*> ys;
   std::vector<DispatchResult> res(2);
   for (int r = 0; r < 2; ++r) {
     DispatchInput in;
@@ -243,10 +248,10 @@ TEST(LowLatency, InvalidExpertIdIsReportedAndTokenNotSent) {
     in.topk_ids = g.upload(r == 1 ? bad : good);
     in.topk_weights = g.upload(w);
     res[r] = g.a2a[r]->dispatch(in, g.streams[r]);
-    ys.push_back(g.upload(std::vector<uint16_t>(size_t(N) * H)));
+    ys.push_back(g.upload(std::vector<uint16_t>(size_t(N) * H, 0x7fff)));
   }
   for (int r = 0; r < 2; ++r) g.a2a[r]->combine(g.a2a[r]->combine_buffer(), ys[r], g.streams[r]);
-  // Rank 0 is fine (the call completed everywhere: no hang); rank 1 reports the bad id.
+  // Rank 0 is fine (the round completed everywhere: no hang); rank 1 reports the bad id.
   EXPECT_NO_THROW(g.a2a[0]->synchronize(g.streams[0]));
   try {
     g.a2a[1]->synchronize(g.streams[1]);
@@ -256,22 +261,36 @@ TEST(LowLatency, InvalidExpertIdIsReportedAndTokenNotSent) {
     EXPECT_NE(m.find("topk_ids[2][1] = 16"), std::string::npos) << m;
     EXPECT_NE(m.find("[0, 16)"), std::string::npos) << m;
   }
-  // Token 2 of rank 1 went nowhere. Rank 1 (experts 8..15) receives rank 0's tokens 0, 2, 3
-  // and rank 1's tokens 0, 3: 5 rows; rank 0 receives tokens 0, 1 of both ranks: 4 rows.
+  // Token 2 of rank 1 went nowhere. low_latency: rank 1 (experts 8..15) receives rank 0's
+  // tokens 0, 2, 3 and rank 1's tokens 0, 3; rank 0 receives tokens 0, 1 of both ranks. The
+  // baselines deliver every valid token everywhere: 4 + 3 rows on each rank.
+  const bool every = backend != Backend::kLowLatency;
   int32_t m0 = 0, m1 = 0;
   EPX_CUDA_CHECK(cudaMemcpy(&m0, res[0].recv_count, 4, cudaMemcpyDeviceToHost));
   EPX_CUDA_CHECK(cudaMemcpy(&m1, res[1].recv_count, 4, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(m0, 4);
-  ASSERT_EQ(m1, 5);
-  std::vector<int32_t> src_rank(5), src_idx(5);
-  EPX_CUDA_CHECK(cudaMemcpy(src_rank.data(), res[1].recv_src_rank, 20, cudaMemcpyDeviceToHost));
-  EPX_CUDA_CHECK(cudaMemcpy(src_idx.data(), res[1].recv_src_idx, 20, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(src_rank, (std::vector<int32_t>{0, 0, 0, 1, 1}));
-  EXPECT_EQ(src_idx, (std::vector<int32_t>{0, 2, 3, 0, 3}));
+  EXPECT_EQ(m0, every ? 7 : 4);
+  ASSERT_EQ(m1, every ? 7 : 5);
+  std::vector<int32_t> src_rank(m1), src_idx(m1);
+  EPX_CUDA_CHECK(cudaMemcpy(src_rank.data(), res[1].recv_src_rank, 4 * m1, cudaMemcpyDeviceToHost));
+  EPX_CUDA_CHECK(cudaMemcpy(src_idx.data(), res[1].recv_src_idx, 4 * m1, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(src_rank, every ? (std::vector<int32_t>{0, 0, 0, 0, 1, 1, 1})
+                            : (std::vector<int32_t>{0, 0, 0, 1, 1}));
+  EXPECT_EQ(src_idx, every ? (std::vector<int32_t>{0, 1, 2, 3, 0, 1, 3})
+                           : (std::vector<int32_t>{0, 2, 3, 0, 3}));
+  // The invalid token's output row is written, as zeros.
+  std::vector<uint16_t> y(size_t(N) * H);
+  EPX_CUDA_CHECK(cudaMemcpy(y.data(), ys[1], y.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(y[2 * H], 0);
+  EXPECT_EQ(y[3 * H - 1], 0);
   // The object refuses further calls.
   DispatchInput empty;
   EXPECT_THROW(g.a2a[1]->dispatch(empty, g.streams[1]), StateError);
 }
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, InvalidIds,
+                         testing::Values(Backend::kLowLatency, Backend::kNaive,
+                                         Backend::kAllgatherReduceScatter),
+                         [](const testing::TestParamInfo<Backend>& i) { return std::string(to_string(i.param)); });
 
 TEST(LowLatency, RepeatedExpertInTokenIsReported) {
   REQUIRE_GPU();

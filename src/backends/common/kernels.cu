@@ -623,8 +623,8 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
       // ... and takes its own tokens' rows.
       for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs; i += size_t(nb) * blockDim.x) {
         const int n = int(i / vecs), v = int(i % vecs);
-        const int row = send_slot[size_t(n) * W + s];
-        reinterpret_cast<int4*>(y)[i] = gathered[size_t(row) * vecs + v];
+        const int row = send_slot[size_t(n) * W + s];  // -1: an invalid token, sent nowhere
+        reinterpret_cast<int4*>(y)[i] = row >= 0 ? gathered[size_t(row) * vecs + v] : make_int4(0, 0, 0, 0);
       }
       if (dev::last_block(&state->combine_ticket)) {
         if (threadIdx.x == 0) state->combine_epoch = epoch;
