@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <future>
 #include <memory>
 #include <sstream>
 
@@ -49,26 +50,36 @@ struct InputSet {
   std::vector<std::vector<uint16_t>> y;
 };
 
+// Runs f(r) for every rank on its own thread (the reference is the slow part of a check).
+template <typename F>
+void for_each_rank(int W, F f) {
+  std::vector<std::future<void>> jobs;
+  for (int r = 0; r < W; ++r) jobs.push_back(std::async(std::launch::async, f, r));
+  for (auto& j : jobs) j.get();
+}
+
 InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::vector<int>& counts,
                   uint64_t seed) {
   InputSet s;
   const int W = cfg.world_size;
-  for (int r = 0; r < W; ++r) {
+  s.in.resize(W);
+  s.ids64.resize(W);
+  for_each_rank(W, [&](int r) {
     const uint64_t rs = seed * 7919 + uint64_t(r) * 104729 + 17;
     const auto routing = ref::make_routing(o.routing, counts[r], cfg.num_experts, cfg.topk, rs,
                                            int(seed % uint64_t(cfg.num_experts)));
-    s.in.push_back(ref::make_rank_input(cfg, counts[r], routing, rs ^ 0x5bd1e995ull));
-    s.ids64.emplace_back(routing.ids.begin(), routing.ids.end());
-  }
+    s.in[r] = ref::make_rank_input(cfg, counts[r], routing, rs ^ 0x5bd1e995ull);
+    s.ids64[r].assign(routing.ids.begin(), routing.ids.end());
+  });
   s.tm = ref::dispatch_token_major(cfg, s.in, o.backend != Backend::kLowLatency);
   if (cfg.layout == OutputLayout::kTokenMajor) {
-    std::vector<std::vector<uint16_t>> partials;
-    for (int r = 0; r < W; ++r) partials.push_back(ref::identity_partials(cfg, r, s.tm[r]));
+    std::vector<std::vector<uint16_t>> partials(W);
+    for_each_rank(W, [&](int r) { partials[r] = ref::identity_partials(cfg, r, s.tm[r]); });
     s.y = ref::combine_token_major(cfg, s.in, s.tm, partials);
   } else {
     s.em = ref::dispatch_expert_major(cfg, s.in);
-    std::vector<std::vector<std::vector<uint16_t>>> outs;
-    for (int r = 0; r < W; ++r) outs.push_back(ref::identity_expert_outputs(cfg, s.em[r]));
+    std::vector<std::vector<std::vector<uint16_t>>> outs(W);
+    for_each_rank(W, [&](int r) { outs[r] = ref::identity_expert_outputs(cfg, s.em[r]); });
     s.y = ref::combine_expert_major(cfg, s.in, s.em, outs);
   }
   return s;
@@ -220,7 +231,13 @@ CheckReport run_check(const CheckOptions& o) {
   };
   const int pool = std::max(1, std::min(o.pool, o.graph_replays + o.iters));
   std::vector<InputSet> sets;
-  for (int i = 0; i < pool; ++i) sets.push_back(make_set(o, cfg, counts, o.seed + 1000003ull * i));
+  {
+    std::vector<std::future<InputSet>> jobs;
+    for (int i = 0; i < pool; ++i)
+      jobs.push_back(std::async(std::launch::async, make_set, std::cref(o), std::cref(cfg),
+                                std::cref(counts), o.seed + 1000003ull * i));
+    for (auto& j : jobs) sets.push_back(j.get());
+  }
   say(fmt::format("reference ready: {} input set(s), tokens per rank {}", pool,
                   fmt::join(counts, ",")));
 
