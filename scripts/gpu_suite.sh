@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds (unless a build with the binaries is already there) and runs the GPU suite plus the
 # `epx check` runs of the DeepSeek-R1 shape, on a machine with an NVIDIA GPU. Ends with one
-# "gpu-total: N passed, N failed" line. Logs go to $OUT when set, else to build/gpu-logs.
+# "gpu-total: N passed, N failed" line. Logs go to build/gpu-logs, and as one archive
+# (gpu-logs.tar.gz) to $OUT when that is set.
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 quick=${2:-}
-logs=${OUT:-$build/gpu-logs}
+logs=$build/gpu-logs
 mkdir -p "$logs"
 if [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; then
   scripts/setup.sh "$build" || exit 1
@@ -44,5 +45,6 @@ run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
+[ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -6,4 +6,6 @@ namespace epx::cli {
 void add_check(CLI::App& app, int& exit_code);
 void add_selftest(CLI::App& app, int& exit_code);
 void add_sizes(CLI::App& app, int& exit_code);
+void add_bench(CLI::App& app, int& exit_code);
+void add_tune(CLI::App& app, int& exit_code);
 }  // namespace epx::cli
