@@ -1,0 +1,228 @@
+#pragma once
+// Shared by `epx bench` and `epx tune`: flag validation, the byte volumes of DESIGN §8 (no
+// CUDA), and, in CUDA builds, the timing method of DESIGN §8.
+//
+// Timing method: a main stream forks to one non-blocking stream per rank (event recorded on the
+// main stream, every rank stream waits on it), each rank's op is enqueued on its own stream, and
+// the main stream joins them again (an event per rank stream, the main stream waits on all).
+// Graph mode captures that fork/join once per op (all ranks' dispatches in one graph, all ranks'
+// combines in another) and replays it; eager mode enqueues the same pattern every round. Per
+// round, on the main stream: event a, dispatch, event b, combine, event c; dispatch time = b - a,
+// combine time = c - b. Rounds are enqueued back to back and the host synchronises once at the
+// end, so the host stays ahead of the GPU in graph mode; eager figures include the host's
+// launch cost of W ranks' calls, which is what eager mode costs an engine.
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/config.hpp"
+#include "reference/reference.hpp"
+
+#if EPX_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include <functional>
+
+#include "epx/all2all.hpp"
+#endif
+
+namespace epx {
+class InProcessWorld;
+}
+
+namespace epx::cli {
+
+// ---- flags (no CUDA) ---------------------------------------------------------------------------
+
+// Shape flags common to bench and tune; defaults are the DeepSeek-R1 shape on 8 ranks.
+struct ShapeFlagValues {
+  int world = 8;
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  std::string tokens = "128,4096";
+  std::string dtype = "bf16-to-fp8";
+  std::string layout = "token";
+  std::string routing = "uniform";
+  uint64_t seed = 1;
+};
+void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f);
+
+// The validated shape. cfg.max_tokens_per_rank is set per measured token count by the caller
+// (one group per token count); cfg.timeout_ms already honours EPX_TIMEOUT_MS.
+struct BenchShape {
+  EpConfig cfg;
+  std::vector<int> tokens;  // tokens per rank, each measured separately, in the order given
+  ref::RoutingKind routing = ref::RoutingKind::kUniform;
+  std::string routing_name;
+  uint64_t seed = 1;
+};
+// Throws ConfigError naming the flag, the value and the bound.
+BenchShape validate_shape(const ShapeFlagValues& f);
+
+// "a,b,c" -> items (empty items are errors naming `flag`).
+std::vector<std::string> split_list(const std::string& text, const char* flag);
+// Comma list of integers, each in [lo, hi], no repeats; throws ConfigError naming `flag`.
+std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi);
+// Throws ConfigError "<flag> = <value>, expected <bound>" unless lo <= value <= hi.
+void check_range(const char* flag, int64_t value, int64_t lo, int64_t hi, const std::string& why = "");
+// Same routing names as `epx check`.
+ref::RoutingKind parse_routing_flag(const std::string& name);
+Backend parse_backend_flag(const std::string& name, const char* flag);
+
+// Launch configs from EPX_CONFIG_PATH (or all zero = backend defaults) and where they came from.
+struct LaunchSource {
+  LaunchConfigs launch;
+  std::string origin;  // "EPX_CONFIG_PATH=<path>" or "backend defaults"
+};
+LaunchSource launch_from_env();
+
+// ---- figures (no CUDA) -------------------------------------------------------------------------
+
+// Bytes of token payload of one op over all ranks (DESIGN §8), from the host routing:
+//  crossing  : rows that go between distinct ranks after per-rank dedup;
+//  algorithm : the same rows plus those a rank sends to itself;
+//  floor     : fewest bytes the op moves through HBM on one GPU (each input row read once, each
+//              output row written once). The low_latency dedup volume, used for every backend.
+struct OpBytes {
+  int64_t crossing = 0;
+  int64_t algorithm = 0;
+  int64_t floor = 0;
+};
+struct Volumes {
+  int64_t tokens = 0;         // over all ranks
+  int64_t rows_crossing = 0;  // (token, destination rank != source) pairs
+  int64_t rows_self = 0;      // (token, its own rank) pairs
+  int64_t wire_row_bytes = 0;  // dispatched row: payload + fp8 scales
+  OpBytes dispatch;
+  OpBytes combine;
+};
+Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings);
+
+struct Stats {
+  int samples = 0;
+  double median_us = 0;
+  double p90_us = 0;  // nearest-rank 90th percentile
+  double min_us = 0;
+  double mean_us = 0;
+};
+Stats summarize(std::vector<double> us);
+
+// GB/s (1e9 bytes per second) of `bytes` moved in `us` microseconds, divided by `ranks`.
+double gbps(int64_t bytes, double us, int ranks = 1);
+
+// Compile-time `git describe --always --dirty` of the source tree ("unknown" without git).
+const char* git_commit();
+std::string host_name();
+std::string utc_timestamp();
+
+// Progress line on stdout, flushed at once (long runs).
+void progress(const std::string& line);
+
+// ---- GPU side ----------------------------------------------------------------------------------
+#if EPX_HAVE_CUDA
+
+// Throws UnsupportedError "<what> needs an NVIDIA GPU ..." when no GPU is visible.
+void require_gpu_for(const char* what);
+
+struct GpuInfo {
+  std::string name;
+  int sm_count = 0;
+  int gpu_count = 0;
+  int runtime_version = 0;
+  int driver_version = 0;
+};
+GpuInfo gpu_info(int device);
+
+// Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte
+// read and written (2 x bytes per copy).
+struct CopyBandwidth {
+  size_t bytes = 0;
+  int repeats = 0;
+  double median_us = 0;
+  double gbps = 0;
+};
+CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats);
+
+// Random inputs of every rank for one token count, on the device, uploaded once; y is the
+// combine output. Only the routing stays on the host (for the byte volumes).
+class DeviceInputs {
+ public:
+  DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
+               ref::RoutingKind routing, uint64_t seed);
+  ~DeviceInputs();
+  DeviceInputs(const DeviceInputs&) = delete;
+  DeviceInputs& operator=(const DeviceInputs&) = delete;
+
+  int tokens() const { return tokens_; }
+  DispatchInput input(int rank) const;
+  void* y(int rank) const { return ranks_[rank].y; }
+  const std::vector<ref::Routing>& routings() const { return routings_; }
+
+ private:
+  void release() noexcept;
+  struct Rank {
+    void* x = nullptr;          // [T, H] bf16 or fp8
+    float* scales = nullptr;    // [T, H/128] (fp8 input only)
+    int32_t* ids = nullptr;     // [T, K]
+    float* weights = nullptr;   // [T, K]
+    void* y = nullptr;          // [T, H] bf16
+  };
+  int tokens_ = 0;
+  bool fp8_input_ = false;
+  std::vector<Rank> ranks_;
+  std::vector<ref::Routing> routings_;
+};
+
+// The main stream, one non-blocking stream per rank, and the fork/join events between them.
+class ForkJoin {
+ public:
+  explicit ForkJoin(const InProcessWorld& world);
+  ~ForkJoin();
+  ForkJoin(const ForkJoin&) = delete;
+  ForkJoin& operator=(const ForkJoin&) = delete;
+
+  cudaStream_t main() const { return main_; }
+  int main_device() const { return main_device_; }
+  cudaStream_t rank(int r) const { return streams_[r]; }
+  int size() const { return int(streams_.size()); }
+  // Enqueues on the main stream: fork -> op(r, stream_r) on every rank -> join. No allocation
+  // or synchronous CUDA call happens between the first and the last rank's op.
+  void run(const std::function<void(int, cudaStream_t)>& op);
+  // Waits for every stream, ignoring errors (used after a failure, before freeing memory).
+  void drain() noexcept;
+
+ private:
+  void release() noexcept;
+  int main_device_ = 0;
+  cudaStream_t main_ = nullptr;
+  cudaEvent_t fork_ = nullptr;
+  std::vector<int> devices_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<cudaEvent_t> joins_;
+};
+
+enum class TimingMode { kGraph, kEager };
+const char* to_string(TimingMode m);
+
+struct RoundSamples {
+  std::vector<double> dispatch_us;
+  std::vector<double> combine_us;
+};
+
+using Group = std::vector<std::unique_ptr<All2All>>;
+
+// `warmup` untimed then `iters` timed dispatch+combine rounds of every rank, with the method
+// described at the top of this file. The expert stage is skipped: combine reads whatever its
+// buffer holds. Throws what the backend throws (the group is then unusable); the streams are
+// drained before the exception leaves.
+RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
+                         int warmup, int iters);
+
+#endif  // EPX_HAVE_CUDA
+
+}  // namespace epx::cli
