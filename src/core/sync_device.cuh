@@ -105,6 +105,8 @@ __device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
     if (pred()) return true;
+    // Back off a little: spinning ranks share the memory system with the ranks still working.
+    if (iter > 16) __nanosleep(64);
     if ((iter & 255u) == 0) {
       if (aborted(ctx)) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {

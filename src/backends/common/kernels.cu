@@ -478,12 +478,6 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
   bf16x8_to_float(*reinterpret_cast<const int4*>(p), f);
 }
-__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 c = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-  f[4] = c.x; f[5] = c.y; f[6] = c.z; f[7] = c.w;
-}
 
 template <typename PartialT>
 __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
@@ -633,6 +627,11 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
     }
   }
 
+  // One warp per (token, 1024-column chunk); each lane owns one 8-element vector at a time and
+  // issues the loads of up to kBatch ranks before it adds any of them (the adds stay in rank
+  // order), so several remote reads are in flight per lane instead of one.
+  constexpr int kVecInts = sizeof(PartialT) / 2;  // int4 per 8 elements: bf16 1, f32 2
+  constexpr int kBatch = 8 / kVecInts;
   for (int item = b * num_warps + warp; item < N * chunks; item += nb * num_warps) {
     const int n = item / chunks, chunk = item % chunks;
     int slot_lo = -1, slot_hi = -1;
@@ -640,21 +639,46 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
     if (lane + 32 < W) slot_hi = send_slot[size_t(n) * W + lane + 32];
     const uint64_t rmask = uint64_t(__ballot_sync(0xffffffffu, slot_lo >= 0)) |
                            (uint64_t(__ballot_sync(0xffffffffu, slot_hi >= 0)) << 32);
-#pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int v = chunk * kChunkVecs + u * kWarp + lane;
+      const bool active = v < vecs;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (uint64_t m = rmask; m; m &= m - 1) {
-        const int r = __ffsll(static_cast<long long>(m)) - 1;
-        const int slot = __shfl_sync(0xffffffffu, r < 32 ? slot_lo : slot_hi, r & 31);
-        if (v < vecs) {
-          float f[8];
-          load8(at<PartialT>(peers[r], L.partials) + size_t(slot) * H + v * 8, f);
+      uint64_t m = rmask;  // warp-uniform
+      while (m != 0) {
+        int4 raw[kBatch][kVecInts] = {};
+        int got = 0;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += f[i];
+        for (int i = 0; i < kBatch; ++i) {
+          if (m != 0) {
+            const int r = __ffsll(static_cast<long long>(m)) - 1;
+            m &= m - 1;
+            const int slot = __shfl_sync(0xffffffffu, r < 32 ? slot_lo : slot_hi, r & 31);
+            if (active) {
+              const int4* src = reinterpret_cast<const int4*>(
+                  at<PartialT>(peers[r], L.partials) + size_t(slot) * H + v * 8);
+#pragma unroll
+              for (int t = 0; t < kVecInts; ++t) raw[i][t] = src[t];
+            }
+            got = i + 1;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (i < got) {
+            float f[8];
+            if constexpr (kVecInts == 1) {
+              bf16x8_to_float(raw[i][0], f);
+            } else {
+              const float* pf = reinterpret_cast<const float*>(&raw[i][0]);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) f[e] = pf[e];
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += f[e];
+          }
         }
       }
-      if (v < vecs) {
+      if (active) {
         int4 o;
         __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll

@@ -254,8 +254,9 @@ class PeerAll2All final : public All2All {
   std::string first_error_;
 };
 
-LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int world_size) {
-  if (lc.warps_per_block == 0) lc.warps_per_block = 8;
+LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int world_size,
+                     int default_warps) {
+  if (lc.warps_per_block == 0) lc.warps_per_block = default_warps;
   if (lc.num_blocks == 0) lc.num_blocks = std::min(budget, 32);
   EPX_CHECK(lc.num_blocks >= 1 && lc.num_blocks <= budget, ConfigError,
             fmt::format("{}.num_blocks (rank {})", op, rank), lc.num_blocks,
@@ -295,8 +296,10 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
     EpConfig rc = cfg;
     rc.rank = r;
     const int budget = world.sm_budget(r);
-    LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", r, world.size()),
-                     resolve(launch.combine, budget, "combine", r, world.size())};
+    // Defaults measured on an H200 with 8 ranks sharing it (docs/perf-notes.md): combine is
+    // bound by the latency of remote reads and gains from more warps in flight.
+    LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", r, world.size(), 8),
+                     resolve(launch.combine, budget, "combine", r, world.size(), 16)};
     out.push_back(std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc));
   }
   return out;
