@@ -1,9 +1,10 @@
 // low_latency dispatch and combine kernels.
 //
 // Dispatch, on every rank s, one kernel:
-//   1. route:   warp 0 of each block walks the block's tokens in order; for each destination
-//               rank r it gives the token its position among the block's tokens sent to r
-//               (ballots), so rows end up ordered by (source rank, source index).
+//   1. route:   warp 0 of each block walks the block's tokens in order, several tokens per
+//               step (one lane per top-k entry); for each destination rank r it gives the token
+//               its position among the block's tokens sent to r (ballots), so rows end up
+//               ordered by (source rank, source index).
 //   2. counts:  block 0 posts s's per-destination row counts into every rank's count matrix;
 //               every block then waits for the full W x W matrix (this exchange is also the
 //               barrier that makes it safe to overwrite the peers' receive areas).
@@ -226,45 +227,51 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
   const int t0 = min(N, b * per_block), t1 = min(N, t0 + per_block);
   const int experts_per_rank = S.num_local;
   if (warp == 0) {
+    // Lanes in groups of G >= K: group g handles token c + g, lane k of the group its k-th id,
+    // so a token's ids arrive in one load and are checked with warp intrinsics.
+    int G = 1;
+    while (G < K) G <<= 1;
+    const int per_step = kWarp / G, sub = lane / G, k = lane % G;
+    const uint32_t lt = dev::lanemask_lt();
+    const uint64_t all_ranks = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
     int cnt_lo = 0, cnt_hi = 0;  // lane l holds the block's count for ranks l and l + 32
-    for (int c = t0; c < t1; c += kWarp) {
-      const int n = c + lane;
-      const bool valid = n < t1;
-      uint64_t mask = 0;
-      if (valid) {
-        bool ok = true;
-        for (int k = 0; k < K && ok; ++k) {
-          const int64_t id = p.ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[size_t(n) * K + k]
-                                         : static_cast<const int32_t*>(p.topk_ids)[size_t(n) * K + k];
-          if (id < -1 || id >= S.num_experts) {
-            dev::record_error(wait, 2 /* kInput */, Phase::kDispatchRoute, -1, S.num_experts, id, n, k);
-            ok = false;
-          } else if (id >= 0) {
-            for (int k2 = 0; k2 < k; ++k2) {
-              const int64_t id2 = p.ids_int64
-                                      ? static_cast<const int64_t*>(p.topk_ids)[size_t(n) * K + k2]
-                                      : static_cast<const int32_t*>(p.topk_ids)[size_t(n) * K + k2];
-              if (id2 == id) {
-                // expected = the earlier slot holding the same expert
-                dev::record_error(wait, 2, Phase::kDispatchRoute, -1, k2, id, n, k);
-                ok = false;
-              }
-            }
-            mask |= uint64_t(1) << (id / experts_per_rank);
-          }
-        }
-        if (!ok) {
-          mask = 0;  // invalid tokens are sent nowhere
-        } else if (S.every_rank) {
-          mask = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;  // all-gather
-        }
+    for (int c = t0; c < t1; c += per_step) {
+      const int n = c + sub;
+      const bool tok = n < t1;
+      const bool has = tok && k < K;
+      int64_t id = -1;
+      if (has) {
+        id = p.ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[size_t(n) * K + k]
+                         : static_cast<const int32_t*>(p.topk_ids)[size_t(n) * K + k];
       }
-      const uint32_t lt = dev::lanemask_lt();
+      int bad = 0;
+      if (has && (id < -1 || id >= S.num_experts)) {
+        dev::record_error(wait, 2 /* kInput */, Phase::kDispatchRoute, -1, S.num_experts, id, n, k);
+        bad = 1;
+      }
+      const bool expert = has && id >= 0 && !bad;
+      // A repeated expert: a lower lane of the same group holds the same id.
+      const unsigned long long key = expert ? (uint64_t(uint32_t(sub)) << 32) | uint32_t(id)
+                                            : (uint64_t(0xffffffffu) << 32) | uint32_t(lane);
+      const uint32_t same = __match_any_sync(0xffffffffu, key);
+      if (expert && (same & lt) != 0) {
+        // expected = the earlier slot holding the same expert
+        dev::record_error(wait, 2, Phase::kDispatchRoute, -1, (__ffs(same) - 1) - sub * G, id, n, k);
+        bad = 1;
+      }
+      uint64_t bits = expert && !bad ? uint64_t(1) << (id / experts_per_rank) : 0;
+      for (int off = G / 2; off >= 1; off >>= 1) {
+        bits |= __shfl_xor_sync(0xffffffffu, bits, off);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+      }
+      // The group's first lane carries the token; invalid tokens are sent nowhere.
+      const bool leader = tok && k == 0;
+      const uint64_t mask = leader && !bad ? (S.every_rank ? all_ranks : bits) : 0;
       for (int r = 0; r < W; ++r) {
         const bool bit = (mask >> r) & 1;
         const uint32_t bal = __ballot_sync(0xffffffffu, bit);
         const int before = __shfl_sync(0xffffffffu, r < 32 ? cnt_lo : cnt_hi, r & 31);
-        if (valid) send_slot[size_t(n) * W + r] = bit ? before + __popc(bal & lt) : -1;
+        if (leader) send_slot[size_t(n) * W + r] = bit ? before + __popc(bal & lt) : -1;
         if (lane == (r & 31)) (r < 32 ? cnt_lo : cnt_hi) += __popc(bal);
       }
     }
@@ -274,40 +281,51 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
   if (!dev::grid_barrier(&state->barrier, wait)) return;
 
   // 2. counts: post this rank's row count per destination to every rank, then read the matrix.
+  // Sums use one load per thread and shared atomics (no serial chains of global loads).
+  __shared__ int32_t total[kMaxRanks];  // rows this rank sends to r
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    total[r] = 0;
+    base[r] = 0;
+  }
+  if (threadIdx.x == 0) recv_total = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * W; i += blockDim.x) {
+    const int32_t v = block_counts[i];
+    const int bb = i / W, r = i % W;
+    if (b == 0) atomicAdd(&total[r], v);
+    if (bb < b) atomicAdd(&base[r], v);
+  }
+  __syncthreads();
   uint64_t* matrix = at<uint64_t>(local, L.count_matrix) + size_t(par) * W * W;  // [q][r]
   if (b == 0) {
     for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
       const int d = i / W, r = i % W;
-      int32_t total = 0;
-      for (int bb = 0; bb < nb; ++bb) total += block_counts[bb * W + r];
       uint64_t* dst = at<uint64_t>(peers[d], L.count_matrix) + size_t(par) * W * W + size_t(s) * W + r;
-      dev::st_release_sys(dst, (uint64_t(epoch) << 32) | uint32_t(total));
+      dev::st_release_sys(dst, (uint64_t(epoch) << 32) | uint32_t(total[r]));
     }
   }
+  // base[r] += rows that ranks < s send to r; recv_total = rows every rank sends to s.
   for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
-    const int q = i / W;
+    const int q = i / W, r = i % W;
     const uint64_t* word = matrix + i;
+    uint64_t seen = 0;
     const bool ok = dev::bounded_wait(
         wait, Phase::kDispatchCounts, q, epoch,
-        [&] { return uint32_t(dev::ld_acquire_sys(word) >> 32) == epoch; },
-        [&] { return int64_t(dev::ld_acquire_sys(word) >> 32); });
-    if (!ok) failed = 1;
+        [&] {
+          seen = dev::ld_acquire_sys(word);
+          return uint32_t(seen >> 32) == epoch;
+        },
+        [&] { return int64_t(seen >> 32); });
+    if (!ok) {
+      failed = 1;
+      continue;
+    }
+    const int32_t rows = int32_t(uint32_t(seen));
+    if (q < s) atomicAdd(&base[r], rows);
+    if (r == s) atomicAdd(&recv_total, rows);
   }
   __syncthreads();
   if (failed) return;
-  // base[r] = rows that ranks < s send to r + rows that blocks < b of this rank send to r.
-  for (int r = threadIdx.x; r < W; r += blockDim.x) {
-    int32_t acc = 0;
-    for (int q = 0; q < s; ++q) acc += uint32_t(matrix[q * W + r]);
-    for (int bb = 0; bb < b; ++bb) acc += block_counts[bb * W + r];
-    base[r] = acc;
-  }
-  if (threadIdx.x == 0) {
-    int32_t acc = 0;
-    for (int q = 0; q < W; ++q) acc += uint32_t(matrix[q * W + s]);
-    recv_total = acc;
-  }
-  __syncthreads();
 
   // 3. send: one warp per token.
   for (int n = t0 + warp; n < t1; n += num_warps) {
