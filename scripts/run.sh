@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: set up, build, then check the low_latency backend on the GPU for the
-# DeepSeek-R1 shape (8 in-process ranks, fp8 dispatch, bf16 combine) against the CPU reference.
-# Extra arguments go to `epx check`. Without a GPU it says so and exits non-zero.
+# The main job: set up, build, then `epx bench`: the three backends side by side on the GPU
+# (8 in-process ranks, DeepSeek-R1 shape, fp8 dispatch, bf16 combine, 128 and 4096 tokens per
+# rank), each checked against the CPU reference before it is timed; JSON goes to bench.json.
+# Extra arguments go to `epx bench`. Without a GPU it says so and exits non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build
-exec build/epx check "$@"
+exec build/epx bench --json bench.json "$@"
