@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "bench_common.hpp"
 #include "commands.hpp"
 #include "epx/all2all.hpp"
 #include "epx/config.hpp"
@@ -61,13 +62,6 @@ EpConfig make_config(const ShapeFlags& f, int max_tokens) {
   return cfg;
 }
 
-ref::RoutingKind parse_routing(const std::string& s) {
-  if (s == "uniform") return ref::RoutingKind::kUniform;
-  if (s == "skew") return ref::RoutingKind::kSkewed;
-  if (s == "one-expert") return ref::RoutingKind::kOneExpert;
-  if (s == "masked") return ref::RoutingKind::kMasked;
-  EPX_THROW(ConfigError, "--routing = '" + s + "', expected one of uniform, skew, one-expert, masked");
-}
 
 std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20)); }
 
@@ -113,7 +107,7 @@ void add_check(CLI::App& app, int& exit_code) {
     o.backend = !f->backend.empty() ? parse_backend(f->backend)
                                     : env.backend.value_or(Backend::kLowLatency);
     if (env.config_path) o.launch = load_launch_configs(*env.config_path);
-    o.routing = parse_routing(f->routing);
+    o.routing = parse_routing_flag(f->routing);
     o.seed = f->seed;
     o.iters = f->iters;
     o.graph_replays = f->graph;
