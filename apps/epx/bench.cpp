@@ -164,7 +164,8 @@ int gpus_used(const InProcessWorld& world) {
 }
 
 nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const GpuInfo& gpu,
-                         const CopyBandwidth& bw, const std::vector<TokenResult>& results) {
+                         const CopyBandwidth& bw, double fork_join_us,
+                         const std::vector<TokenResult>& results) {
   using nlohmann::json;
   const EpConfig& cfg = p.shape.cfg;
   const int W = cfg.world_size;
@@ -207,6 +208,7 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
                            {"median_us", bw.median_us},
                            {"gbps", bw.gbps},
                            {"counts", "read + write (2 x bytes per copy)"}};
+  doc["fork_join_floor_us"] = fork_join_us;
   json volumes = json::array();
   json records = json::array();
   for (const TokenResult& tr : results) {
@@ -371,6 +373,10 @@ bool run_bench(const BenchPlan& p) {
                        "write, median of {})",
                        bw.gbps, double(bw.bytes) / double(1 << 30), bw.repeats));
   ForkJoin fj(world);
+  const double fork_join_us = time_fork_join_floor(fj, p.warmup, p.iters);
+  progress(fmt::format("fork/join floor: {:.2f} us (graph of {} ranks' streams with a 16-byte "
+                       "memset each, median of {})",
+                       fork_join_us, W, p.iters));
 
   std::vector<TokenResult> results;
   for (const int T : p.shape.tokens) {
@@ -396,7 +402,7 @@ bool run_bench(const BenchPlan& p) {
 
   print_table(p, results);
   if (!p.json_path.empty()) {
-    const nlohmann::json doc = make_json(p, world, gpu, bw, results);
+    const nlohmann::json doc = make_json(p, world, gpu, bw, fork_join_us, results);
     std::ofstream out(p.json_path);
     out << doc.dump(2) << "\n";
     out.close();

@@ -518,6 +518,37 @@ void ForkJoin::drain() noexcept {
 
 const char* to_string(TimingMode m) { return m == TimingMode::kGraph ? "graph" : "eager"; }
 
+double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
+  std::vector<void*> bufs(fj.size(), nullptr);
+  GraphExec graph;
+  std::vector<double> us;
+  try {
+    for (int r = 0; r < fj.size(); ++r) {
+      BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
+      BENCH_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
+    }
+    capture(fj.main(), [&] {
+      fj.run([&](int r, cudaStream_t s) { BENCH_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
+    }, graph);
+    BENCH_CUDA_CHECK(cudaSetDevice(fj.main_device()));
+    EventSet e(2 * size_t(iters), cudaEventDefault);
+    for (int i = 0; i < warmup + iters; ++i) {
+      const int t = i - warmup;
+      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t], fj.main()));
+      BENCH_CUDA_CHECK(cudaGraphLaunch(graph.exec, fj.main()));
+      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t + 1], fj.main()));
+    }
+    BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
+    for (int t = 0; t < iters; ++t) us.push_back(elapsed_us(e[2 * t], e[2 * t + 1]));
+  } catch (...) {
+    fj.drain();
+    for (void* b : bufs) (void)cudaFree(b);
+    throw;
+  }
+  for (void* b : bufs) (void)cudaFree(b);
+  return summarize(us).median_us;
+}
+
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
                          int warmup, int iters) {
   const int W = int(group.size());

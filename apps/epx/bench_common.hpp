@@ -206,6 +206,10 @@ class ForkJoin {
   std::vector<cudaEvent_t> joins_;
 };
 
+// The harness's own floor: the median time of the same fork/join, captured as a graph, with a
+// 16-byte memset per rank in place of the op. What an op costs above it is the op's.
+double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
+
 enum class TimingMode { kGraph, kEager };
 const char* to_string(TimingMode m);
 
