@@ -63,7 +63,7 @@ EpConfig make_config(const ShapeFlags& f, int max_tokens) {
 }
 
 
-std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20)); }
+[[maybe_unused]] std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20)); }
 
 struct CheckFlags {
   ShapeFlags shape;
