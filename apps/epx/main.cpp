@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   epx::cli::add_sizes(app, exit_code);
   epx::cli::add_bench(app, exit_code);
   epx::cli::add_tune(app, exit_code);
+  epx::cli::add_launch(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

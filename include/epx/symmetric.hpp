@@ -4,11 +4,21 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace epx {
 
 class InProcessWorld;
+class IpcWorld;
+
+namespace detail {
+// What create_ipc() mapped, imported or opened for one buffer (defined in src/transport/ipc.cpp).
+struct IpcMappings;
+struct IpcMappingsDeleter {
+  void operator()(IpcMappings* m) const noexcept;
+};
+}  // namespace detail
 
 struct SymmetricHandle {
   // peers[r] = base of rank r's buffer as addressable from this rank's device.
@@ -33,6 +43,21 @@ class SymmetricBuffer {
   // Collective over the whole world; returns one buffer per rank.
   static std::vector<SymmetricBuffer> create_in_process(const InProcessWorld& world, size_t bytes);
 
+  // One process per rank: allocates `bytes` (zeroed; cuMem rounds the allocation up to its
+  // granularity) on this rank's GPU, maps every peer's buffer into this process and builds the
+  // peer table. Collective over the world: every rank calls it with the same `bytes`, and it
+  // returns on every rank once every rank's table is complete.
+  // Memory travels as world.handles() says: cuMem allocations exported as POSIX descriptors and
+  // passed over the bootstrap's Unix sockets (kPosixFd), or CUDA IPC handles exchanged as bytes
+  // (kCudaIpc). A failure on any rank (allocation, export, import, mapping) throws on every
+  // rank — the failing rank its own CudaError, the others a PeerError naming it — and releases
+  // everything this rank had mapped, imported or opened. InputError when bytes == 0 or the ranks
+  // ask for different sizes (naming both).
+  // Destruction is local: it releases this rank's mappings of its peers and its own allocation.
+  // With kPosixFd a peer that still maps this rank's memory keeps it alive; with kCudaIpc the
+  // exporting rank must outlive its peers' use of its buffer (destroy after a barrier).
+  static SymmetricBuffer create_ipc(IpcWorld& world, size_t bytes);
+
   DeviceHandle device_handle() const { return {peers_dev_, local_, rank_, world_size_}; }
   uint8_t* local() const { return local_; }
   size_t bytes() const { return bytes_; }
@@ -47,6 +72,9 @@ class SymmetricBuffer {
   int rank_ = 0;
   int world_size_ = 0;
   int device_ = 0;
+  // Set by create_ipc only: owns local_ and the peers' mappings (create_in_process: empty, and
+  // local_ is a cudaMalloc of this object).
+  std::unique_ptr<detail::IpcMappings, detail::IpcMappingsDeleter> ipc_;
 };
 
 }  // namespace epx

@@ -1,8 +1,12 @@
 #pragma once
 // Worlds: how ranks reach each other (DESIGN §3). A world only produces peer tables and
-// placement facts; the kernels are the same in every world.
+// placement facts; the kernels are the same in every world. InProcessWorld: all ranks in this
+// process; IpcWorld: one process per rank on one node.
 
+#include <memory>
 #include <vector>
+
+#include "epx/bootstrap.hpp"
 
 namespace epx {
 
@@ -26,6 +30,63 @@ class InProcessWorld {
   int num_ranks_;
   std::vector<int> devices_;
   std::vector<int> sms_;  // per entry of devices_
+};
+
+// How an IpcWorld shares device memory between its processes.
+enum class IpcHandles {
+  kAuto,     // kPosixFd when every rank's bootstrap and GPU support it, else kCudaIpc
+  kPosixFd,  // cuMem allocations exported as POSIX file descriptors, passed over Unix sockets
+  kCudaIpc,  // cudaIpcGetMemHandle / cudaIpcOpenMemHandle, exchanged as bytes (any bootstrap)
+};
+const char* to_string(IpcHandles h);
+
+// One process per rank on one node, as inference engines run (one process per GPU, or several
+// processes sharing a GPU). This process is rank bootstrap->rank() and runs on one GPU; its
+// SymmetricBuffer (SymmetricBuffer::create_ipc) maps every peer's buffer into this process, so
+// the kernels see the same peer table as in an InProcessWorld.
+//
+// The constructor is collective over the bootstrap's ranks: each rank reports its host, GPU
+// (UUID), multiprocessors and what it can share memory with, and every rank checks the
+// others. Ranks on the same GPU (the same UUID, whatever CUDA_VISIBLE_DEVICES says) share its
+// multiprocessors: sm_budget() = SMs / ranks_on_device(), as in an InProcessWorld (processes
+// on one GPU are time-sliced unless MPS is running; correct, but not for timing).
+//
+// Errors, on every rank: UnsupportedError when a rank has no GPU, when ranks run on different
+// hosts (use NcclWorld across nodes), when two ranks' GPUs cannot access each other (no P2P),
+// or when kPosixFd is requested and a rank cannot use it (the failing rank's own error; the
+// others a PeerError naming it); InputError for a device outside the visible ones; the
+// bootstrap's TimeoutError / PeerError when a rank does not take part.
+class IpcWorld {
+ public:
+  // device < 0: the calling thread's current CUDA device (engines select it first, e.g. with
+  // torch.cuda.set_device).
+  explicit IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1,
+                    IpcHandles handles = IpcHandles::kAuto);
+  // A UnixSocketBootstrap on BootstrapOptions::from_env() (EPX_RANK, EPX_WORLD_SIZE,
+  // EPX_BOOTSTRAP, EPX_TIMEOUT_MS; `epx launch` sets them).
+  static IpcWorld from_env(int device = -1, IpcHandles handles = IpcHandles::kAuto);
+
+  IpcWorld(IpcWorld&&) noexcept = default;
+  IpcWorld& operator=(IpcWorld&&) noexcept = default;
+  ~IpcWorld() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }         // this process's CUDA ordinal
+  int ranks_on_device() const { return ranks_on_device_; }  // ranks on this rank's GPU
+  int num_sms() const { return num_sms_; }
+  int sm_budget() const;                          // blocks one kernel of this rank may use
+  IpcHandles handles() const { return handles_; }  // kPosixFd or kCudaIpc, equal on all ranks
+  Bootstrap& bootstrap() { return *bootstrap_; }
+
+ private:
+  std::unique_ptr<Bootstrap> bootstrap_;
+  int rank_ = 0;
+  int size_ = 1;
+  int device_ = 0;
+  int ranks_on_device_ = 1;
+  int num_sms_ = 1;
+  IpcHandles handles_ = IpcHandles::kCudaIpc;
 };
 
 }  // namespace epx

@@ -1,0 +1,192 @@
+#pragma once
+// Bootstrap: the host-side exchange between the processes of one job before (and while) they
+// share GPU memory (DESIGN §3): a few hundred bytes of handles and, on one node, file
+// descriptors. No CUDA here; a Bootstrap works on machines without a GPU.
+//
+// Three ways to get one:
+//   - UnixSocketBootstrap: one node, one process (or thread) per rank, rendezvous on a Unix-domain
+//     socket named by EPX_BOOTSTRAP (`epx launch` sets it, with EPX_RANK and EPX_WORLD_SIZE);
+//   - CallbackBootstrap: a framework's own all-gather of bytes (torch.distributed and the like);
+//   - NCCL's unique id across nodes (later, with NcclWorld).
+//
+// Every collective (all_gather, barrier, all_gather_fds) is called by every rank in the same
+// order, from one thread per object; objects are not thread-safe. Every wait is bounded by the
+// timeout (EPX_TIMEOUT_MS, default 10 s): a rank that never arrives becomes a TimeoutError that
+// names it, a rank that exits or is killed a PeerError that names it, on every surviving rank.
+// After such an error the object refuses further collectives (StateError): recreate the job.
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/config.hpp"
+
+namespace epx {
+
+// An owned POSIX file descriptor, closed on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) reset(o.release());
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset(int fd = -1) noexcept;  // closes the descriptor held, if any
+
+ private:
+  int fd_ = -1;
+};
+
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Collective. Every rank passes its bytes (any length, lengths may differ between ranks);
+  // returns size() strings, element r = rank r's bytes (this rank's own included).
+  // Throws TimeoutError naming the ranks that did not call it within the timeout, PeerError
+  // naming a rank that disconnected (exited, was killed) or called a different collective,
+  // StateError after an earlier error.
+  virtual std::vector<std::string> all_gather(const std::string& bytes) = 0;
+
+  // Collective: returns once every rank has called it. Errors as all_gather.
+  virtual void barrier();
+
+  // Whether all_gather_fds() can pass descriptors between the ranks (processes on one node
+  // connected by Unix sockets: yes; a framework's all-gather of bytes: no).
+  virtual bool can_pass_fds() const { return false; }
+
+  // Collective. Every rank passes one open descriptor `fd` (still owned by the caller); returns
+  // size() new descriptors, element r referring to rank r's open file (for this rank, a
+  // duplicate of `fd`), close-on-exec. Throws InputError when `fd` is not open,
+  // UnsupportedError when !can_pass_fds(), and otherwise the errors of all_gather.
+  virtual std::vector<UniqueFd> all_gather_fds(int fd);
+};
+
+// Where a UnixSocketBootstrap meets. Read from the environment by from_env(); `epx launch` sets
+// EPX_RANK, EPX_WORLD_SIZE and EPX_BOOTSTRAP for every rank it starts.
+struct BootstrapOptions {
+  int rank = 0;             // EPX_RANK, in [0, world_size)
+  int world_size = 1;       // EPX_WORLD_SIZE, in [1, kMaxRanks]
+  // EPX_BOOTSTRAP: "@name" = Linux abstract socket namespace (no file; the name disappears with
+  // the process that holds it), anything else = the path of a socket file (an optional "unix:"
+  // prefix is dropped). At most 107 bytes (the limit of sockaddr_un). May be empty only when
+  // world_size == 1.
+  std::string address;
+  int timeout_ms = 10000;   // EPX_TIMEOUT_MS: bound of every wait, in [1, kMaxTimeoutMs]
+
+  // Throws ConfigError naming the field, the value and the bound.
+  void validate() const;
+
+  // Reads EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP and EPX_TIMEOUT_MS. Neither EPX_RANK nor
+  // EPX_WORLD_SIZE set: a world of one rank. Throws ConfigError naming the variable, its value
+  // and the bound for a malformed or inconsistent value (one of EPX_RANK / EPX_WORLD_SIZE set
+  // without the other, EPX_RANK >= EPX_WORLD_SIZE, EPX_BOOTSTRAP missing for several ranks).
+  static BootstrapOptions from_env();
+  // from_env() on given values (nullptr = unset); for tests and for callers with their own env.
+  static BootstrapOptions parse_env(const char* rank, const char* world_size, const char* address,
+                                    const char* timeout_ms);
+};
+
+// A fresh abstract-namespace address, "@epx-<pid>-<random hex>", unique per call.
+std::string unique_bootstrap_address();
+
+// Removes the socket file of `address` when nothing listens on it any more (its rank 0 was
+// killed before it could remove it); `epx launch` calls it after its ranks end. Returns whether
+// a file was removed. Abstract addresses have no file; a live listener's file is left alone.
+bool remove_stale_socket_file(const std::string& address);
+
+// Rendezvous of the ranks of one node on a Unix-domain socket, as a star: rank 0 listens on
+// options.address, every other rank connects to it (retrying until the timeout) and introduces
+// itself (rank, world size, pid). Rank 0 answers every rank once all have arrived, so the
+// constructor returns on every rank together, or throws on every rank that got that far:
+//   - ConfigError: world sizes disagree, a rank number out of range or used twice, or the address
+//     already in use by a live process (another job, or a second rank 0) — all at start-up;
+//   - TimeoutError naming the ranks that did not arrive within options.timeout_ms (on rank 0 and
+//     on every rank that did arrive), or naming rank 0 when nothing listens at the address;
+//   - PeerError naming a rank that disconnected during start-up.
+// Collectives go through rank 0 (gather, then send everything to every rank); file descriptors
+// too (SCM_RIGHTS: each rank sends its descriptor to rank 0, rank 0 sends all of them to every
+// rank), so the only connections are rank 0 <-> rank r. After start-up rank 0 keeps the address
+// and answers any newcomer (a second job's rank, say) with a ConfigError that says the address
+// is taken. A socket file is removed by rank 0 on destruction and on error, and by a surviving
+// rank when rank 0 died without removing it; a stale file left by a killed job is detected
+// (nothing accepts on it) and replaced.
+class UnixSocketBootstrap final : public Bootstrap {
+ public:
+  explicit UnixSocketBootstrap(const BootstrapOptions& options);
+  ~UnixSocketBootstrap() override;
+  UnixSocketBootstrap(const UnixSocketBootstrap&) = delete;
+  UnixSocketBootstrap& operator=(const UnixSocketBootstrap&) = delete;
+
+  int rank() const override;
+  int size() const override;
+  std::vector<std::string> all_gather(const std::string& bytes) override;
+  bool can_pass_fds() const override { return true; }
+  std::vector<UniqueFd> all_gather_fds(int fd) override;
+
+  const std::string& address() const;
+  // Process ids of every rank, as each reported at start-up.
+  const std::vector<long>& pids() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A framework's all-gather of bytes, e.g. torch.distributed.all_gather_object. The function is
+// called once per collective with this rank's bytes and must return size() strings in rank
+// order; whatever it throws propagates. It cannot pass file descriptors, so an IpcWorld over it
+// shares memory through CUDA IPC handles instead of cuMem descriptors.
+class CallbackBootstrap final : public Bootstrap {
+ public:
+  using AllGather = std::function<std::vector<std::string>(const std::string& bytes)>;
+
+  // Throws ConfigError for a rank outside [0, size), a size outside [1, kMaxRanks] or an empty
+  // function.
+  CallbackBootstrap(int rank, int size, AllGather all_gather);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  // Throws PeerError when the function returns other than size() strings.
+  std::vector<std::string> all_gather(const std::string& bytes) override;
+
+ private:
+  int rank_;
+  int size_;
+  AllGather all_gather_;
+};
+
+// ---- start-up agreement -----------------------------------------------------------------------
+
+// The version of this build of epx (CMake's PROJECT_VERSION), e.g. "0.1.0".
+const char* library_version();
+
+// Canonical text of everything the ranks of one job must agree on: the epx version, the backend
+// and every EpConfig field except rank, one "key=value" line each, in a fixed order.
+std::string fingerprint(const EpConfig& cfg, Backend backend);
+
+// Collective: all-gathers every rank's fingerprint and throws ConfigError, on every rank, when
+// they differ, naming the first differing field (in fingerprint order) and the values of rank 0
+// and of the first rank that differs, e.g. "hidden: rank 0 has 7168, rank 2 has 4096".
+// Errors of the bootstrap itself propagate.
+void check_fingerprints(Bootstrap& bootstrap, const std::string& fingerprint);
+void check_fingerprints(Bootstrap& bootstrap, const EpConfig& cfg, Backend backend);
+
+}  // namespace epx

@@ -1,0 +1,103 @@
+// The start-up agreement of a job's ranks: one canonical text per rank, compared field by field
+// (include/epx/bootstrap.hpp).
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <optional>
+#include <string_view>
+#include <utility>
+
+#include "epx/bootstrap.hpp"
+#include "epx/error.hpp"
+
+#ifndef EPX_VERSION
+#error "EPX_VERSION must be defined by the build (CMake's PROJECT_VERSION)"
+#endif
+
+namespace epx {
+
+const char* library_version() { return EPX_VERSION; }
+
+std::string fingerprint(const EpConfig& c, Backend backend) {
+  // The version comes first: when it differs, the other fields may not even be comparable.
+  return fmt::format(
+      "epx_version={}\nbackend={}\nworld_size={}\nhidden={}\nnum_experts={}\ntopk={}\n"
+      "max_tokens_per_rank={}\ndtype={}\nscale_layout={}\nlayout={}\ndeterministic={}\n"
+      "timeout_ms={}\n",
+      library_version(), to_string(backend), c.world_size, c.hidden, c.num_experts, c.topk,
+      c.max_tokens_per_rank, to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
+      c.deterministic ? "true" : "false", c.timeout_ms);
+}
+
+namespace {
+
+using Fields = std::vector<std::pair<std::string, std::string>>;
+
+Fields parse_fields(std::string_view text) {
+  Fields out;
+  while (!text.empty()) {
+    const size_t eol = text.find('\n');
+    const std::string_view line = text.substr(0, eol);
+    text = eol == std::string_view::npos ? std::string_view() : text.substr(eol + 1);
+    if (line.empty()) continue;
+    const size_t eq = line.find('=');
+    if (eq == std::string_view::npos) {
+      out.emplace_back(std::string(line), std::string());
+    } else {
+      out.emplace_back(std::string(line.substr(0, eq)), std::string(line.substr(eq + 1)));
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> value_of(const Fields& f, const std::string& key) {
+  for (const auto& [k, v] : f) {
+    if (k == key) return v;
+  }
+  return std::nullopt;
+}
+
+std::string shown(const std::optional<std::string>& v) { return v ? *v : "no such field"; }
+
+// The first field (in rank 0's order, then fields only other ranks have) on which a rank
+// differs from rank 0, as "field: rank 0 has A, rank r has B".
+std::optional<std::string> first_difference(const std::vector<std::string>& texts) {
+  std::vector<Fields> all;
+  for (const std::string& t : texts) all.push_back(parse_fields(t));
+  std::vector<std::string> keys;
+  for (const Fields& f : all) {
+    for (const auto& kv : f) {
+      if (std::find(keys.begin(), keys.end(), kv.first) == keys.end()) keys.push_back(kv.first);
+    }
+  }
+  for (const std::string& key : keys) {
+    const auto v0 = value_of(all[0], key);
+    for (size_t r = 1; r < all.size(); ++r) {
+      const auto vr = value_of(all[r], key);
+      if (vr != v0) {
+        return fmt::format("{}: rank 0 has {}, rank {} has {}", key, shown(v0), r, shown(vr));
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void check_fingerprints(Bootstrap& bootstrap, const std::string& mine) {
+  const std::vector<std::string> all = bootstrap.all_gather(mine);
+  if (const auto diff = first_difference(all)) {
+    EPX_THROW(ConfigError,
+              fmt::format("start-up check on rank {} of {}: the ranks disagree on {} (every rank "
+                          "must run the same epx version and backend, and the same EpConfig "
+                          "apart from rank)",
+                          bootstrap.rank(), bootstrap.size(), *diff));
+  }
+}
+
+void check_fingerprints(Bootstrap& bootstrap, const EpConfig& cfg, Backend backend) {
+  check_fingerprints(bootstrap, fingerprint(cfg, backend));
+}
+
+}  // namespace epx
