@@ -23,11 +23,14 @@ run() {  # run NAME CMD...: one counted check
   else failed=$((failed+1)); echo "    FAILED:"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'; fi
 }
 
-# GoogleTest suite: each test counts.
-"$build/tests/epx_gpu_tests" --gtest_brief=1 2>&1 | tee "$logs/gpu_tests.log" | grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" | head -40
-line=$(grep -E "^gpu-suite: " "$logs/gpu_tests.log" | tail -n 1)
-p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
-if [ -z "$line" ]; then failed=$((failed+1)); echo "gpu test binary did not finish"; else passed=$((passed+p)); failed=$((failed+f)); fi
+# GoogleTest suites: each test counts.
+for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests; do
+  [ -x "$build/tests/$suite" ] || continue
+  "$build/tests/$suite" --gtest_brief=1 2>&1 | tee "$logs/$suite.log" | grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" | head -40
+  line=$(grep -E "^gpu-suite: " "$logs/$suite.log" | tail -n 1)
+  p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+  if [ -z "$line" ]; then failed=$((failed+1)); echo "$suite did not finish"; else passed=$((passed+p)); failed=$((failed+f)); fi
+done
 
 E="$build/epx check"
 for t in 128 1024; do
@@ -44,6 +47,20 @@ run check_t128_mixed $E --tokens 128 --graph 100 --mixed --iters 1
 run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
+
+# One process per rank (IpcWorld through `epx launch`), all sharing this machine's GPU: processes
+# on one GPU are time-sliced (a round takes milliseconds), so the round counts stay small.
+L="$build/epx launch"
+EI="$build/epx check --world-kind ipc"
+for n in 2 4; do
+  run "ipc_example_n${n}" $L -n $n -- "$build/example_ipc_ranks"
+  run "ipc_n${n}_t128_token" $L -n $n -- $EI --world $n --tokens 128 --iters 2
+  run "ipc_n${n}_t128_expert" $L -n $n -- $EI --world $n --tokens 128 --layout expert --iters 2
+  run "ipc_n${n}_t128_graph20" $L -n $n -- $EI --world $n --tokens 128 --graph 20 --iters 1
+done
+run ipc_example_n2_cuda_ipc $L -n 2 -- "$build/example_ipc_ranks" cuda-ipc
+run ipc_n2_t128_mixed $L -n 2 -- $EI --world 2 --tokens 128 --graph 10 --mixed --iters 1
+run ipc_n2_t128_naive $L -n 2 -- $EI --world 2 --tokens 128 --backend naive --iters 1
 
 [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"

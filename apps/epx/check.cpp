@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,9 @@
 #include "reference/reference.hpp"
 #if EPX_HAVE_CUDA
 #include "check/harness.hpp"
+#include "core/cuda_check.hpp"
+#include "epx/bootstrap.hpp"
+#include "epx/world.hpp"
 #endif
 
 namespace epx::cli {
@@ -76,7 +80,68 @@ struct CheckFlags {
   bool mixed = false;
   bool ids64 = false;
   int pool = 3;
+  std::string world_kind = "in-process";
 };
+
+#if EPX_HAVE_CUDA
+// `epx check --world-kind ipc`: this process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch`
+// sets both). Every rank checks its own outputs; rank 0 prints; all exit with the same code.
+void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code) {
+  const BootstrapOptions env_world = BootstrapOptions::from_env();
+  CheckFlags fl = flags;
+  if (world_given) {
+    EPX_CHECK(fl.shape.world == env_world.world_size, ConfigError, "--world", fl.shape.world,
+              fmt::format("EPX_WORLD_SIZE = {} with --world-kind ipc (one process per rank: "
+                          "run `epx launch -n {} -- epx check --world-kind ipc ...`, or leave "
+                          "--world out)",
+                          env_world.world_size, fl.shape.world));
+  }
+  fl.shape.world = env_world.world_size;
+  require_gpu("epx check");
+  check::CheckOptions o;
+  o.tokens = check::parse_token_list(fl.tokens, "--tokens");
+  int max_t = 0;
+  for (int t : o.tokens) max_t = std::max(max_t, t);
+  o.cfg = make_config(fl.shape, max_t);
+  const EnvSettings env = read_env();
+  o.backend = !fl.backend.empty() ? parse_backend(fl.backend)
+                                  : env.backend.value_or(Backend::kLowLatency);
+  if (env.config_path) o.launch = load_launch_configs(*env.config_path);
+  o.routing = parse_routing_flag(fl.routing);
+  o.seed = fl.seed;
+  o.iters = fl.iters;
+  o.graph_replays = fl.graph;
+  o.mixed = fl.mixed;
+  o.ids_int64 = fl.ids64;
+  o.pool = fl.pool;
+  o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
+  // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
+  const int gpus = cuda_device_count();
+  const int device = gpus > 0 ? env_world.rank % gpus : -1;
+  IpcWorld world = IpcWorld::from_env(device);
+  const bool lead = world.rank() == 0;
+  const EpConfig& cfg = o.cfg;
+  if (lead) {
+    fmt::print("epx check: ipc world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
+               "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
+               world.size(), to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts,
+               cfg.topk, fl.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
+               to_string(cfg.layout), to_string(cfg.scale_layout), fl.routing, o.seed);
+    std::fflush(stdout);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const check::CheckReport rep = check::run_check_ipc(o, world);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (lead) {
+    for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+    fmt::print("{}: {} call(s) checked on each of {} ranks, buffer {} per rank, {:.1f} s\n",
+               rep.ok ? "PASS" : "FAIL", rep.calls, world.size(), mib(rep.buffer_bytes), secs);
+    std::fflush(stdout);
+  }
+  exit_code = rep.ok ? 0 : 1;
+}
+#endif
 
 }  // namespace
 
@@ -96,8 +161,19 @@ void add_check(CLI::App& app, int& exit_code) {
   c->add_flag("--mixed", f->mixed, "with --graph: rank 0 calls eagerly, the others replay");
   c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
   c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
-  c->callback([f, &exit_code] {
+  CLI::Option* world_opt = c->get_option("--world");
+  c->add_option("--world-kind", f->world_kind,
+                "in-process (every rank a stream of this process) | ipc (this process is one "
+                "rank: run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE)")
+      ->capture_default_str();
+  c->callback([f, world_opt, &exit_code] {
 #if EPX_HAVE_CUDA
+    EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc", ConfigError,
+              "--world-kind", "'" + f->world_kind + "'", "in-process or ipc");
+    if (f->world_kind == "ipc") {
+      run_check_ipc_cli(*f, world_opt->count() > 0, exit_code);
+      return;
+    }
     check::CheckOptions o;
     o.tokens = check::parse_token_list(f->tokens, "--tokens");
     int max_t = 0;
@@ -131,6 +207,7 @@ void add_check(CLI::App& app, int& exit_code) {
     exit_code = rep.ok ? 0 : 1;
 #else
     (void)f;
+    (void)world_opt;
     (void)exit_code;
     EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");
 #endif

@@ -33,6 +33,7 @@
 namespace epx {
 
 class InProcessWorld;
+class IpcWorld;
 
 enum class IdType { kInt32, kInt64 };
 
@@ -107,5 +108,19 @@ size_t low_latency_buffer_bytes(const EpConfig& cfg);
 std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
                                                          const InProcessWorld& world,
                                                          LaunchConfigs launch = {});
+
+// This process's object of an IpcWorld (one process per rank). Collective: every rank of the
+// world calls it with the same backend and cfg (cfg.rank and cfg.world_size are taken from the
+// world), and it returns once every rank has mapped every peer's buffer. Before allocating
+// anything the ranks compare their epx version, backend and configuration
+// (check_fingerprints): a difference throws ConfigError on every rank, naming the first
+// differing field. `launch` as for make_all2all_group, against world.sm_budget() (the ranks
+// that share this rank's GPU share its multiprocessors). A rank that fails during creation
+// makes the others throw PeerError (or TimeoutError), never hang.
+// Destroy the objects of all ranks together, after a barrier (world.bootstrap().barrier()) that
+// follows each rank's last synchronize(): a peer may still be reading this rank's buffer, and
+// with IpcHandles::kCudaIpc the memory goes away with its exporting rank.
+std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
+                                      LaunchConfigs launch = {});
 
 }  // namespace epx

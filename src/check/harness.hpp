@@ -12,10 +12,14 @@
 #include "epx/config.hpp"
 #include "reference/reference.hpp"
 
+namespace epx {
+class IpcWorld;
+}
+
 namespace epx::check {
 
 struct CheckOptions {
-  EpConfig cfg;                     // world_size = ranks of the in-process world
+  EpConfig cfg;                     // world_size = ranks of the world (in-process or IPC)
   Backend backend = Backend::kLowLatency;
   LaunchConfigs launch;
   std::vector<int> tokens;          // one count for all ranks, one per rank, or empty = random
@@ -41,6 +45,18 @@ struct CheckReport {
 };
 
 CheckReport run_check(const CheckOptions& options);
+
+// The same check with one process per rank (an IpcWorld; `epx launch -n W -- epx check
+// --world-kind ipc`). Collective: every rank calls it with the same options, where
+// options.cfg.world_size must equal world.size(). Every rank builds every rank's inputs and
+// the whole CPU reference from the seed, runs only its own rank (dispatch -> identity expert ->
+// combine on its own stream; with `mixed`, rank 0 calls eagerly while the others replay) and
+// compares its own outputs; after every round the ranks agree through the bootstrap whether to
+// go on, and at the end they all-gather their results, so every rank returns the same report
+// (mismatches of all ranks, in rank order). `log` is called on rank 0 only. A rank that fails
+// or exits makes the others throw the bootstrap's PeerError / TimeoutError (or a device
+// TimeoutError in the report), never hang.
+CheckReport run_check_ipc(const CheckOptions& options, IpcWorld& world);
 
 // Parses "128" or "0,7,128,1024" (one per rank); throws InputError naming `what`.
 std::vector<int> parse_token_list(const std::string& text, const char* what);

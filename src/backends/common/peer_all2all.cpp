@@ -8,6 +8,7 @@
 #include "backends/common/kernels.hpp"
 #include "backends/common/layout.hpp"
 #include "core/cuda_check.hpp"
+#include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
 
 namespace epx {
@@ -269,15 +270,8 @@ LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int 
   return lc;
 }
 
-}  // namespace
-
-std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
-                                                            const InProcessWorld& world,
-                                                            const LaunchConfigs& launch,
-                                                            const Algorithm& algo) {
-  EpConfig cfg = base;
-  cfg.world_size = world.size();
-  cfg.rank = 0;
+// The checks shared by every world (cfg.rank and cfg.world_size already set).
+void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   cfg.validate();
   // Expert-major expansion keeps one counter per local expert in shared memory.
   EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= 12 * 1024,
@@ -288,6 +282,18 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
             ConfigError, "layout", to_string(cfg.layout),
             std::string("token (backend ") + to_string(algo.backend) +
                 " has no expert-major output; use low_latency)");
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
+                                                            const InProcessWorld& world,
+                                                            const LaunchConfigs& launch,
+                                                            const Algorithm& algo) {
+  EpConfig cfg = base;
+  cfg.world_size = world.size();
+  cfg.rank = 0;
+  validate_for(cfg, algo);
   const Layout L = make_layout(cfg, algo);
   for (int r = 0; r < world.size(); ++r) preload_kernels(world.device_of(r));
   auto bufs = SymmetricBuffer::create_in_process(world, L.total);
@@ -303,6 +309,29 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
     out.push_back(std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc));
   }
   return out;
+}
+
+std::unique_ptr<All2All> make_ipc_rank(const EpConfig& base, IpcWorld& world,
+                                       const LaunchConfigs& launch, const Algorithm& algo) {
+  EpConfig cfg = base;
+  cfg.world_size = world.size();
+  cfg.rank = world.rank();
+  validate_for(cfg, algo);
+  // Every rank must build the same object: compare before anything is allocated, so that a
+  // mismatch is one ConfigError on every rank rather than a size error or a hang later.
+  check_fingerprints(world.bootstrap(), cfg, algo.backend);
+  // Ranks that share this GPU run concurrently (time-sliced between processes): the same SM
+  // budget as an in-process world, and the same defaults (docs/perf-notes.md). Resolved before
+  // the collective allocation, so that a shape this GPU cannot hold fails here, on this rank,
+  // and its peers hear of it from create_ipc (PeerError) instead of waiting in a kernel.
+  const int budget = world.sm_budget();
+  const int sharing = world.ranks_on_device();
+  LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", cfg.rank, sharing, 8),
+                   resolve(launch.combine, budget, "combine", cfg.rank, sharing, 16)};
+  const Layout L = make_layout(cfg, algo);
+  preload_kernels(world.device());
+  SymmetricBuffer buf = SymmetricBuffer::create_ipc(world, L.total);
+  return std::make_unique<PeerAll2All>(cfg, algo, std::move(buf), lc);
 }
 
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {

@@ -11,11 +11,17 @@
 
 namespace epx {
 class InProcessWorld;
+class IpcWorld;
 namespace peer {
 std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& cfg,
                                                             const InProcessWorld& world,
                                                             const LaunchConfigs& launch,
                                                             const Algorithm& algo);
+// This process's rank of an IpcWorld (collective over the world's ranks): rank and world size
+// from the world, the same checks as make_in_process_group, then every rank's fingerprint is
+// compared (ConfigError on every rank when they differ) before anything is allocated.
+std::unique_ptr<All2All> make_ipc_rank(const EpConfig& cfg, IpcWorld& world,
+                                       const LaunchConfigs& launch, const Algorithm& algo);
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo);
 }  // namespace peer
 }  // namespace epx

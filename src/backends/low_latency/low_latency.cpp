@@ -14,6 +14,10 @@ std::vector<std::unique_ptr<All2All>> make_group(const EpConfig& cfg, const InPr
   return peer::make_in_process_group(cfg, world, launch, kAlgorithm);
 }
 
+std::unique_ptr<All2All> make_rank(const EpConfig& cfg, IpcWorld& world, const LaunchConfigs& launch) {
+  return peer::make_ipc_rank(cfg, world, launch, kAlgorithm);
+}
+
 size_t buffer_bytes(const EpConfig& cfg) { return peer::buffer_bytes(cfg, kAlgorithm); }
 
 }  // namespace epx::low_latency

@@ -1,0 +1,205 @@
+// cuBLASLt block-scaled fp8 GEMM (see fp8_gemm.hpp for the operand mapping and
+// scale layouts).
+
+#include "moe/fp8_gemm.hpp"
+
+#include <cublasLt.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "core/cuda_check.hpp"
+#include "epx/error.hpp"
+
+// Throws CudaError with the call text and cuBLASLt's status name.
+#define EPX_CUBLASLT_CHECK(call)                                                     \
+  do {                                                                               \
+    cublasStatus_t epx_st_ = (call);                                                 \
+    if (epx_st_ != CUBLAS_STATUS_SUCCESS) {                                          \
+      throw ::epx::CudaError(::epx::detail::located(                                 \
+          std::string(#call) + " failed: " + cublasLtGetStatusName(epx_st_) + " (" + \
+              cublasLtGetStatusString(epx_st_) + ")",                                \
+          __FILE__, __LINE__));                                                      \
+    }                                                                                \
+  } while (0)
+
+namespace epx::moe {
+namespace {
+
+cublasLtHandle_t lt(void* h) { return static_cast<cublasLtHandle_t>(h); }
+
+std::string shape_text(int m, int n, int k, GemmOut out) {
+  std::string s =
+      "M " + std::to_string(m) + ", N " + std::to_string(n) + ", K " + std::to_string(k) + ", D ";
+  s += out == GemmOut::kBF16 ? "bf16" : "f32";
+  return s;
+}
+
+}  // namespace
+
+Fp8ScaleLayouts Fp8ScaleLayouts::from_env() {
+  Fp8ScaleLayouts l;
+  const char* v = std::getenv("EPX_FP8_SCALE_LAYOUTS");
+  if (v == nullptr || *v == '\0') return l;
+  const std::string s(v);
+  const size_t comma = s.find(',');
+  const std::string act = s.substr(0, comma);
+  const std::string weight = comma == std::string::npos ? "" : s.substr(comma + 1);
+  const std::string allowed = "<block_major|row_major>,<row_major|transposed>";
+  if (act == "block_major") {
+    l.act = ActScaleOrder::kBlockMajor;
+  } else if (act == "row_major") {
+    l.act = ActScaleOrder::kRowMajor;
+  } else {
+    EPX_CHECK(false, InputError, "EPX_FP8_SCALE_LAYOUTS", s, allowed);
+  }
+  if (weight == "row_major") {
+    l.weight = WeightScaleOrder::kRowMajor;
+  } else if (weight == "transposed") {
+    l.weight = WeightScaleOrder::kTransposed;
+  } else {
+    EPX_CHECK(false, InputError, "EPX_FP8_SCALE_LAYOUTS", s, allowed);
+  }
+  return l;
+}
+
+std::string to_string(const Fp8ScaleLayouts& l) {
+  std::string s = l.act == ActScaleOrder::kBlockMajor ? "block_major" : "row_major";
+  s += l.weight == WeightScaleOrder::kRowMajor ? ",row_major" : ",transposed";
+  return s;
+}
+
+std::vector<float> weight_scales_for_gemm(WeightScaleOrder o, const std::vector<float>& ref_scales,
+                                          int rows, int cols) {
+  const int br = rows / 128;
+  const int bc = cols / 128;
+  EPX_CHECK(ref_scales.size() == size_t(br) * size_t(bc), InputError, "ref_scales.size()",
+            ref_scales.size(), "(rows / 128) * (cols / 128)");
+  if (o == WeightScaleOrder::kRowMajor) return ref_scales;
+  std::vector<float> t(ref_scales.size());
+  for (int i = 0; i < br; ++i) {
+    for (int j = 0; j < bc; ++j) t[size_t(j) * br + i] = ref_scales[size_t(i) * bc + j];
+  }
+  return t;
+}
+
+struct Fp8Gemm::Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr;  // cuBLAS A = weights, K x N (ld K)
+  cublasLtMatrixLayout_t b = nullptr;  // cuBLAS B = activations, K x M (ld K)
+  cublasLtMatrixLayout_t d = nullptr;  // N x M (ld N), also C
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+Fp8Gemm::Fp8Gemm(Fp8ScaleLayouts layouts, size_t workspace_bytes)
+    : layouts_(layouts), workspace_bytes_(workspace_bytes) {
+  cublasLtHandle_t h = nullptr;
+  EPX_CUBLASLT_CHECK(cublasLtCreate(&h));
+  handle_ = h;
+  if (workspace_bytes_ > 0) {
+    const cudaError_t err = cudaMalloc(&workspace_, workspace_bytes_);
+    if (err != cudaSuccess) {
+      cublasLtDestroy(h);
+      EPX_CUDA_CHECK(err);
+    }
+  }
+}
+
+Fp8Gemm::~Fp8Gemm() {
+  plans_.clear();
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(lt(handle_));
+}
+
+Fp8Gemm::Plan* Fp8Gemm::try_plan(int m, int n, int k, GemmOut out, std::string* why) {
+  const auto key = std::make_tuple(m, n, k, static_cast<int>(out));
+  if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
+  auto p = std::make_unique<Plan>();
+  EPX_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_t = CUBLAS_OP_T;
+  const cublasOperation_t op_n = CUBLAS_OP_N;
+  EPX_CUBLASLT_CHECK(
+      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+  EPX_CUBLASLT_CHECK(
+      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  // The weights carry 128x128 blocks, the activations 1x128 blocks along K.
+  const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                    &mode_a, sizeof(mode_a)));
+  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                    &mode_b, sizeof(mode_b)));
+  const cudaDataType_t d_type = out == GemmOut::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+  EPX_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(n), k));
+  EPX_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(m), k));
+  EPX_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, d_type, uint64_t(n), uint64_t(m), n));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  EPX_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = workspace_bytes_;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(lt(handle_), p->desc, p->a, p->b, p->d, p->d, pref, 1,
+                                        &result, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+    if (why != nullptr) {
+      *why = "cublasLtMatmulAlgoGetHeuristic (" + shape_text(m, n, k, out) +
+             ", A e4m3 BLK128x128_32F, B e4m3 VEC128_32F, TN): " +
+             (st != CUBLAS_STATUS_SUCCESS ? std::string(cublasLtGetStatusName(st))
+                                          : std::string("no algorithm"));
+    }
+    return nullptr;
+  }
+  p->algo = result.algo;
+  Plan* raw = p.get();
+  plans_.emplace(key, std::move(p));
+  return raw;
+}
+
+Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, GemmOut out) {
+  std::string why;
+  Plan* p = try_plan(m, n, k, out, &why);
+  if (p == nullptr) throw CudaError(why);
+  return *p;
+}
+
+bool Fp8Gemm::supports(int m, int n, int k, GemmOut out) {
+  return try_plan(m, n, k, out, nullptr) != nullptr;
+}
+
+void Fp8Gemm::run(const Fp8GemmArgs& g, cudaStream_t stream) {
+  EPX_CHECK(g.m >= 0, InputError, "m", g.m, ">= 0");
+  EPX_CHECK(g.n > 0 && g.n % 128 == 0, InputError, "n", g.n, "a positive multiple of 128");
+  // K / 128 a multiple of 4: the weight scale rows are then 16-byte aligned
+  // whether or not cuBLASLt pads their leading dimension, an ambiguity not yet
+  // settled on a GPU.
+  EPX_CHECK(g.k > 0 && g.k % 512 == 0, InputError, "k", g.k,
+            "a positive multiple of 512 (K / 128 blocks a multiple of 4)");
+  if (g.m == 0) return;
+  EPX_CHECK(g.a && g.a_scales && g.b && g.b_scales && g.d, InputError, "fp8 GEMM pointers",
+            "a null pointer", "all of a, a_scales, b, b_scales, d set");
+  Plan& p = plan(g.m, g.n, g.k, g.out);
+  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                    &g.b_scales, sizeof(g.b_scales)));
+  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                    &g.a_scales, sizeof(g.a_scales)));
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  EPX_CUBLASLT_CHECK(cublasLtMatmul(lt(handle_), p.desc, &alpha, g.b, p.a, g.a, p.b, &beta, g.d,
+                                    p.d, g.d, p.d, &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+}  // namespace epx::moe

@@ -1,0 +1,130 @@
+#pragma once
+// Block-scaled fp8 GEMM through cuBLASLt (no hand-written GEMM).
+//
+//   D[M][N] = dequant(A)[M][K] . dequant(B)[N][K]^T     (moe_ref's fp8_gemm_nt)
+//
+// A: activations, fp8 e4m3 [M][K] row-major, one f32 scale per 1x128 block along K.
+// B: weights, fp8 e4m3 [N][K] row-major, one f32 scale per 128x128 block.
+// D: [M][N] row-major, bf16 or f32.
+// N is a multiple of 128 and K of 512 (K/128 a multiple of 4: the weight scale rows are 16-byte
+// aligned whether or not cuBLASLt pads them). M >= 1 is any size; the scale buffer of A is laid
+// out for M_pad = padded_rows(M) rows, and callers run the GEMM at M_pad (see kRowAlign).
+//
+// Mapping onto cuBLASLt (column-major, TN, the only fp8 order Hopper accepts):
+//   cuBLAS A := the weights,     stored K x N column-major (ld K), op T -> logical N x K
+//   cuBLAS B := the activations, stored K x M column-major (ld K), op N -> logical K x M
+//   cuBLAS D := N x M column-major (ld N) = our row-major [M][N]
+//   CUBLASLT_MATMUL_DESC_A_SCALE_MODE = BLK128x128_32F (weights),
+//   CUBLASLT_MATMUL_DESC_B_SCALE_MODE = VEC128_32F (activations).
+//
+// Scale tensor layouts. cuBLASLt documents block scales relative to its column-major view;
+// which of two plausible orders it reads has NOT been checked on a GPU from this code yet, so
+// both are implemented and chosen by Fp8ScaleLayouts (defaults below, overridable with the
+// environment variable EPX_FP8_SCALE_LAYOUTS=<act>,<weight>, e.g. "block_major,row_major"):
+//   activations (VEC128_32F):
+//     kBlockMajor  [K/128][M_pad] f32, scale of (row m, block b) at b * M_pad + m  (default:
+//                  row index fastest, "outer-dimension major", as grouped fp8 GEMMs read)
+//     kRowMajor    [M_pad][K/128] f32, moe_ref's quantize_fp8 order (block fastest)
+//   weights (BLK128x128_32F):
+//     kRowMajor    [N/128][K/128] f32, moe_ref's Fp8BlockMatrix::scales as they are (default:
+//                  the column-major (K/128) x (N/128) grid of cuBLAS's stored A)
+//     kTransposed  [K/128][N/128] f32, transposed once at weight upload
+//                  (weight_scales_for_gemm)
+// tests/gpu/test_moe.cpp (MoeFp8Gemm.ScaleLayoutProbe) runs all four combinations against
+// moe_ref's fp8_gemm_nt and prints which one matches.
+//
+// Threading: one Fp8Gemm per rank; not thread-safe. Host-only; calls are asynchronous on
+// `stream`. The workspace and handle are created once; a matmul descriptor and the heuristic's
+// algorithm are cached per (M, N, K, out dtype).
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__CUDACC__)
+#define EPX_MOE_HOST_DEVICE __host__ __device__
+#else
+#define EPX_MOE_HOST_DEVICE
+#endif
+
+namespace epx::moe {
+
+inline constexpr int kRowAlign = 4;  // M_pad = round_up(M, 4): 16-byte aligned scale columns
+
+enum class ActScaleOrder { kBlockMajor, kRowMajor };
+enum class WeightScaleOrder { kRowMajor, kTransposed };
+enum class GemmOut { kBF16, kF32 };
+
+struct Fp8ScaleLayouts {
+  ActScaleOrder act = ActScaleOrder::kBlockMajor;
+  WeightScaleOrder weight = WeightScaleOrder::kRowMajor;
+  // Defaults, overridden by EPX_FP8_SCALE_LAYOUTS (InputError on an unknown
+  // value).
+  static Fp8ScaleLayouts from_env();
+};
+std::string to_string(const Fp8ScaleLayouts& l);
+
+inline int padded_rows(int m) { return (m + kRowAlign - 1) / kRowAlign * kRowAlign; }
+
+// Index of the activation scale (row m, block b) in a scale buffer for m_pad
+// rows.
+EPX_MOE_HOST_DEVICE inline int64_t act_scale_index(ActScaleOrder o, int m, int b, int m_pad,
+                                                   int num_blocks) {
+  return o == ActScaleOrder::kBlockMajor ? int64_t(b) * m_pad + m : int64_t(m) * num_blocks + b;
+}
+
+// Host: moe_ref's [rows/128][cols/128] row-major weight scales -> the order
+// cuBLASLt reads.
+std::vector<float> weight_scales_for_gemm(WeightScaleOrder o, const std::vector<float>& ref_scales,
+                                          int rows, int cols);
+
+struct Fp8GemmArgs {
+  int m = 0;                        // rows of A and D (tokens); 0 = nothing to do
+  int n = 0;                        // rows of B, cols of D; multiple of 128
+  int k = 0;                        // multiple of 128
+  const uint8_t* a = nullptr;       // [m][k] fp8 e4m3, row-major (ld k)
+  const float* a_scales = nullptr;  // padded_rows(m) rows, in layouts.act order
+  const uint8_t* b = nullptr;       // [n][k] fp8 e4m3, row-major
+  const float* b_scales = nullptr;  // in layouts.weight order
+  void* d = nullptr;                // [m][n] row-major, bf16 or f32 (ld n)
+  GemmOut out = GemmOut::kF32;
+};
+
+class Fp8Gemm {
+ public:
+  explicit Fp8Gemm(Fp8ScaleLayouts layouts = Fp8ScaleLayouts::from_env(),
+                   size_t workspace_bytes = size_t(32) << 20);
+  ~Fp8Gemm();
+  Fp8Gemm(const Fp8Gemm&) = delete;
+  Fp8Gemm& operator=(const Fp8Gemm&) = delete;
+
+  const Fp8ScaleLayouts& layouts() const { return layouts_; }
+
+  // Enqueues D = A . B^T on `stream`. Throws InputError for bad shapes/pointers
+  // and CudaError naming the cuBLASLt status (and the shape) when cuBLASLt
+  // refuses or has no algorithm.
+  void run(const Fp8GemmArgs& args, cudaStream_t stream);
+
+  // Whether cuBLASLt offers an algorithm for this shape and output type (no
+  // launch).
+  bool supports(int m, int n, int k, GemmOut out);
+
+ private:
+  struct Plan;
+  Plan& plan(int m, int n, int k,
+             GemmOut out);  // cached; throws if no algorithm
+  Plan* try_plan(int m, int n, int k, GemmOut out, std::string* why);
+
+  Fp8ScaleLayouts layouts_;
+  void* handle_ = nullptr;  // cublasLtHandle_t
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<std::tuple<int, int, int, int>, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace epx::moe

@@ -1,0 +1,448 @@
+// MoeLayer: router -> dispatch -> fp8 SwiGLU experts (cuBLASLt) -> combine -> +
+// shared expert.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "epx/moe.hpp"
+#include "moe/fp8_gemm.hpp"
+#include "moe/kernels.hpp"
+#include "reference/moe_ref.hpp"
+
+namespace epx {
+namespace {
+
+using moe::GemmOut;
+
+ref::moe::MoeShape to_ref(const MoeShape& s) {
+  return ref::moe::MoeShape{.hidden = s.hidden,
+                            .intermediate = s.intermediate,
+                            .num_experts = s.num_experts,
+                            .topk = s.topk,
+                            .num_groups = s.num_groups,
+                            .topk_groups = s.topk_groups,
+                            .routed_scaling = s.routed_scaling,
+                            .shared_intermediate = s.shared_intermediate,
+                            .scoring = s.scoring == MoeScoring::kSoftmax
+                                           ? ref::moe::Scoring::kSoftmax
+                                           : ref::moe::Scoring::kSigmoidGrouped};
+}
+
+// One fp8 weight matrix on the device: codes [rows][cols] and scales in the
+// GEMM's order.
+struct DeviceMatrix {
+  uint8_t* q = nullptr;
+  float* scales = nullptr;
+};
+
+struct DeviceExpert {
+  int intermediate = 0;
+  DeviceMatrix w1, w3, w2;
+};
+
+}  // namespace
+
+struct MoeLayer::Impl {
+  MoeShape shape;
+  ref::moe::MoeShape ref_shape;
+  EpConfig ep;
+  moe::Fp8Gemm gemm;
+  GemmOut out_type = GemmOut::kF32;
+  std::vector<void*> allocations;
+
+  uint16_t* gate = nullptr;           // [E][H] bf16
+  float* bias = nullptr;              // [E]
+  std::vector<DeviceExpert> experts;  // local experts, then (if any) the shared one last
+  bool has_shared = false;
+
+  int rows_pad = 0;  // rows of the per-expert scratch (padded)
+  int max_inter = 0;
+  int max_total_rows = 0;        // token-major: rows of all local experts' outputs together
+  int32_t* route_ids = nullptr;  // [T][K] (when the caller passes no routing)
+  float* route_w = nullptr;      // [T][K]
+  uint8_t* in_q = nullptr;       // [T][H] (kFP8 dispatch input)
+  float* in_s = nullptr;         // [T][H/128]
+  uint8_t* xq = nullptr;         // [rows_pad][H]
+  float* xs = nullptr;           // [rows_pad * H/128]
+  void* h1 = nullptr;            // [rows_pad][max_inter] f32 (or bf16)
+  void* h3 = nullptr;
+  uint8_t* act_q = nullptr;  // [rows_pad][max_inter]
+  float* act_s = nullptr;
+  void* out_all = nullptr;       // token-major: [max_total_rows][H]; expert-major: [rows_pad][H]
+  void* shared_out = nullptr;    // [padded T][H]
+  int32_t* dev_rows = nullptr;   // [max_total_rows] source rows of each expert's GEMM rows
+  int32_t* dev_slots = nullptr;  // [capacity][K] output row of (row, k) or -1
+  std::vector<int32_t> host_ids, host_rows, host_slots;
+
+  Impl(const MoeShape& s, const EpConfig& e) : shape(s), ref_shape(to_ref(s)), ep(e) {}
+  ~Impl() {
+    for (void* p : allocations) cudaFree(p);
+  }
+
+  size_t out_bytes() const { return out_type == GemmOut::kF32 ? 4 : 2; }
+
+  template <typename T>
+  T* alloc(size_t count) {
+    void* p = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+    allocations.push_back(p);
+    return static_cast<T*>(p);
+  }
+  void* alloc_bytes(size_t bytes) { return alloc<uint8_t>(bytes); }
+
+  template <typename T>
+  T* upload(const std::vector<T>& v) {
+    T* d = alloc<T>(v.size());
+    EPX_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+
+  DeviceMatrix upload(const ref::moe::Fp8BlockMatrix& m) {
+    DeviceMatrix d;
+    d.q = upload(m.q);
+    d.scales = upload(moe::weight_scales_for_gemm(gemm.layouts().weight, m.scales, m.rows, m.cols));
+    return d;
+  }
+
+  DeviceExpert upload(const ref::moe::ExpertWeights& w) {
+    return DeviceExpert{w.intermediate(), upload(w.w1), upload(w.w3), upload(w.w2)};
+  }
+
+  // SwiGLU of one expert on m rows taken from `src` (rows [0, m) of the
+  // quantise source). out: [padded_rows(m)][H] in out_type.
+  void run_expert(const DeviceExpert& e, moe::QuantizeRowsParams src, int m, void* out,
+                  cudaStream_t stream) {
+    const int m_pad = moe::padded_rows(m);
+    const int h = shape.hidden;
+    src.m = m;
+    src.m_pad = m_pad;
+    src.k = h;
+    src.dst_q = xq;
+    src.dst_scales = xs;
+    src.order = gemm.layouts().act;
+    moe::launch_quantize_rows(src, stream);
+    const bool bf16 = out_type == GemmOut::kBF16;
+    gemm.run({.m = m_pad,
+              .n = e.intermediate,
+              .k = h,
+              .a = xq,
+              .a_scales = xs,
+              .b = e.w1.q,
+              .b_scales = e.w1.scales,
+              .d = h1,
+              .out = out_type},
+             stream);
+    gemm.run({.m = m_pad,
+              .n = e.intermediate,
+              .k = h,
+              .a = xq,
+              .a_scales = xs,
+              .b = e.w3.q,
+              .b_scales = e.w3.scales,
+              .d = h3,
+              .out = out_type},
+             stream);
+    moe::launch_silu_quantize({.h1 = h1,
+                               .h3 = h3,
+                               .h_bf16 = bf16,
+                               .m_pad = m_pad,
+                               .i = e.intermediate,
+                               .act_q = act_q,
+                               .act_scales = act_s,
+                               .order = gemm.layouts().act},
+                              stream);
+    gemm.run({.m = m_pad,
+              .n = h,
+              .k = e.intermediate,
+              .a = act_q,
+              .a_scales = act_s,
+              .b = e.w2.q,
+              .b_scales = e.w2.scales,
+              .d = out,
+              .out = out_type},
+             stream);
+  }
+
+  moe::QuantizeRowsParams wire_source(const void* x, const float* scales, int src_rows) const {
+    moe::QuantizeRowsParams p;
+    p.src = x;
+    p.src_fp8 = ep.wire_fp8();
+    p.src_scales = scales;
+    p.src_scales_col_major = ep.scale_layout == ScaleLayout::kColumnMajor;
+    p.src_rows = src_rows;
+    return p;
+  }
+
+  void experts_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+  void experts_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+};
+
+MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
+    : impl_(std::make_unique<Impl>(shape, ep)) {
+  Impl& m = *impl_;
+  m.ref_shape.validate();
+  ep.validate();
+  EPX_CHECK(ep.hidden == shape.hidden, ConfigError, "EpConfig.hidden", ep.hidden,
+            "MoeShape.hidden = " + std::to_string(shape.hidden));
+  EPX_CHECK(ep.num_experts == shape.num_experts, ConfigError, "EpConfig.num_experts",
+            ep.num_experts, "MoeShape.num_experts = " + std::to_string(shape.num_experts));
+  EPX_CHECK(ep.topk == shape.topk, ConfigError, "EpConfig.topk", ep.topk,
+            "MoeShape.topk = " + std::to_string(shape.topk));
+  // The router keeps 4 f32 and 2 int32 per expert in shared memory.
+  EPX_CHECK(moe::router_smem_bytes(shape.num_experts) <= 200 * 1024, ConfigError, "num_experts",
+            shape.num_experts, "<= 8533 (router shared memory)");
+  // Every GEMM has K = hidden or an intermediate size; see Fp8Gemm::run.
+  EPX_CHECK(shape.hidden % 512 == 0, ConfigError, "hidden", shape.hidden,
+            "a multiple of 512 (fp8 GEMM: K / 128 a multiple of 4)");
+  EPX_CHECK(shape.intermediate % 512 == 0, ConfigError, "intermediate", shape.intermediate,
+            "a multiple of 512 (fp8 GEMM: K / 128 a multiple of 4)");
+  EPX_CHECK(shape.shared_intermediate % 512 == 0, ConfigError, "shared_intermediate",
+            shape.shared_intermediate,
+            "0 or a multiple of 512 (fp8 GEMM: K / 128 a multiple of 4)");
+  moe::preload_moe_kernels();
+
+  const int h = shape.hidden;
+  const int k = shape.topk;
+  const int local = ep.num_local_experts();
+  const int t = ep.max_tokens_per_rank;
+  const int cap = ep.capacity();
+  m.has_shared = shape.shared_intermediate > 0;
+  m.max_inter = std::max(shape.intermediate, shape.shared_intermediate);
+  m.rows_pad = moe::padded_rows(std::max(cap, t));
+  m.max_total_rows = cap * std::min(k, local) + local * moe::kRowAlign;
+
+  // Keep f32 GEMM outputs (the reference's precision) unless cuBLASLt offers no
+  // algorithm.
+  m.out_type = GemmOut::kF32;
+  if (!m.gemm.supports(m.rows_pad, shape.intermediate, h, GemmOut::kF32))
+    m.out_type = GemmOut::kBF16;
+
+  // Weights: this rank's experts and the shared one, the reference generator's
+  // bytes.
+  m.gate = m.upload(ref::moe::make_gate_weight(m.ref_shape, seed));
+  m.bias = m.upload(ref::moe::make_correction_bias(m.ref_shape, seed));
+  for (int e = 0; e < local; ++e)
+    m.experts.push_back(
+        m.upload(ref::moe::make_expert_weights(m.ref_shape, seed, ep.rank * local + e)));
+  if (m.has_shared)
+    m.experts.push_back(
+        m.upload(ref::moe::make_expert_weights(m.ref_shape, seed, ref::moe::kSharedExpert)));
+
+  const size_t groups = size_t(h) / 128;
+  m.route_ids = m.alloc<int32_t>(size_t(t) * k);
+  m.route_w = m.alloc<float>(size_t(t) * k);
+  if (ep.input_fp8()) {
+    m.in_q = m.alloc<uint8_t>(size_t(t) * h);
+    m.in_s = m.alloc<float>(size_t(t) * groups);
+  }
+  m.xq = m.alloc<uint8_t>(size_t(m.rows_pad) * h);
+  m.xs = m.alloc<float>(size_t(m.rows_pad) * groups);
+  m.h1 = m.alloc_bytes(size_t(m.rows_pad) * m.max_inter * m.out_bytes());
+  m.h3 = m.alloc_bytes(size_t(m.rows_pad) * m.max_inter * m.out_bytes());
+  m.act_q = m.alloc<uint8_t>(size_t(m.rows_pad) * m.max_inter);
+  m.act_s = m.alloc<float>(size_t(m.rows_pad) * m.max_inter / 128);
+  const bool token_major = ep.layout == OutputLayout::kTokenMajor;
+  const size_t out_rows = token_major ? size_t(m.max_total_rows) : size_t(m.rows_pad);
+  m.out_all = m.alloc_bytes(out_rows * h * m.out_bytes());
+  if (m.has_shared) m.shared_out = m.alloc_bytes(size_t(moe::padded_rows(t)) * h * m.out_bytes());
+  if (token_major) {
+    m.dev_rows = m.alloc<int32_t>(size_t(m.max_total_rows));
+    m.dev_slots = m.alloc<int32_t>(size_t(cap) * k);
+  }
+  // No device-wide synchronisation here: in an in-process world other ranks'
+  // kernels may be spinning on this device (cudaMemcpy from pageable memory
+  // above is synchronous already).
+}
+
+MoeLayer::~MoeLayer() = default;
+
+const MoeShape& MoeLayer::shape() const { return impl_->shape; }
+
+void MoeLayer::Impl::experts_token_major(const DispatchResult& d, All2All& a2a,
+                                         cudaStream_t stream) {
+  const int k = shape.topk;
+  const int local = ep.num_local_experts();
+  const int e0 = ep.rank * local;
+  int32_t rows = 0;
+  // Copies on `stream` (never the legacy default stream, which would wait for
+  // every blocking stream of the device, other ranks' spinning ones included).
+  EPX_CUDA_CHECK(
+      cudaMemcpyAsync(&rows, d.recv_count, sizeof(rows), cudaMemcpyDeviceToHost, stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EPX_CHECK(rows >= 0 && rows <= d.capacity, CudaError, "recv_count", rows,
+            "in [0, capacity = " + std::to_string(d.capacity) + "]");
+  if (rows == 0) return;
+  host_ids.resize(size_t(rows) * k);
+  EPX_CUDA_CHECK(cudaMemcpyAsync(host_ids.data(), d.recv_topk_ids,
+                                 host_ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                 stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Per local expert, its rows in ascending order; output rows are laid out
+  // expert after expert, each expert's block padded to kRowAlign rows.
+  std::vector<int> list_start(size_t(local) + 1, 0), out_start(size_t(local), 0);
+  std::vector<std::vector<int32_t>> lists(static_cast<size_t>(local));
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < k; ++j) {
+      const int id = host_ids[size_t(r) * k + j];
+      if (id >= e0 && id < e0 + local) lists[size_t(id - e0)].push_back(r);
+    }
+  }
+  host_rows.clear();
+  int out_rows = 0;
+  for (int e = 0; e < local; ++e) {
+    list_start[size_t(e)] = static_cast<int>(host_rows.size());
+    out_start[size_t(e)] = out_rows;
+    host_rows.insert(host_rows.end(), lists[size_t(e)].begin(), lists[size_t(e)].end());
+    out_rows += moe::padded_rows(static_cast<int>(lists[size_t(e)].size()));
+  }
+  // now slot of (row r, k) = out_start[e] + position of r in lists[e], or -1
+  host_slots.assign(size_t(rows) * k, -1);
+  std::vector<int> seen(static_cast<size_t>(local), 0);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < k; ++j) {
+      const int id = host_ids[size_t(r) * k + j];
+      if (id < e0 || id >= e0 + local) continue;
+      const size_t e = size_t(id - e0);
+      host_slots[size_t(r) * k + j] = out_start[e] + seen[e]++;
+    }
+  }
+  EPX_CHECK(out_rows <= max_total_rows, CudaError, "expert rows", out_rows,
+            "<= " + std::to_string(max_total_rows) + " (a token's ids repeat an expert?)");
+  if (!host_rows.empty()) {
+    EPX_CUDA_CHECK(cudaMemcpyAsync(dev_rows, host_rows.data(), host_rows.size() * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream));
+  }
+  EPX_CUDA_CHECK(cudaMemcpyAsync(dev_slots, host_slots.data(), host_slots.size() * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, stream));
+  for (int e = 0; e < local; ++e) {
+    const int m = static_cast<int>(lists[size_t(e)].size());
+    if (m == 0) continue;
+    moe::QuantizeRowsParams src = wire_source(d.recv_x, d.recv_scales, d.capacity);
+    src.rows = dev_rows + list_start[size_t(e)];
+    void* out =
+        static_cast<uint8_t*>(out_all) + size_t(out_start[size_t(e)]) * shape.hidden * out_bytes();
+    run_expert(experts[size_t(e)], src, m, out, stream);
+  }
+  moe::launch_weighted_partials({.out = out_all,
+                                 .out_bf16 = out_type == GemmOut::kBF16,
+                                 .slots = dev_slots,
+                                 .weights = d.recv_topk_weights,
+                                 .num_rows = d.recv_count,
+                                 .max_rows = rows,
+                                 .topk = k,
+                                 .hidden = shape.hidden,
+                                 .partials = static_cast<uint16_t*>(a2a.combine_buffer())},
+                                stream);
+  // host_rows / host_slots may be reused by the next chunk at once: a copy from
+  // pageable memory returns only after the source has been staged.
+}
+
+void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, All2All& a2a,
+                                          cudaStream_t stream) {
+  const int local = ep.num_local_experts();
+  const int h = shape.hidden;
+  std::vector<int32_t> counts(static_cast<size_t>(local));
+  EPX_CUDA_CHECK(cudaMemcpyAsync(counts.data(), d.expert_counts, counts.size() * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const size_t plane = size_t(d.capacity) * h;
+  const size_t groups = size_t(h) / 128;
+  for (int e = 0; e < local; ++e) {
+    const int m = counts[size_t(e)];
+    EPX_CHECK(m >= 0 && m <= d.capacity, CudaError, "expert_counts[e]", m,
+              "in [0, capacity = " + std::to_string(d.capacity) + "]");
+    if (m == 0) continue;
+    const void* x =
+        static_cast<const uint8_t*>(d.expert_x) + plane * size_t(e) * (ep.wire_fp8() ? 1 : 2);
+    const float* s = d.expert_scales ? d.expert_scales + size_t(e) * d.capacity * groups : nullptr;
+    run_expert(experts[size_t(e)], wire_source(x, s, d.capacity), m, out_all, stream);
+    moe::launch_store_bf16(out_all, out_type == GemmOut::kBF16, m, h,
+                           static_cast<uint16_t*>(a2a.combine_buffer()) + plane * size_t(e),
+                           stream);
+  }
+}
+
+void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
+                       int num_chunks, const MoeRoutingOut* routing) {
+  Impl& m = *impl_;
+  const EpConfig& c = a2a.config();
+  EPX_CHECK(c.rank == m.ep.rank && c.world_size == m.ep.world_size && c.hidden == m.ep.hidden &&
+                c.num_experts == m.ep.num_experts && c.topk == m.ep.topk &&
+                c.max_tokens_per_rank == m.ep.max_tokens_per_rank && c.dtype == m.ep.dtype &&
+                c.layout == m.ep.layout && c.scale_layout == m.ep.scale_layout,
+            InputError, "a2a.config()", "rank " + std::to_string(c.rank),
+            "the EpConfig this MoeLayer was created with");
+  EPX_CHECK(num_tokens >= 0, InputError, "num_tokens", num_tokens, ">= 0");
+  EPX_CHECK(num_tokens == 0 || (x != nullptr && y != nullptr), InputError, "x, y", "null",
+            "device pointers");
+  const int t = m.ep.max_tokens_per_rank;
+  const int need = std::max(1, (num_tokens + t - 1) / t);
+  const int chunks = num_chunks == 0 ? need : num_chunks;
+  EPX_CHECK(chunks >= need, InputError, "num_chunks", num_chunks,
+            ">= ceil(num_tokens / max_tokens_per_rank) = " + std::to_string(need));
+  const int h = m.shape.hidden;
+  const int k = m.shape.topk;
+  const size_t row_bytes = size_t(h) * 2;
+  for (int ci = 0; ci < chunks; ++ci) {
+    const int start = std::min(num_tokens, ci * t);
+    const int n = std::min(t, num_tokens - start);
+    const void* xc = static_cast<const uint8_t*>(x) + size_t(start) * row_bytes;
+    void* yc = static_cast<uint8_t*>(y) + size_t(start) * row_bytes;
+    int32_t* ids = routing ? routing->topk_ids + size_t(start) * k : m.route_ids;
+    float* w = routing ? routing->topk_weights + size_t(start) * k : m.route_w;
+    moe::launch_router({.x = static_cast<const uint16_t*>(xc),
+                        .gate = m.gate,
+                        .bias = m.bias,
+                        .n = n,
+                        .hidden = h,
+                        .num_experts = m.shape.num_experts,
+                        .topk = k,
+                        .num_groups = m.shape.num_groups,
+                        .topk_groups = m.shape.topk_groups,
+                        .routed_scaling = m.shape.routed_scaling,
+                        .grouped = m.shape.scoring == MoeScoring::kSigmoidGrouped,
+                        .ids = ids,
+                        .weights = w},
+                       stream);
+    if (m.has_shared && n > 0) {
+      moe::QuantizeRowsParams src;
+      src.src = xc;
+      src.src_rows = n;
+      m.run_expert(m.experts.back(), src, n, m.shared_out, stream);
+    }
+    DispatchInput in{.num_tokens = n, .x = xc, .topk_ids = ids, .topk_weights = w};
+    if (m.ep.input_fp8() && n > 0) {
+      moe::launch_quantize_rows({.src = xc,
+                                 .m = n,
+                                 .m_pad = n,
+                                 .k = h,
+                                 .dst_q = m.in_q,
+                                 .dst_scales = m.in_s,
+                                 .order = moe::ActScaleOrder::kRowMajor},
+                                stream);
+      in.x = m.in_q;
+      in.x_scales = m.in_s;
+    }
+    const DispatchResult d = a2a.dispatch(in, stream);
+    // Host sync: the expert GEMMs are launched at the exact received row
+    // counts.
+    a2a.synchronize(stream);
+    if (m.ep.layout == OutputLayout::kTokenMajor) {
+      m.experts_token_major(d, a2a, stream);
+    } else {
+      m.experts_expert_major(d, a2a, stream);
+    }
+    a2a.combine(a2a.combine_buffer(), yc, stream);
+    if (m.has_shared && n > 0) {
+      moe::launch_add_shared(static_cast<uint16_t*>(yc), m.shared_out, m.out_type == GemmOut::kBF16,
+                             n, h, stream);
+    }
+  }
+}
+
+}  // namespace epx

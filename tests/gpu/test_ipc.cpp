@@ -1,0 +1,186 @@
+// One process per rank (IpcWorld): `epx launch -n W -- epx check --world-kind ipc ...` must pass
+// for the low_latency backend in both layouts and for a baseline, and a job whose ranks
+// disagree or where a rank never shows up must end with an error on the surviving rank within
+// the bootstrap's timeout, never hang. The processes share this machine's GPU(s) (time-sliced
+// on one GPU: correct, slow), so the shapes and iteration counts are small.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_check.hpp"
+
+#ifndef EPX_CLI_PATH
+#error "EPX_CLI_PATH (the epx binary) must be defined by the build"
+#endif
+
+namespace epx {
+namespace {
+
+#define REQUIRE_GPU()                                                    \
+  do {                                                                   \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "needs an NVIDIA GPU"; \
+  } while (0)
+
+using Clock = std::chrono::steady_clock;
+
+struct CommandResult {
+  int status = 0;
+  std::string out, err;
+  double seconds = 0;
+};
+
+int exit_code(const CommandResult& r) {
+  if (WIFEXITED(r.status)) return WEXITSTATUS(r.status);
+  if (WIFSIGNALED(r.status)) return 128 + WTERMSIG(r.status);
+  return -1;
+}
+
+// fork + execv of argv (argv[0] an absolute path) with extra environment variables; collects
+// stdout and stderr; SIGKILLs the command's process group after `limit_s` seconds.
+CommandResult run_command(const std::vector<std::string>& argv,
+                          const std::vector<std::pair<std::string, std::string>>& env = {},
+                          double limit_s = 120) {
+  int out_p[2], err_p[2];
+  if (::pipe2(out_p, O_CLOEXEC) != 0 || ::pipe2(err_p, O_CLOEXEC) != 0) {
+    ADD_FAILURE() << "pipe2 failed";
+    return {};
+  }
+  const auto t0 = Clock::now();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(out_p[1], STDOUT_FILENO);
+    ::dup2(err_p[1], STDERR_FILENO);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  ::close(out_p[1]);
+  ::close(err_p[1]);
+  CommandResult r;
+  int fds[2] = {out_p[0], err_p[0]};
+  std::string* sinks[2] = {&r.out, &r.err};
+  bool killed = false;
+  while (fds[0] >= 0 || fds[1] >= 0) {
+    pollfd p[2] = {{fds[0], POLLIN, 0}, {fds[1], POLLIN, 0}};
+    (void)::poll(p, 2, 100);
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i] < 0 || p[i].revents == 0) continue;
+      char buf[4096];
+      const ssize_t n = ::read(fds[i], buf, sizeof(buf));
+      if (n > 0) {
+        sinks[i]->append(buf, size_t(n));
+      } else {
+        ::close(fds[i]);
+        fds[i] = -1;
+      }
+    }
+    if (!killed && std::chrono::duration<double>(Clock::now() - t0).count() > limit_s) {
+      (void)::kill(-pid, SIGKILL);
+      (void)::kill(pid, SIGKILL);
+      killed = true;
+    }
+  }
+  ::waitpid(pid, &r.status, 0);
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+// epx launch -n W -- epx check --world-kind ipc --world W <args>
+std::vector<std::string> launched_check(int ranks, const std::vector<std::string>& args) {
+  std::vector<std::string> argv{EPX_CLI_PATH, "launch", "-n", std::to_string(ranks), "--",
+                                EPX_CLI_PATH, "check", "--world-kind", "ipc",
+                                "--world", std::to_string(ranks)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+void expect_pass(const CommandResult& r) {
+  EXPECT_EQ(exit_code(r), 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[rank 0] PASS"), std::string::npos) << r.out << r.err;
+  // Only rank 0 reports.
+  EXPECT_EQ(r.out.find("[rank 1] PASS"), std::string::npos) << r.out;
+}
+
+TEST(IpcCheck, TwoRanksTokenMajorQuantised) {
+  REQUIRE_GPU();
+  const auto r = run_command(launched_check(
+      2, {"--hidden", "2048", "--experts", "16", "--topk", "4", "--tokens", "7,128", "--dtype",
+          "bf16-to-fp8"}));
+  expect_pass(r);
+}
+
+TEST(IpcCheck, TwoRanksGraphReplaysMixedWithEager) {
+  REQUIRE_GPU();
+  const auto r = run_command(launched_check(
+      2, {"--hidden", "2048", "--experts", "16", "--topk", "4", "--tokens", "128,7", "--dtype",
+          "bf16", "--iters", "1", "--graph", "4", "--mixed"}));
+  expect_pass(r);
+}
+
+TEST(IpcCheck, FourRanksExpertMajor) {
+  REQUIRE_GPU();
+  const auto r = run_command(launched_check(
+      4, {"--hidden", "2048", "--experts", "16", "--topk", "4", "--tokens", "0,7,128,1",
+          "--dtype", "fp8", "--layout", "expert", "--scale-layout", "column", "--iters", "1",
+          "--graph", "3"}));
+  expect_pass(r);
+}
+
+TEST(IpcCheck, BaselineBackends) {
+  REQUIRE_GPU();
+  for (const char* backend : {"naive", "allgather_reducescatter"}) {
+    SCOPED_TRACE(backend);
+    const auto r = run_command(launched_check(
+        2, {"--backend", backend, "--hidden", "2048", "--experts", "16", "--topk", "4",
+            "--tokens", "7,128", "--dtype", "bf16-to-fp8"}));
+    expect_pass(r);
+  }
+}
+
+// Rank 1 asks for another hidden size: the start-up fingerprint refuses the job on every rank
+// before anything is allocated.
+TEST(IpcCheck, ConfigMismatchIsRefusedOnEveryRank) {
+  REQUIRE_GPU();
+  const std::string script =
+      std::string("h=2048; [ \"$EPX_RANK\" = 1 ] && h=4096; exec '") + EPX_CLI_PATH +
+      "' check --world-kind ipc --world 2 --hidden $h --experts 16 --topk 4 --tokens 7";
+  const auto r = run_command({EPX_CLI_PATH, "launch", "-n", "2", "--", "/bin/sh", "-c", script},
+                             {{"EPX_TIMEOUT_MS", "3000"}}, 60);
+  EXPECT_EQ(exit_code(r), 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("hidden: rank 0 has 2048, rank 1 has 4096"), std::string::npos)
+      << r.out << r.err;
+  EXPECT_LT(r.seconds, 30.0) << r.out << r.err;
+}
+
+// Rank 1 exits at once (successfully, so the launcher does not stop rank 0): rank 0 must report
+// the missing rank within EPX_TIMEOUT_MS plus a second (plus process start-up), not hang.
+TEST(IpcCheck, MissingRankIsATimeoutNotAHang) {
+  REQUIRE_GPU();
+  const std::string script = std::string("[ \"$EPX_RANK\" = 1 ] && exit 0; exec '") +
+                             EPX_CLI_PATH +
+                             "' check --world-kind ipc --world 2 --hidden 2048 --experts 16 "
+                             "--topk 4 --tokens 7";
+  const int timeout_ms = 2000;
+  const auto r = run_command({EPX_CLI_PATH, "launch", "-n", "2", "--", "/bin/sh", "-c", script},
+                             {{"EPX_TIMEOUT_MS", std::to_string(timeout_ms)}}, 60);
+  EXPECT_EQ(exit_code(r), 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("[rank 0] epx: timeout error"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.err.find("rank 1"), std::string::npos) << r.out << r.err;
+  EXPECT_LT(r.seconds, timeout_ms / 1000.0 + 1.0 + 2.0) << r.out << r.err;
+}
+
+}  // namespace
+}  // namespace epx
