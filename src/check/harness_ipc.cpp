@@ -68,24 +68,7 @@ CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
   cfg.validate();
   const int W = cfg.world_size;
   const int me = world.rank();
-  EPX_CHECK(o.pool >= 1, InputError, "pool", o.pool, "at least 1");
-  EPX_CHECK(o.graph_replays >= 0, InputError, "graph replays", o.graph_replays, ">= 0");
-  EPX_CHECK(!o.mixed || o.graph_replays > 0, InputError, "mixed", "true",
-            "only together with graph replays (--graph N)");
-
-  std::vector<int> counts;
-  if (o.tokens.empty()) {
-    counts = ref::make_token_counts(W, cfg.max_tokens_per_rank, -1, o.seed);
-  } else if (o.tokens.size() == 1) {
-    counts.assign(W, o.tokens[0]);
-  } else {
-    EPX_CHECK(int(o.tokens.size()) == W, InputError, "tokens (list length)", o.tokens.size(),
-              "1 or world size = " + std::to_string(W));
-    counts = o.tokens;
-  }
-  for (int c : counts)
-    EPX_CHECK(c <= cfg.max_tokens_per_rank, InputError, "tokens", c,
-              "at most max_tokens_per_rank = " + std::to_string(cfg.max_tokens_per_rank));
+  const std::vector<int> counts = resolve_token_counts(o, cfg);
   rep.tokens = counts;
 
   auto say = [&](const std::string& s) {
