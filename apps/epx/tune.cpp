@@ -107,17 +107,8 @@ class Tuner {
       const int T = p_.shape.tokens[i];
       EpConfig cfg = p_.shape.cfg;
       cfg.max_tokens_per_rank = T;
-      check::CheckOptions o;
-      o.cfg = cfg;
-      o.backend = p_.backend;
-      o.launch = c.launch;
-      o.tokens = {T};
-      o.routing = p_.shape.routing;
-      o.seed = p_.shape.seed;
-      o.iters = 1;
-      o.pool = 1;
       try {
-        const check::CheckReport rep = check::run_check(o);
+        const check::CheckReport rep = checker(i, cfg).run(c.launch);
         if (!rep.ok) {
           c.status = "FAILED";
           c.message = fmt::format("check at {} tokens: {}", T,
@@ -152,6 +143,25 @@ class Tuner {
     }
   }
 
+  // The checker of token count i, built on first use: the inputs and CPU reference (tens of
+  // seconds at thousands of tokens per rank) are computed once and shared by every candidate.
+  // A failed construction is retried by the next candidate, as a failed check was.
+  const check::Checker& checker(size_t i, const EpConfig& cfg) {
+    if (checkers_.size() < p_.shape.tokens.size()) checkers_.resize(p_.shape.tokens.size());
+    if (!checkers_[i]) {
+      check::CheckOptions o;
+      o.cfg = cfg;
+      o.backend = p_.backend;
+      o.tokens = {p_.shape.tokens[i]};
+      o.routing = p_.shape.routing;
+      o.seed = p_.shape.seed;
+      o.iters = 1;
+      o.pool = 1;
+      checkers_[i] = std::make_unique<check::Checker>(o);
+    }
+    return *checkers_[i];
+  }
+
   static std::vector<std::string> format_us(const std::vector<double>& v) {
     std::vector<std::string> out;
     for (double x : v) out.push_back(fmt::format("{:.2f}", x));
@@ -168,6 +178,7 @@ class Tuner {
   const InProcessWorld& world_;
   ForkJoin& fj_;
   const std::vector<std::unique_ptr<DeviceInputs>>& inputs_;
+  std::vector<std::unique_ptr<check::Checker>> checkers_;  // per token count, see checker()
 };
 
 // Index of the candidate of `phase` with the lowest summed median of `op`; -1 if none passed.

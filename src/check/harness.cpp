@@ -38,33 +38,52 @@ std::vector<int> parse_token_list(const std::string& text, const char* what) {
 
 using namespace internal;  // the pieces shared with run_check_ipc (harness_internal.hpp)
 
-CheckReport run_check(const CheckOptions& o) {
+struct Checker::State {
+  CheckOptions o;
+  EpConfig cfg;
+  std::vector<int> counts;
+  std::vector<InputSet> sets;
+};
+
+Checker::Checker(const CheckOptions& options) : s_(std::make_unique<State>()) {
   require_gpu("epx check");
-  CheckReport rep;
-  EpConfig cfg = o.cfg;
-  cfg.rank = 0;
-  cfg.validate();
+  State& st = *s_;
+  st.o = options;
+  const CheckOptions& o = st.o;
+  st.cfg = o.cfg;
+  st.cfg.rank = 0;
+  st.cfg.validate();
+  st.counts = resolve_token_counts(o, st.cfg);
+  st.sets = make_sets(o, st.cfg, st.counts);
+  if (o.log)
+    o.log(fmt::format("reference ready: {} input set(s), tokens per rank {}", st.sets.size(),
+                      fmt::join(st.counts, ",")));
+}
+
+Checker::~Checker() = default;
+Checker::Checker(Checker&&) noexcept = default;
+Checker& Checker::operator=(Checker&&) noexcept = default;
+
+const std::vector<int>& Checker::tokens() const { return s_->counts; }
+
+CheckReport run_check(const CheckOptions& o) { return Checker(o).run(o.launch); }
+
+CheckReport Checker::run(const LaunchConfigs& launch) const {
+  const CheckOptions& o = s_->o;
+  const EpConfig& cfg = s_->cfg;
+  const std::vector<int>& counts = s_->counts;
+  const std::vector<InputSet>& sets = s_->sets;
   const int W = cfg.world_size;
-  const std::vector<int> counts = resolve_token_counts(o, cfg);
+  const int pool = int(sets.size());
+  CheckReport rep;
   rep.tokens = counts;
 
   auto say = [&](const std::string& s) {
     if (o.log) o.log(s);
   };
-  const int pool = std::max(1, std::min(o.pool, o.graph_replays + o.iters));
-  std::vector<InputSet> sets;
-  {
-    std::vector<std::future<InputSet>> jobs;
-    for (int i = 0; i < pool; ++i)
-      jobs.push_back(std::async(std::launch::async, make_set, std::cref(o), std::cref(cfg),
-                                std::cref(counts), o.seed + 1000003ull * i));
-    for (auto& j : jobs) sets.push_back(j.get());
-  }
-  say(fmt::format("reference ready: {} input set(s), tokens per rank {}", pool,
-                  fmt::join(counts, ",")));
 
   InProcessWorld world(W);
-  auto group = make_all2all_group(o.backend, cfg, world, o.launch);
+  auto group = make_all2all_group(o.backend, cfg, world, launch);
   rep.buffer_bytes = group[0]->symmetric_bytes();
 
   for (int r = 0; r < W; ++r) {

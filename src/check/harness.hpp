@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,32 @@ struct CheckReport {
   std::vector<std::string> mismatches;
   size_t buffer_bytes = 0;          // device memory of one rank's object
   std::vector<int> tokens;          // per-rank counts of the first input set
+};
+
+// The check of run_check split in two, for callers that check many launch shapes of one
+// configuration (`epx tune`): the constructor validates the options, resolves the token counts
+// and builds the input sets with their CPU reference once (the slow part: tens of seconds at
+// thousands of tokens per rank); every run() creates a fresh in-process world and group with
+// the given launch shapes (options.launch is not used) and runs the eager / graph / mixed
+// procedure of run_check on those same inputs, returning its own report. run_check(o) is
+// Checker(o).run(o.launch).
+class Checker {
+ public:
+  explicit Checker(const CheckOptions& options);
+  ~Checker();
+  Checker(Checker&&) noexcept;
+  Checker& operator=(Checker&&) noexcept;
+  Checker(const Checker&) = delete;
+  Checker& operator=(const Checker&) = delete;
+
+  CheckReport run(const LaunchConfigs& launch) const;
+
+  // Per-rank token counts (the same for every run).
+  const std::vector<int>& tokens() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
 };
 
 CheckReport run_check(const CheckOptions& options);

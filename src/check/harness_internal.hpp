@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <string>
@@ -64,6 +65,20 @@ inline InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::
     s.y = ref::combine_expert_major(cfg, s.in, s.em, outs);
   }
   return s;
+}
+
+// The input sets of a check (options.pool of them, at most one per call), built in parallel;
+// set i is drawn from options.seed + 1000003 * i.
+inline std::vector<InputSet> make_sets(const CheckOptions& o, const EpConfig& cfg,
+                                       const std::vector<int>& counts) {
+  const int pool = std::max(1, std::min(o.pool, o.graph_replays + o.iters));
+  std::vector<InputSet> sets;
+  std::vector<std::future<InputSet>> jobs;
+  for (int i = 0; i < pool; ++i)
+    jobs.push_back(std::async(std::launch::async, make_set, std::cref(o), std::cref(cfg),
+                              std::cref(counts), o.seed + 1000003ull * i));
+  for (auto& j : jobs) sets.push_back(j.get());
+  return sets;
 }
 
 template <typename T>

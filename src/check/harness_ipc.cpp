@@ -76,15 +76,8 @@ CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
   };
   // Every rank computes every rank's inputs and the whole reference (the expected outputs of
   // one rank depend on every rank's inputs).
-  const int pool = std::max(1, std::min(o.pool, o.graph_replays + o.iters));
-  std::vector<InputSet> sets;
-  {
-    std::vector<std::future<InputSet>> jobs;
-    for (int i = 0; i < pool; ++i)
-      jobs.push_back(std::async(std::launch::async, make_set, std::cref(o), std::cref(cfg),
-                                std::cref(counts), o.seed + 1000003ull * i));
-    for (auto& j : jobs) sets.push_back(j.get());
-  }
+  const std::vector<InputSet> sets = make_sets(o, cfg, counts);
+  const int pool = int(sets.size());
   say(fmt::format("reference ready: {} input set(s), tokens per rank {}", pool,
                   fmt::join(counts, ",")));
 
