@@ -4,6 +4,8 @@
 // cannot serve is reported unavailable.
 #include <fmt/format.h>
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <chrono>
 #include <fstream>
@@ -163,6 +165,12 @@ int gpus_used(const InProcessWorld& world) {
   return int(devices.size());
 }
 
+// EPX_ABLATE as set (the library validates it when the groups are created).
+std::string ablate_setting() {
+  const char* v = std::getenv("EPX_ABLATE");
+  return v == nullptr ? std::string() : std::string(v);
+}
+
 nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const GpuInfo& gpu,
                          const CopyBandwidth& bw, double fork_join_us,
                          const std::vector<TokenResult>& results) {
@@ -202,7 +210,8 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
                      {"warmup", p.warmup},
                      {"verify", p.verify},
                      {"seed", p.shape.seed},
-                     {"timeout_ms", cfg.timeout_ms}};
+                     {"timeout_ms", cfg.timeout_ms},
+                     {"ablate", ablate_setting()}};
   doc["copy_bandwidth"] = {{"bytes", bw.bytes},
                            {"repeats", bw.repeats},
                            {"median_us", bw.median_us},
@@ -368,6 +377,11 @@ bool run_bench(const BenchPlan& p) {
              "launch shapes: {}, timeout {} ms, commit {}\n",
              backends, fmt::join(p.shape.tokens, ","), p.iters, p.warmup,
              p.verify ? "on" : "off", p.launch.origin, base.timeout_ms, git_commit());
+  if (!ablate_setting().empty()) {
+    fmt::print("  EPX_ABLATE={}: stages are left out to attribute time; results are wrong by "
+               "design (run with --no-verify)\n",
+               ablate_setting());
+  }
   const CopyBandwidth bw = measure_copy_bandwidth(world.device_of(0), kCopyBytes, kCopyRepeats);
   progress(fmt::format("copy bandwidth: {:.1f} GB/s (device-to-device copy of {:.1f} GiB, read + "
                        "write, median of {})",

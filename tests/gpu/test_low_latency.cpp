@@ -361,6 +361,17 @@ TEST(LowLatency, HostSideInputErrors) {
   }
   in.num_tokens = 2;  // null pointers
   EXPECT_THROW(g.a2a[0]->dispatch(in, g.streams[0]), InputError);
+  // Host memory instead of device memory: refused before any kernel could fault on it.
+  std::vector<uint16_t> host_x(2 * 2048);
+  in.x = host_x.data();
+  in.topk_ids = g.upload(std::vector<int32_t>(8, 0));
+  in.topk_weights = g.upload(std::vector<float>(8, 0.25f));
+  try {
+    g.a2a[0]->dispatch(in, g.streams[0]);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected device memory on GPU"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {

@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
         at<float>(peer, L.recv_topk_w)[size_t(slot) * K + lane] = my_w;
       }
     }
-    send_payload<kDtype>(p, peers, n, dmask, slot_lo, slot_hi, lane);
+    if (!(S.ablate & kAblatePayload)) send_payload<kDtype>(p, peers, n, dmask, slot_lo, slot_hi, lane);
   }
 
   // 4. arrive: publish this block's rows per destination, then wait for every sender's rows.
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
       const int v = chunk * kChunkVecs + u * kWarp + lane;
       const bool active = v < vecs;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      uint64_t m = rmask;  // warp-uniform
+      uint64_t m = (S.ablate & kAblatePull) ? 0 : rmask;  // warp-uniform
       while (m != 0) {
         int4 raw[kBatch][kVecInts] = {};
         int got = 0;

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <sstream>
 
 #include "backends/common/kernels.hpp"
 #include "backends/common/layout.hpp"
@@ -196,10 +198,20 @@ class PeerAll2All final : public All2All {
                                         cfg_.rank, first_error_));
     }
   }
-  static void check_ptr(const void* p, const char* name, size_t align) {
+  void check_ptr(const void* p, const char* name, size_t align) const {
     EPX_CHECK(p != nullptr, InputError, name, "nullptr", "a device pointer");
     EPX_CHECK(reinterpret_cast<uintptr_t>(p) % align == 0, InputError, name, p,
               std::to_string(align) + "-byte alignment");
+    // A host pointer would fault inside the kernel and take every rank's context with it.
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      attr.type = cudaMemoryTypeUnregistered;
+    }
+    const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    EPX_CHECK(on_device, InputError, name, p,
+              fmt::format("device memory on GPU {} (this is {} memory)", buf_.device(),
+                          attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host"));
   }
   Shape shape() const {
     return Shape{cfg_.world_size,
@@ -215,7 +227,8 @@ class PeerAll2All final : public All2All {
                  cfg_.scale_layout == ScaleLayout::kColumnMajor,
                  int32_t(cfg_.wire_row_bytes()),
                  algo_.every_rank,
-                 algo_.all_reduce};
+                 algo_.all_reduce,
+                 ablate_};
   }
   Waits waits() const {
     return Waits{host_status_dev_, uint64_t(cfg_.timeout_ms) * 1000000ull};
@@ -253,6 +266,7 @@ class PeerAll2All final : public All2All {
   DeviceStatus* host_status_dev_ = nullptr;
   bool failed_ = false;
   std::string first_error_;
+  int32_t ablate_ = ablate_from_env();
 };
 
 LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int world_size,
@@ -332,6 +346,26 @@ std::unique_ptr<All2All> make_ipc_rank(const EpConfig& base, IpcWorld& world,
   preload_kernels(world.device());
   SymmetricBuffer buf = SymmetricBuffer::create_ipc(world, L.total);
   return std::make_unique<PeerAll2All>(cfg, algo, std::move(buf), lc);
+}
+
+int32_t ablate_from_env() {
+  const char* env = std::getenv("EPX_ABLATE");
+  if (env == nullptr || *env == 0) return 0;
+  int32_t bits = 0;
+  std::string item;
+  std::stringstream ss(env);
+  while (std::getline(ss, item, ',')) {
+    if (item == "payload") {
+      bits |= kAblatePayload;
+    } else if (item == "pull") {
+      bits |= kAblatePull;
+    } else {
+      EPX_THROW(ConfigError, fmt::format("EPX_ABLATE = '{}': '{}' is not a stage; expected a comma "
+                                         "list of payload, pull (measuring aid only)",
+                                         env, item));
+    }
+  }
+  return bits;
 }
 
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {
