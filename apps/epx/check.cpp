@@ -6,9 +6,11 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bench_common.hpp"
 #include "commands.hpp"
+#include "moe_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
@@ -81,7 +83,27 @@ struct CheckFlags {
   bool ids64 = false;
   int pool = 3;
   std::string world_kind = "in-process";
+  bool moe = false;
+  MoeCheckFlags moe_flags;  // the layer's own flags; the shape flags are copied in at run time
 };
+
+// `epx check --moe`: the shared flags of `check` into MoeCheckFlags.
+MoeCheckFlags moe_check_flags(const CheckFlags& f) {
+  MoeCheckFlags m = f.moe_flags;
+  m.world = f.shape.world;
+  m.hidden = f.shape.hidden;
+  m.experts = f.shape.experts;
+  m.topk = f.shape.topk;
+  m.max_tokens = f.shape.max_tokens;
+  m.dtype = f.shape.dtype;
+  m.layout = f.shape.layout;
+  m.scale_layout = f.shape.scale_layout;
+  m.timeout_ms = f.shape.timeout_ms;
+  m.tokens = f.tokens;
+  m.backend = f.backend;
+  m.seed = f.seed;
+  return m;
+}
 
 #if EPX_HAVE_CUDA
 // `epx check --world-kind ipc`: this process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch`
@@ -166,7 +188,38 @@ void add_check(CLI::App& app, int& exit_code) {
                 "in-process (every rank a stream of this process) | ipc (this process is one "
                 "rank: run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE)")
       ->capture_default_str();
-  c->callback([f, world_opt, &exit_code] {
+  c->add_flag("--moe", f->moe,
+              "check the MoE layer instead: W ranks vs the same layer on one rank with every "
+              "expert local (and vs the CPU reference when H <= 1024 and E <= 64)");
+  std::vector<CLI::Option*> moe_only = {
+      c->add_option("--intermediate", f->moe_flags.intermediate, "--moe: routed experts' I")
+          ->capture_default_str(),
+      c->add_option("--scoring", f->moe_flags.scoring, "--moe: sigmoid (grouped) | softmax")
+          ->capture_default_str(),
+      c->add_option("--groups", f->moe_flags.groups, "--moe: expert groups")
+          ->capture_default_str(),
+      c->add_option("--topk-groups", f->moe_flags.topk_groups, "--moe: groups kept per token")
+          ->capture_default_str(),
+      c->add_option("--shared-intermediate", f->moe_flags.shared_intermediate,
+                    "--moe: shared expert's I (0 = none)")
+          ->capture_default_str(),
+      c->add_option("--tolerance", f->moe_flags.tolerance,
+                    "--moe: bound of ||d||/||ref|| over all tokens (fp8 experts)")
+          ->capture_default_str()};
+  std::vector<CLI::Option*> not_moe = {c->get_option("--routing"), c->get_option("--iters"),
+                                       c->get_option("--graph"),   c->get_option("--mixed"),
+                                       c->get_option("--ids64"),   c->get_option("--pool"),
+                                       c->get_option("--world-kind")};
+  c->callback([f, world_opt, moe_only, not_moe, &exit_code] {
+    if (f->moe) {
+      for (CLI::Option* o : not_moe)
+        EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given",
+                  "not with --moe (the MoE check runs one forward on an in-process world)");
+      exit_code = run_moe_check(moe_check_flags(*f));
+      return;
+    }
+    for (CLI::Option* o : moe_only)
+      EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given", "only with --moe");
 #if EPX_HAVE_CUDA
     EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc", ConfigError,
               "--world-kind", "'" + f->world_kind + "'", "in-process or ipc");
