@@ -6,6 +6,8 @@
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 build=${1:-build}
 quick=${2:-}
 logs=$build/gpu-logs
