@@ -497,6 +497,15 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
   bf16x8_to_float(*reinterpret_cast<const int4*>(p), f);
 }
 
+// Rounds 8 f32 sums to bf16 once each and stores them as one 16-byte vector.
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<int4*>(dst) = o;
+}
+
 template <typename PartialT>
 __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
   const Shape& S = p.shape;
@@ -600,11 +609,7 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] += f[i];
           }
-          int4 o;
-          __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-          *reinterpret_cast<int4*>(reduced + size_t(j) * H + v * 8) = o;
+          store_bf16x8(reduced + size_t(j) * H + v * 8, acc);
         }
       }
       if (dev::last_block(&state->combine_reduced_ticket)) {
@@ -697,11 +702,7 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
         }
       }
       if (active) {
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        *reinterpret_cast<int4*>(y + size_t(n) * H + v * 8) = o;
+        store_bf16x8(y + size_t(n) * H + v * 8, acc);
       }
     }
   }
