@@ -21,14 +21,15 @@ passed=0; failed=0
 run() {  # run NAME CMD...: one counted check
   local name=$1; shift
   echo "=== $name: $*"
-  if "$@" >"$logs/$name.log" 2>&1; then passed=$((passed+1)); echo "    ok: $(tail -n 1 "$logs/$name.log")"
+  # A hang must not eat the whole session: every counted run is bounded (exit 124 = timed out).
+  if timeout "${EPX_RUN_TIMEOUT_S:-180}" "$@" >"$logs/$name.log" 2>&1; then passed=$((passed+1)); echo "    ok: $(tail -n 1 "$logs/$name.log")"
   else failed=$((failed+1)); echo "    FAILED:"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'; fi
 }
 
 # GoogleTest suites: each test counts.
 for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
-  "$build/tests/$suite" --gtest_brief=1 2>&1 | tee "$logs/$suite.log" | grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" | head -40
+  timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" --gtest_brief=1 2>&1 | tee "$logs/$suite.log" | grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" | head -40
   line=$(grep -E "^gpu-suite: " "$logs/$suite.log" | tail -n 1)
   p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
   if [ -z "$line" ]; then failed=$((failed+1)); echo "$suite did not finish"; else passed=$((passed+p)); failed=$((failed+f)); fi
