@@ -29,7 +29,8 @@ run() {  # run NAME CMD...: one counted check
 # GoogleTest suites: each test counts.
 for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
-  timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" --gtest_brief=1 2>&1 | tee "$logs/$suite.log" | grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" | head -40
+  timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1
+  grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" "$logs/$suite.log" | head -40
   line=$(grep -E "^gpu-suite: " "$logs/$suite.log" | tail -n 1)
   p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
   if [ -z "$line" ]; then failed=$((failed+1)); echo "$suite did not finish"; else passed=$((passed+p)); failed=$((failed+f)); fi
