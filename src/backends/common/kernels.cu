@@ -497,6 +497,32 @@ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
   bf16x8_to_float(*reinterpret_cast<const int4*>(p), f);
 }
 
+// Combine's flag round: the last block of this rank to arrive at `ticket` tells every rank
+// (flags[s] = epoch in each rank's buffer at offset `flags`) that this rank's stage is done; then
+// every block waits, bounded, until every rank has said so. False if a wait failed.
+__device__ inline bool publish_and_wait_all(int32_t* ticket, uint8_t* const* peers, size_t flags,
+                                            uint8_t* local, int W, int s, uint32_t epoch,
+                                            const WaitContext& wait) {
+  __shared__ int32_t failed_wait;
+  if (threadIdx.x == 0) failed_wait = 0;
+  if (dev::last_block(ticket)) {  // last_block synchronises the block first
+    for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<int32_t>(peers[d], flags) + s, int32_t(epoch));
+    }
+  }
+  const int32_t* mine = at<int32_t>(local, flags);
+  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+    const bool ok = dev::bounded_wait(
+        wait, Phase::kCombineReady, q, epoch,
+        [&] { return dev::ld_acquire_sys(mine + q) == int32_t(epoch); },
+        [&] { return int64_t(dev::ld_acquire_sys(mine + q)); });
+    if (!ok) failed_wait = 1;
+  }
+  __syncthreads();
+  return failed_wait == 0;
+}
+
 // Rounds 8 f32 sums to bf16 once each and stores them as one 16-byte vector.
 __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&acc)[8]) {
   int4 o;
@@ -519,13 +545,11 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
   const WaitContext wait = make_wait(p.sym, L, p.waits);
 
   __shared__ uint8_t* peers[kMaxRanks];
-  __shared__ int32_t failed;
   if (dev::aborted(wait)) return;
   const uint32_t epoch = state->combine_epoch + 1;
   const int M = state->recv_count;
   const int N = state->num_tokens;
   for (int r = threadIdx.x; r < W; r += blockDim.x) peers[r] = p.sym.peers[r];
-  if (threadIdx.x == 0) failed = 0;
   __syncthreads();
 
   // A. make this rank's partials available at L.partials.
@@ -565,24 +589,11 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
       }
     }
   }
-  if (dev::last_block(&state->combine_ready_ticket)) {
-    for (int d = threadIdx.x; d < W; d += blockDim.x) {
-      dev::fence_acq_rel_sys();
-      dev::st_release_sys(at<int32_t>(peers[d], L.ready) + s, int32_t(epoch));
-    }
+  // B. once every rank's partials are published, pull and reduce in rank order.
+  if (!publish_and_wait_all(&state->combine_ready_ticket, peers, L.ready, local, W, s, epoch,
+                            wait)) {
+    return;
   }
-
-  // B. wait until every rank's partials are published, then pull and reduce in rank order.
-  int32_t* ready = at<int32_t>(local, L.ready);
-  for (int q = threadIdx.x; q < W; q += blockDim.x) {
-    const bool ok = dev::bounded_wait(
-        wait, Phase::kCombineReady, q, epoch,
-        [&] { return dev::ld_acquire_sys(ready + q) == int32_t(epoch); },
-        [&] { return int64_t(dev::ld_acquire_sys(ready + q)); });
-    if (!ok) failed = 1;
-  }
-  __syncthreads();
-  if (failed) return;
 
   const int32_t* send_slot = at<int32_t>(local, L.send_slot);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.y);
@@ -612,22 +623,10 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
           store_bf16x8(reduced + size_t(j) * H + v * 8, acc);
         }
       }
-      if (dev::last_block(&state->combine_reduced_ticket)) {
-        for (int d = threadIdx.x; d < W; d += blockDim.x) {
-          dev::fence_acq_rel_sys();
-          dev::st_release_sys(at<int32_t>(peers[d], L.ready2) + s, int32_t(epoch));
-        }
+      if (!publish_and_wait_all(&state->combine_reduced_ticket, peers, L.ready2, local, W, s,
+                                epoch, wait)) {
+        return;
       }
-      int32_t* ready2 = at<int32_t>(local, L.ready2);
-      for (int q = threadIdx.x; q < W; q += blockDim.x) {
-        const bool ok = dev::bounded_wait(
-            wait, Phase::kCombineReady, q, epoch,
-            [&] { return dev::ld_acquire_sys(ready2 + q) == int32_t(epoch); },
-            [&] { return int64_t(dev::ld_acquire_sys(ready2 + q)); });
-        if (!ok) failed = 1;
-      }
-      __syncthreads();
-      if (failed) return;
       // ... all-gather: every rank copies all M reduced rows into its own partials area (every
       // peer has finished reading it: they published ready2 after their reduce-scatter) ...
       int4* gathered = reinterpret_cast<int4*>(partials);
