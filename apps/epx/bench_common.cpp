@@ -20,9 +20,8 @@
 #include "epx/world.hpp"
 #endif
 
-#ifndef EPX_GIT_COMMIT
-#define EPX_GIT_COMMIT "unknown"
-#endif
+// Defined in the build tree (cmake/git_commit.cmake), refreshed at every build.
+const char* epx_git_commit();
 
 namespace epx::cli {
 
@@ -225,7 +224,7 @@ double gbps(int64_t bytes, double us, int ranks) {
   return double(bytes) / (us * 1e3) / ranks;  // bytes / (us * 1e-6) / 1e9
 }
 
-const char* git_commit() { return EPX_GIT_COMMIT; }
+const char* git_commit() { return epx_git_commit(); }
 
 std::string host_name() {
   char buf[256] = {};
