@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/cuda_check.hpp"
+#include "moe/kernels.hpp"
 #include "epx/error.hpp"
 
 // Throws CudaError with the call text and cuBLASLt's status name.
@@ -83,17 +84,32 @@ std::vector<float> weight_scales_for_gemm(WeightScaleOrder o, const std::vector<
   return t;
 }
 
+const char* to_string(GemmOrder o) {
+  return o == GemmOrder::kWeightsFirst ? "weights_first" : "acts_first";
+}
+
 struct Fp8Gemm::Plan {
+  GemmOrder order = GemmOrder::kWeightsFirst;
+  int ld_d = 0;  // leading dimension of cuBLAS's D
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr;  // cuBLAS A = weights, K x N (ld K)
-  cublasLtMatrixLayout_t b = nullptr;  // cuBLAS B = activations, K x M (ld K)
-  cublasLtMatrixLayout_t d = nullptr;  // N x M (ld N), also C
+  cublasLtMatrixLayout_t a = nullptr;
+  cublasLtMatrixLayout_t b = nullptr;
+  cublasLtMatrixLayout_t d = nullptr;  // also C
   cublasLtMatmulAlgo_t algo{};
   ~Plan() {
     if (d) cublasLtMatrixLayoutDestroy(d);
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+  // cuBLAS's A and B scale pointers for this order.
+  void set_scales(const Fp8GemmArgs& g) const {
+    const float* sa = order == GemmOrder::kWeightsFirst ? g.b_scales : g.a_scales;
+    const float* sb = order == GemmOrder::kWeightsFirst ? g.a_scales : g.b_scales;
+    EPX_CUBLASLT_CHECK(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    EPX_CUBLASLT_CHECK(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
   }
 };
 
@@ -113,14 +129,17 @@ Fp8Gemm::Fp8Gemm(Fp8ScaleLayouts layouts, size_t workspace_bytes)
 
 Fp8Gemm::~Fp8Gemm() {
   plans_.clear();
+  if (scratch_) cudaFree(scratch_);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(lt(handle_));
 }
 
-Fp8Gemm::Plan* Fp8Gemm::try_plan(int m, int n, int k, GemmOut out, std::string* why) {
-  const auto key = std::make_tuple(m, n, k, static_cast<int>(out));
-  if (auto it = plans_.find(key); it != plans_.end()) return it->second.get();
+std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder order,
+                                                 std::string* why) {
+  const int m = g.m, n = g.n, k = g.k;
   auto p = std::make_unique<Plan>();
+  p->order = order;
+  const bool wf = order == GemmOrder::kWeightsFirst;
   EPX_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_t = CUBLAS_OP_T;
   const cublasOperation_t op_n = CUBLAS_OP_N;
@@ -129,18 +148,24 @@ Fp8Gemm::Plan* Fp8Gemm::try_plan(int m, int n, int k, GemmOut out, std::string* 
   EPX_CUBLASLT_CHECK(
       cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
   // The weights carry 128x128 blocks, the activations 1x128 blocks along K.
-  const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-  const int32_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+  const int32_t mode_a = wf ? blk : vec;
+  const int32_t mode_b = wf ? vec : blk;
   EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                                     &mode_a, sizeof(mode_a)));
   EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                                     &mode_b, sizeof(mode_b)));
-  const cudaDataType_t d_type = out == GemmOut::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+  p->set_scales(g);
+  const cudaDataType_t d_type = g.out == GemmOut::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
+  const int rows_a = wf ? n : m, rows_b = wf ? m : n;
+  p->ld_d = wf ? n : (m + 15) / 16 * 16;
   EPX_CUBLASLT_CHECK(
-      cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(n), k));
+      cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(rows_a), k));
   EPX_CUBLASLT_CHECK(
-      cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(m), k));
-  EPX_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, d_type, uint64_t(n), uint64_t(m), n));
+      cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, uint64_t(k), uint64_t(rows_b), k));
+  EPX_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&p->d, d_type, uint64_t(rows_a), uint64_t(rows_b), p->ld_d));
 
   cublasLtMatmulPreference_t pref = nullptr;
   EPX_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -156,50 +181,85 @@ Fp8Gemm::Plan* Fp8Gemm::try_plan(int m, int n, int k, GemmOut out, std::string* 
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     if (why != nullptr) {
-      *why = "cublasLtMatmulAlgoGetHeuristic (" + shape_text(m, n, k, out) +
-             ", A e4m3 BLK128x128_32F, B e4m3 VEC128_32F, TN): " +
-             (st != CUBLAS_STATUS_SUCCESS ? std::string(cublasLtGetStatusName(st))
-                                          : std::string("no algorithm"));
+      *why += std::string(*why == "" ? "" : "; ") + to_string(order) +
+              (wf ? " (A weights BLK128x128_32F, B activations VEC128_32F)"
+                  : " (A activations VEC128_32F, B weights BLK128x128_32F)") +
+              ": " +
+              (st != CUBLAS_STATUS_SUCCESS ? std::string(cublasLtGetStatusName(st))
+                                           : std::string("no algorithm"));
     }
     return nullptr;
   }
   p->algo = result.algo;
-  Plan* raw = p.get();
-  plans_.emplace(key, std::move(p));
-  return raw;
+  return p;
 }
 
-Fp8Gemm::Plan& Fp8Gemm::plan(int m, int n, int k, GemmOut out) {
+Fp8Gemm::Plan& Fp8Gemm::plan(const Fp8GemmArgs& g) {
+  const auto key = std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.out));
+  if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  std::vector<GemmOrder> orders = {GemmOrder::kWeightsFirst, GemmOrder::kActsFirst};
+  if (const char* v = std::getenv("EPX_FP8_GEMM_ORDER"); v != nullptr && *v != '\0') {
+    const std::string s(v);
+    EPX_CHECK(s == "weights_first" || s == "acts_first", InputError, "EPX_FP8_GEMM_ORDER", s,
+              "weights_first | acts_first");
+    orders = {s == "weights_first" ? GemmOrder::kWeightsFirst : GemmOrder::kActsFirst};
+  }
   std::string why;
-  Plan* p = try_plan(m, n, k, out, &why);
-  if (p == nullptr) throw CudaError(why);
-  return *p;
+  for (GemmOrder o : orders) {
+    if (auto p = try_plan(g, o, &why)) return *plans_.emplace(key, std::move(p)).first->second;
+  }
+  throw CudaError("cublasLtMatmulAlgoGetHeuristic (" + shape_text(g.m, g.n, g.k, g.out) +
+                  ", e4m3 TN) refused every operand order: " + why);
 }
 
 bool Fp8Gemm::supports(int m, int n, int k, GemmOut out) {
-  return try_plan(m, n, k, out, nullptr) != nullptr;
+  // Any non-null device address stands in for the scale tensors (the heuristic reads none).
+  const float* dummy = static_cast<const float*>(workspace_);
+  Fp8GemmArgs g{.m = m, .n = n, .k = k, .a_scales = dummy, .b_scales = dummy, .out = out};
+  try {
+    plan(g);
+    return true;
+  } catch (const CudaError&) {
+    return false;
+  }
 }
+
+GemmOrder Fp8Gemm::order_for(const Fp8GemmArgs& g) { return plan(g).order; }
 
 void Fp8Gemm::run(const Fp8GemmArgs& g, cudaStream_t stream) {
   EPX_CHECK(g.m >= 0, InputError, "m", g.m, ">= 0");
   EPX_CHECK(g.n > 0 && g.n % 128 == 0, InputError, "n", g.n, "a positive multiple of 128");
   // K / 128 a multiple of 4: the weight scale rows are then 16-byte aligned
-  // whether or not cuBLASLt pads their leading dimension, an ambiguity not yet
-  // settled on a GPU.
+  // whether or not cuBLASLt pads their leading dimension.
   EPX_CHECK(g.k > 0 && g.k % 512 == 0, InputError, "k", g.k,
             "a positive multiple of 512 (K / 128 blocks a multiple of 4)");
   if (g.m == 0) return;
   EPX_CHECK(g.a && g.a_scales && g.b && g.b_scales && g.d, InputError, "fp8 GEMM pointers",
             "a null pointer", "all of a, a_scales, b, b_scales, d set");
-  Plan& p = plan(g.m, g.n, g.k, g.out);
-  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                    &g.b_scales, sizeof(g.b_scales)));
-  EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                    &g.a_scales, sizeof(g.a_scales)));
+  Plan& p = plan(g);
+  p.set_scales(g);
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  EPX_CUBLASLT_CHECK(cublasLtMatmul(lt(handle_), p.desc, &alpha, g.b, p.a, g.a, p.b, &beta, g.d,
-                                    p.d, g.d, p.d, &p.algo, workspace_, workspace_bytes_, stream));
+  const bool wf = p.order == GemmOrder::kWeightsFirst;
+  const size_t elem = g.out == GemmOut::kBF16 ? 2 : 4;
+  void* d = g.d;
+  if (!wf) {
+    const size_t need = size_t(p.ld_d) * size_t(g.n) * elem;
+    if (need > scratch_bytes_) {
+      // Grows rarely (the largest M seen so far); not while a graph is being captured.
+      if (scratch_) EPX_CUDA_CHECK(cudaFree(scratch_));
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      EPX_CUDA_CHECK(cudaMalloc(&scratch_, need));
+      scratch_bytes_ = need;
+    }
+    d = scratch_;
+  }
+  const void* a = wf ? static_cast<const void*>(g.b) : g.a;
+  const void* b = wf ? static_cast<const void*>(g.a) : g.b;
+  EPX_CUBLASLT_CHECK(cublasLtMatmul(lt(handle_), p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d,
+                                    p.d, &p.algo, workspace_, workspace_bytes_, stream));
+  if (!wf) launch_transpose(d, p.ld_d, g.m, g.n, int(elem), g.d, stream);
 }
 
 }  // namespace epx::moe

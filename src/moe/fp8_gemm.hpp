@@ -10,12 +10,19 @@
 // aligned whether or not cuBLASLt pads them). M >= 1 is any size; the scale buffer of A is laid
 // out for M_pad = padded_rows(M) rows, and callers run the GEMM at M_pad (see kRowAlign).
 //
-// Mapping onto cuBLASLt (column-major, TN, the only fp8 order Hopper accepts):
-//   cuBLAS A := the weights,     stored K x N column-major (ld K), op T -> logical N x K
-//   cuBLAS B := the activations, stored K x M column-major (ld K), op N -> logical K x M
-//   cuBLAS D := N x M column-major (ld N) = our row-major [M][N]
-//   CUBLASLT_MATMUL_DESC_A_SCALE_MODE = BLK128x128_32F (weights),
-//   CUBLASLT_MATMUL_DESC_B_SCALE_MODE = VEC128_32F (activations).
+// Mapping onto cuBLASLt (column-major, TN, the only fp8 order Hopper accepts), two operand
+// orders (GemmOrder); the first one cuBLASLt offers an algorithm for is used and remembered:
+//   kWeightsFirst (D comes out row-major [M][N] directly):
+//     cuBLAS A := the weights,     stored K x N column-major (ld K), op T, BLK128x128_32F
+//     cuBLAS B := the activations, stored K x M column-major (ld K), op N, VEC128_32F
+//     cuBLAS D := N x M column-major (ld N) = our row-major [M][N]
+//   kActsFirst (the order of NVIDIA's block-scaled fp8 sample):
+//     cuBLAS A := the activations, stored K x M column-major (ld K), op T, VEC128_32F
+//     cuBLAS B := the weights,     stored K x N column-major (ld K), op N, BLK128x128_32F
+//     cuBLAS D := M x N column-major (ld round_up(M, 16)) in a scratch buffer, then transposed
+//                 into our row-major [M][N] (launch_transpose)
+// The scale pointers are set before the heuristic is asked (block-scaled modes are refused
+// without them). EPX_FP8_GEMM_ORDER=weights_first|acts_first tries that order only.
 //
 // Scale tensor layouts. cuBLASLt documents block scales relative to its column-major view;
 // which of two plausible orders it reads has NOT been checked on a GPU from this code yet, so
@@ -59,6 +66,8 @@ inline constexpr int kRowAlign = 4;  // M_pad = round_up(M, 4): 16-byte aligned 
 enum class ActScaleOrder { kBlockMajor, kRowMajor };
 enum class WeightScaleOrder { kRowMajor, kTransposed };
 enum class GemmOut { kBF16, kF32 };
+enum class GemmOrder { kWeightsFirst, kActsFirst };
+const char* to_string(GemmOrder o);
 
 struct Fp8ScaleLayouts {
   ActScaleOrder act = ActScaleOrder::kBlockMajor;
@@ -110,20 +119,24 @@ class Fp8Gemm {
   // refuses or has no algorithm.
   void run(const Fp8GemmArgs& args, cudaStream_t stream);
 
-  // Whether cuBLASLt offers an algorithm for this shape and output type (no
-  // launch).
+  // Whether cuBLASLt offers an algorithm, in either operand order, for this shape and output
+  // type (no launch).
   bool supports(int m, int n, int k, GemmOut out);
+
+  // The operand order used for this shape (planning it if needed; throws like run()).
+  GemmOrder order_for(const Fp8GemmArgs& args);
 
  private:
   struct Plan;
-  Plan& plan(int m, int n, int k,
-             GemmOut out);  // cached; throws if no algorithm
-  Plan* try_plan(int m, int n, int k, GemmOut out, std::string* why);
+  Plan& plan(const Fp8GemmArgs& g);  // cached; throws naming every order's refusal
+  std::unique_ptr<Plan> try_plan(const Fp8GemmArgs& g, GemmOrder order, std::string* why);
 
   Fp8ScaleLayouts layouts_;
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  void* scratch_ = nullptr;  // kActsFirst: the column-major D before its transpose
+  size_t scratch_bytes_ = 0;
   std::map<std::tuple<int, int, int, int>, std::unique_ptr<Plan>> plans_;
 };
 

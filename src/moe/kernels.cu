@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 #include "core/cuda_check.hpp"
+#include "epx/error.hpp"
 #include "moe/kernels.hpp"
 
 namespace epx::moe {
@@ -300,6 +301,42 @@ void launch_add_shared(uint16_t* y, const void* shared, bool shared_bf16, int ro
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
+namespace {
+
+// 32 x 32 tiles through shared memory: coalesced reads of src columns and writes of dst rows.
+template <typename T>
+__global__ void __launch_bounds__(256) transpose_kernel(const T* src, int ld_src, int rows,
+                                                        int cols, T* dst) {
+  __shared__ T tile[32][33];
+  const int r0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
+  for (int j = threadIdx.y; j < 32; j += 8) {
+    const int r = r0 + threadIdx.x, c = c0 + j;
+    if (r < rows && c < cols) tile[j][threadIdx.x] = src[size_t(c) * ld_src + r];
+  }
+  __syncthreads();
+  for (int j = threadIdx.y; j < 32; j += 8) {
+    const int r = r0 + j, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) dst[size_t(r) * cols + c] = tile[threadIdx.x][j];
+  }
+}
+
+}  // namespace
+
+void launch_transpose(const void* src, int ld_src, int rows, int cols, int elem_bytes, void* dst,
+                      cudaStream_t stream) {
+  EPX_CHECK(elem_bytes == 2 || elem_bytes == 4, InputError, "elem_bytes", elem_bytes, "2 or 4");
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid((rows + 31) / 32, (cols + 31) / 32), block(32, 8);
+  if (elem_bytes == 2) {
+    transpose_kernel<<<grid, block, 0, stream>>>(static_cast<const uint16_t*>(src), ld_src, rows,
+                                                 cols, static_cast<uint16_t*>(dst));
+  } else {
+    transpose_kernel<<<grid, block, 0, stream>>>(static_cast<const float*>(src), ld_src, rows, cols,
+                                                 static_cast<float*>(dst));
+  }
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
 void preload_moe_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, quantize_rows_kernel));
@@ -307,6 +344,8 @@ void preload_moe_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, router_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, weighted_partials_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, elementwise_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, transpose_kernel<uint16_t>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, transpose_kernel<float>));
 }
 
 }  // namespace epx::moe

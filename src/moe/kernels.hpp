@@ -100,6 +100,12 @@ void launch_store_bf16(const void* src, bool src_bf16, int rows, int cols, uint1
 void launch_add_shared(uint16_t* y, const void* shared, bool shared_bf16, int rows, int cols,
                        cudaStream_t stream);
 
+// dst[r][c] = src[c * ld_src + r] for r < rows, c < cols: a column-major GEMM result
+// (fp8_gemm.cpp, activations-first operand order) to row-major [rows][cols]. Elements of 2 bytes
+// (bf16) or 4 bytes (f32).
+void launch_transpose(const void* src, int ld_src, int rows, int cols, int elem_bytes, void* dst,
+                      cudaStream_t stream);
+
 // Loads every kernel of this file (CUDA lazy loading would otherwise wait for
 // running kernels, which deadlocks with ranks spinning on each other; see
 // all2all.hpp).
