@@ -34,7 +34,6 @@ namespace {
 using dev::WaitContext;
 
 constexpr int kWarp = 32;
-constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane
 
 struct Ctx {
   const Layout& L;
@@ -94,95 +93,78 @@ __device__ __forceinline__ uint2 quantize8(const float (&f)[8], bool active, flo
   return out;
 }
 
-// Sends token n's payload to the destinations in `dmask` (bits = ranks; slot of rank r in
-// lane r%32 of slot_lo / slot_hi). Called by one whole warp.
+// 16-byte vectors per lane that one payload item loads before its stores (all in flight).
+constexpr int kMaxSteps = 4;
+
+// One item of token n's payload: columns [step0, step0 + nsteps) x kWarp x (elements per
+// 16-byte vector), sent to the destinations in `dmask` (bits = ranks; slot of rank r in lane r%32
+// of slot_lo / slot_hi). Each lane first loads all its vectors of the item, then stores them to
+// every destination. The item with step0 == 0 also sends the token's fp8 scales. Called by one
+// whole warp.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* const* peers,
                                              int n, uint64_t dmask, int slot_lo, int slot_hi,
-                                             int lane) {
+                                             int lane, int step0, int nsteps) {
   const Shape& S = p.shape;
   const Layout& L = p.layout;
   const int H = S.hidden;
   auto slot_of = [&](int r) {
     return __shfl_sync(0xffffffffu, r < 32 ? slot_lo : slot_hi, r & 31);
   };
-  if constexpr (kDtype == DispatchDtype::kFP8) {
-    // 16 fp8 per lane per step.
-    const uint8_t* src = static_cast<const uint8_t*>(p.x) + size_t(n) * H;
-    for (int c0 = 0; c0 < H; c0 += kWarp * 16 * kUnroll) {
-      int4 v[kUnroll] = {};
+  constexpr int kPer = kDtype == DispatchDtype::kFP8 ? 16 : 8;  // elements per vector
+  constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
+  const uint8_t* src = static_cast<const uint8_t*>(p.x) + size_t(n) * H * kInBytes;
+  int4 v[kMaxSteps];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int col = c0 + (u * kWarp + lane) * 16;
-        if (col < H) v[u] = __ldg(reinterpret_cast<const int4*>(src + col));
+  for (int u = 0; u < kMaxSteps; ++u) {
+    const int col = ((step0 + u) * kWarp + lane) * kPer;
+    v[u] = make_int4(0, 0, 0, 0);
+    if (u < nsteps && col < H) v[u] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * kInBytes));
+  }
+  if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
+    constexpr int kOutBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
+    for (uint64_t m = dmask; m; m &= m - 1) {
+      const int r = __ffsll(static_cast<long long>(m)) - 1;
+      uint8_t* dst = peers[r] + L.recv_x + size_t(slot_of(r)) * H * kOutBytes;
+#pragma unroll
+      for (int u = 0; u < kMaxSteps; ++u) {
+        const int col = ((step0 + u) * kWarp + lane) * kPer;
+        if (u < nsteps && col < H) *reinterpret_cast<int4*>(dst + size_t(col) * kOutBytes) = v[u];
       }
+    }
+    if (kDtype == DispatchDtype::kFP8 && step0 == 0) {
       for (uint64_t m = dmask; m; m &= m - 1) {
         const int r = __ffsll(static_cast<long long>(m)) - 1;
         const int slot = slot_of(r);
-        uint8_t* dst = peers[r] + L.recv_x + size_t(slot) * H;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int col = c0 + (u * kWarp + lane) * 16;
-          if (col < H) *reinterpret_cast<int4*>(dst + col) = v[u];
-        }
+        float* dst = reinterpret_cast<float*>(peers[r] + L.recv_scales);
+        for (int g = lane; g < S.groups; g += kWarp)
+          dst[scale_index(S, slot, g, S.capacity)] = __ldg(p.x_scales + size_t(n) * S.groups + g);
       }
+    }
+  } else {
+    // Quantised in place: 8 bf16 -> 8 fp8 per lane, the half-warp's 1x128 block sharing a scale.
+    uint2 q[kMaxSteps];
+    float sc[kMaxSteps];
+#pragma unroll
+    for (int u = 0; u < kMaxSteps; ++u) {
+      const int col = ((step0 + u) * kWarp + lane) * kPer;
+      float f[8];
+      bf16x8_to_float(v[u], f);  // zeros where nothing was loaded
+      q[u] = make_uint2(0, 0);
+      sc[u] = 0.f;
+      if (u < nsteps) q[u] = quantize8(f, col < H, sc[u]);  // u < nsteps is warp-uniform
     }
     for (uint64_t m = dmask; m; m &= m - 1) {
       const int r = __ffsll(static_cast<long long>(m)) - 1;
       const int slot = slot_of(r);
-      float* dst = reinterpret_cast<float*>(peers[r] + L.recv_scales);
-      for (int g = lane; g < S.groups; g += kWarp)
-        dst[scale_index(S, slot, g, S.capacity)] = __ldg(p.x_scales + size_t(n) * S.groups + g);
-    }
-  } else {
-    // 8 bf16 per lane per step.
-    const uint8_t* src = static_cast<const uint8_t*>(p.x) + size_t(n) * H * 2;
-    for (int c0 = 0; c0 < H; c0 += kWarp * 8 * kUnroll) {
-      int4 v[kUnroll] = {};
+      uint8_t* dst = peers[r] + L.recv_x + size_t(slot) * H;
+      float* dsc = reinterpret_cast<float*>(peers[r] + L.recv_scales);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int col = c0 + (u * kWarp + lane) * 8;
-        if (col < H) v[u] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * 2));
-      }
-      if constexpr (kDtype == DispatchDtype::kBF16) {
-        for (uint64_t m = dmask; m; m &= m - 1) {
-          const int r = __ffsll(static_cast<long long>(m)) - 1;
-          const int slot = slot_of(r);
-          uint8_t* dst = peers[r] + L.recv_x + size_t(slot) * H * 2;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int col = c0 + (u * kWarp + lane) * 8;
-            if (col < H) *reinterpret_cast<int4*>(dst + size_t(col) * 2) = v[u];
-          }
-        }
-      } else {
-        uint2 q[kUnroll];
-        float sc[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int col = c0 + (u * kWarp + lane) * 8;
-          float f[8];
-          if (col < H) {
-            bf16x8_to_float(v[u], f);
-          } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = 0.f;
-          }
-          q[u] = quantize8(f, col < H, sc[u]);
-        }
-        for (uint64_t m = dmask; m; m &= m - 1) {
-          const int r = __ffsll(static_cast<long long>(m)) - 1;
-          const int slot = slot_of(r);
-          uint8_t* dst = peers[r] + L.recv_x + size_t(slot) * H;
-          float* dsc = reinterpret_cast<float*>(peers[r] + L.recv_scales);
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int col = c0 + (u * kWarp + lane) * 8;
-            if (col < H) {
-              *reinterpret_cast<uint2*>(dst + col) = q[u];
-              if ((lane & 15) == 0) dsc[scale_index(S, slot, col / 128, S.capacity)] = sc[u];
-            }
-          }
+      for (int u = 0; u < kMaxSteps; ++u) {
+        const int col = ((step0 + u) * kWarp + lane) * kPer;
+        if (u < nsteps && col < H) {
+          *reinterpret_cast<uint2*>(dst + col) = q[u];
+          if ((lane & 15) == 0) dsc[scale_index(S, slot, col / 128, S.capacity)] = sc[u];
         }
       }
     }
@@ -327,13 +309,14 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
   __syncthreads();
   if (failed) return;
 
-  // 3. send: one warp per token.
+  // 3a. slots and metadata: one warp per token. The absolute rows are written back to
+  // send_slot (read by 3b and by combine).
   for (int n = t0 + warp; n < t1; n += num_warps) {
     int slot_lo = -1, slot_hi = -1;
     if (lane < W) {
       slot_lo = send_slot[size_t(n) * W + lane];
       if (slot_lo >= 0) slot_lo += base[lane];
-      send_slot[size_t(n) * W + lane] = slot_lo;  // absolute row, read again by combine
+      send_slot[size_t(n) * W + lane] = slot_lo;
     }
     if (lane + 32 < W) {
       slot_hi = send_slot[size_t(n) * W + lane + 32];
@@ -364,7 +347,28 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
         at<float>(peer, L.recv_topk_w)[size_t(slot) * K + lane] = my_w;
       }
     }
-    if (!(S.ablate & kAblatePayload)) send_payload<kDtype>(p, peers, n, dmask, slot_lo, slot_hi, lane);
+  }
+  __syncthreads();
+
+  // 3b. payload: one warp per (token, column range), so that every warp has loads in flight
+  // even when the block owns fewer tokens than it has warps.
+  if (!(S.ablate & kAblatePayload)) {
+    constexpr int kPer = kDtype == DispatchDtype::kFP8 ? 16 : 8;
+    const int steps = (S.hidden + kWarp * kPer - 1) / (kWarp * kPer);
+    const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
+    const int per_part = (steps + parts - 1) / parts;
+    const int items = (t1 - t0) * parts;
+    for (int it = warp; it < items; it += num_warps) {
+      const int n = t0 + it / parts, part = it % parts;
+      const int slot_lo = lane < W ? send_slot[size_t(n) * W + lane] : -1;
+      const int slot_hi = lane + 32 < W ? send_slot[size_t(n) * W + lane + 32] : -1;
+      const uint64_t dmask = uint64_t(__ballot_sync(0xffffffffu, slot_lo >= 0)) |
+                             (uint64_t(__ballot_sync(0xffffffffu, slot_hi >= 0)) << 32);
+      if (dmask == 0) continue;
+      const int step0 = part * per_part;
+      send_payload<kDtype>(p, peers, n, dmask, slot_lo, slot_hi, lane, step0,
+                           min(per_part, steps - step0));
+    }
   }
 
   // 4. arrive: publish this block's rows per destination, then wait for every sender's rows.
