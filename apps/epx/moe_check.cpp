@@ -212,6 +212,17 @@ void parallel_for(int n, Fn fn) {
     });
   }
   for (auto& t : threads) t.join();
+  // The root cause first: a rank's own failure, not a peer's timeout waiting for that rank.
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError&) {
+    } catch (const PeerError&) {
+    } catch (...) {
+      throw;
+    }
+  }
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }

@@ -246,11 +246,12 @@ void Fp8Gemm::run(const Fp8GemmArgs& g, cudaStream_t stream) {
   if (!wf) {
     const size_t need = size_t(p.ld_d) * size_t(g.n) * elem;
     if (need > scratch_bytes_) {
-      // Grows rarely (the largest M seen so far); not while a graph is being captured.
-      if (scratch_) EPX_CUDA_CHECK(cudaFree(scratch_));
+      // Grows to the largest M seen so far, stream-ordered: cudaFree / cudaMalloc would wait
+      // for the whole device, including in-process peers' kernels waiting for this rank.
+      if (scratch_) EPX_CUDA_CHECK(cudaFreeAsync(scratch_, stream));
       scratch_ = nullptr;
       scratch_bytes_ = 0;
-      EPX_CUDA_CHECK(cudaMalloc(&scratch_, need));
+      EPX_CUDA_CHECK(cudaMallocAsync(&scratch_, need, stream));
       scratch_bytes_ = need;
     }
     d = scratch_;

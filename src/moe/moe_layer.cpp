@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/cuda_check.hpp"
@@ -226,12 +227,24 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
   // bytes.
   m.gate = m.upload(ref::moe::make_gate_weight(m.ref_shape, seed));
   m.bias = m.upload(ref::moe::make_correction_bias(m.ref_shape, seed));
-  for (int e = 0; e < local; ++e)
-    m.experts.push_back(
-        m.upload(ref::moe::make_expert_weights(m.ref_shape, seed, ep.rank * local + e)));
-  if (m.has_shared)
-    m.experts.push_back(
-        m.upload(ref::moe::make_expert_weights(m.ref_shape, seed, ref::moe::kSharedExpert)));
+  // Host generation is the slow part (seconds per DeepSeek-R1 expert): batches of experts are
+  // generated on all cores, then uploaded in order.
+  std::vector<int> ids;
+  for (int e = 0; e < local; ++e) ids.push_back(ep.rank * local + e);
+  if (m.has_shared) ids.push_back(ref::moe::kSharedExpert);
+  const size_t batch = std::max(1u, std::thread::hardware_concurrency());
+  for (size_t b0 = 0; b0 < ids.size(); b0 += batch) {
+    const size_t nb = std::min(batch, ids.size() - b0);
+    std::vector<ref::moe::ExpertWeights> gen(nb);
+    std::vector<std::thread> workers;
+    for (size_t i = 0; i < nb; ++i) {
+      workers.emplace_back([&, i] {
+        gen[i] = ref::moe::make_expert_weights(m.ref_shape, seed, ids[b0 + i]);
+      });
+    }
+    for (auto& w : workers) w.join();
+    for (const auto& w : gen) m.experts.push_back(m.upload(w));
+  }
 
   const size_t groups = size_t(h) / 128;
   m.route_ids = m.alloc<int32_t>(size_t(t) * k);

@@ -133,11 +133,13 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
   const std::vector<float> want = rm::fp8_gemm_nt(aq, as, m, w.w1);
 
   DeviceBuffers buf;
-  const uint8_t* d_a = buf.upload(aq);
+  std::vector<uint8_t> aq_pad(aq);
+  aq_pad.resize(size_t(moe::padded_rows(m)) * k, 0);  // padding rows: zeros, scale 1
+  const uint8_t* d_a = buf.upload(aq_pad);
   const float* d_as = buf.upload(act_scales_for(layouts.act, as, m, moe::padded_rows(m), k));
   const uint8_t* d_w = buf.upload(w.w1.q);
   const float* d_ws = buf.upload(moe::weight_scales_for_gemm(layouts.weight, w.w1.scales, n, k));
-  void* d_out = buf.alloc<float>(size_t(m) * n);
+  void* d_out = buf.alloc<float>(size_t(moe::padded_rows(m)) * n);
   moe::Fp8Gemm gemm(layouts);
   const moe::Fp8GemmArgs args{.m = moe::padded_rows(m),
                               .n = n,
@@ -166,7 +168,7 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
 TEST(MoeFp8Gemm, MatchesReferenceF32AndBf16) {
   MOE_REQUIRE_GPU();
   const moe::Fp8ScaleLayouts layouts = moe::Fp8ScaleLayouts::from_env();
-  for (int m : {64, 16, 40}) {
+  for (int m : {64, 16, 40, 1, 4, 8, 12, 100}) {
     std::string order;
     const double e32 = gemm_error(layouts, moe::GemmOut::kF32, m, &order);
     const double e16 = gemm_error(layouts, moe::GemmOut::kBF16, m);
