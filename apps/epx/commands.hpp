@@ -9,4 +9,5 @@ void add_sizes(CLI::App& app, int& exit_code);
 void add_bench(CLI::App& app, int& exit_code);
 void add_tune(CLI::App& app, int& exit_code);
 void add_launch(CLI::App& app, int& exit_code);
+void add_serve_bench(CLI::App& app, int& exit_code);
 }  // namespace epx::cli

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   epx::cli::add_selftest(app, exit_code);
   epx::cli::add_sizes(app, exit_code);
   epx::cli::add_bench(app, exit_code);
+  epx::cli::add_serve_bench(app, exit_code);
   epx::cli::add_tune(app, exit_code);
   epx::cli::add_launch(app, exit_code);
   try {

@@ -1,0 +1,806 @@
+// `epx serve-bench`: inter-token latency of a simulated serving workload per backend (DESIGN §1,
+// the end-to-end test plan of the system we descend from: DeepSeek-R1 with 8-way data + expert
+// parallelism, naive vs allgather_reducescatter vs low_latency).
+//
+// W in-process ranks on GPU 0, one host thread and one stream each. The workload and its
+// chunked-prefill scheduler live in serve_sched.hpp (no CUDA, unit-tested). Every engine step:
+// the scheduler gives each rank its tokens; each rank runs --layers MoE layers (MoeLayer,
+// include/epx/moe.hpp) on them through the backend's All2All, in chunks of --chunk-size with the
+// same chunk count on every rank; the step's wall time runs from the release of all ranks'
+// threads until every thread has drained its stream and joined. Output tokens are stamped with the
+// end of their step. Only the MoE layers are simulated (no attention, no dense layers), and
+// every layer reads the step's input activations (there is no residual stream).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "commands.hpp"
+#include "epx/config.hpp"
+#include "epx/error.hpp"
+#include "reference/moe_ref.hpp"
+#include "serve_sched.hpp"
+#if EPX_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.hpp"
+#include "epx/all2all.hpp"
+#include "epx/moe.hpp"
+#include "epx/world.hpp"
+#endif
+
+namespace epx::cli {
+namespace {
+
+constexpr double kProgressEveryS = 5.0;
+constexpr int kDeepSeekMoeLayers = 58;  // DeepSeek-R1: 61 layers, the first 3 dense
+
+enum class WeightsMode { kAuto, kDistinct, kShared };
+
+struct ServeFlags {
+  serve::Workload workload;  // defaults: serve_sched.hpp
+  std::string backends = "naive,allgather_reducescatter,low_latency";
+  int hidden = 7168;
+  int intermediate = 2048;
+  int experts = 256;
+  int topk = 8;
+  int shared_intermediate = 2048;
+  int layers = 2;
+  std::string weights = "auto";
+  std::string dtype = "bf16-to-fp8";
+  std::string layout = "token";
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string preset;
+  bool cuda_graph = false;
+};
+
+struct ServePlan {
+  serve::Workload workload;
+  std::vector<Backend> backends;
+  ref::moe::MoeShape shape;
+  EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
+  int layers = 2;
+  WeightsMode weights = WeightsMode::kAuto;
+  LaunchSource launch;
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string preset_note;  // empty unless --preset
+};
+
+// --preset original: the original test's numbers, scaled to one GPU (see the help text).
+constexpr int kOrigPrompts = 2000, kOrigIsl = 2000, kOrigOsl = 100, kOrigConcurrency = 2000,
+              kOrigChunk = 1024, kOrigBatched = 32768;
+
+std::string preset_help() {
+  return fmt::format(
+      "original: the DeepSeek-R1 DP{0}/EP{0} test of the system we descend from ({1} prompts, "
+      "ISL {2}, OSL {3}, concurrency {4}, chunk {5}, {6} batched tokens per rank) scaled to one "
+      "GPU: the --world ranks share one GPU, so prompts, concurrency and batched tokens are "
+      "divided by --world ({7}, {7}, {8} at 8 ranks: the GPU carries per step the tokens one "
+      "GPU of the original carried); ISL, OSL and chunk are kept; the model's {9} MoE layers "
+      "become --layers. Flags given explicitly win over the preset",
+      8, kOrigPrompts, kOrigIsl, kOrigOsl, kOrigConcurrency, kOrigChunk, kOrigBatched,
+      (kOrigPrompts + 7) / 8, kOrigBatched / 8, kDeepSeekMoeLayers);
+}
+
+// Sets the workload flags the user did not give (`given` holds the names of those given);
+// returns the line that says what it did.
+std::string apply_preset(ServeFlags& f, const std::map<std::string, bool>& given) {
+  if (f.preset.empty()) return "";
+  if (f.preset != "original") {
+    EPX_THROW(ConfigError, fmt::format("--preset = '{}', expected original", f.preset));
+  }
+  serve::Workload& w = f.workload;
+  check_range("--world", w.world, 1, 32, "in-process ranks on one GPU");
+  const int div = w.world;
+  auto set = [&](const char* flag, int& field, int value) {
+    if (!given.count(flag)) field = value;
+  };
+  set("--num-prompts", w.num_prompts, (kOrigPrompts + div - 1) / div);
+  set("--concurrency", w.concurrency, (kOrigConcurrency + div - 1) / div);
+  set("--max-batched-tokens", w.max_batched_tokens, std::max(1, kOrigBatched / div));
+  set("--isl", w.isl, kOrigIsl);
+  set("--osl", w.osl, kOrigOsl);
+  set("--chunk-size", w.chunk_size, kOrigChunk);
+  return fmt::format(
+      "preset original: {} prompts -> {}, concurrency {} -> {}, batched tokens/rank {} -> {} "
+      "(divided by the {} ranks sharing one GPU), ISL {}, OSL {}, chunk {} (kept: {}), "
+      "{} MoE layers -> {}",
+      kOrigPrompts, w.num_prompts, kOrigConcurrency, w.concurrency, kOrigBatched,
+      w.max_batched_tokens, div, w.isl, w.osl, w.chunk_size,
+      given.empty() ? "no workload flag given" : "explicit flags win", kDeepSeekMoeLayers,
+      f.layers);
+}
+
+void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
+  if ((zero_ok && value == 0) || (value >= 512 && value <= kMaxHidden && value % 512 == 0)) return;
+  EPX_THROW(ConfigError,
+            fmt::format("--{} = {}, expected {}a multiple of 512 in [512, {}] (the MoE layer's fp8 "
+                        "GEMMs: K / 128 a multiple of 4)",
+                        flag, value, zero_ok ? "0 (none) or " : "", kMaxHidden));
+}
+
+ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
+  ServePlan p;
+  if (f.cuda_graph) {
+    EPX_THROW(ConfigError,
+              "--cuda-graph is not supported yet: MoeLayer::forward synchronises its stream once "
+              "per chunk to read the received row counts (include/epx/moe.hpp), so a step "
+              "cannot be captured in a CUDA graph; run without --cuda-graph");
+  }
+  p.preset_note = apply_preset(f, given);
+  p.workload = f.workload;
+  serve::validate(p.workload);
+  const int W = p.workload.world;
+  check_range("--layers", f.layers, 1, 1024);
+  check_multiple_of_512("hidden", f.hidden, false);
+  check_multiple_of_512("intermediate", f.intermediate, false);
+  check_multiple_of_512("shared-intermediate", f.shared_intermediate, true);
+  check_range("--experts", f.experts, W, 1 << 16, "at least --world");
+  if (f.experts % W != 0) {
+    EPX_THROW(ConfigError, fmt::format("--experts = {}, expected a multiple of --world = {} "
+                                       "(every rank holds E/W experts)",
+                                       f.experts, W));
+  }
+  check_range("--topk", f.topk, 1, std::min(kMaxTopk, f.experts), "at most min(32, --experts)");
+  for (const std::string& name : split_list(f.backends, "--backends")) {
+    const Backend b = parse_backend_flag(name, "--backends");
+    if (std::find(p.backends.begin(), p.backends.end(), b) != p.backends.end()) {
+      EPX_THROW(ConfigError, fmt::format("--backends = '{}' lists {} twice, expected each "
+                                         "backend once",
+                                         f.backends, name));
+    }
+    p.backends.push_back(b);
+  }
+  if (f.weights == "auto") {
+    p.weights = WeightsMode::kAuto;
+  } else if (f.weights == "distinct") {
+    p.weights = WeightsMode::kDistinct;
+  } else if (f.weights == "shared") {
+    p.weights = WeightsMode::kShared;
+  } else {
+    EPX_THROW(ConfigError,
+              fmt::format("--weights = '{}', expected one of auto, distinct, shared", f.weights));
+  }
+
+  // DeepSeek-R1 routing (sigmoid, best 4 of 8 groups) where the expert count allows it,
+  // otherwise one group (plain sigmoid top-k).
+  ref::moe::MoeShape& s = p.shape;
+  s.hidden = f.hidden;
+  s.intermediate = f.intermediate;
+  s.num_experts = f.experts;
+  s.topk = f.topk;
+  s.shared_intermediate = f.shared_intermediate;
+  s.scoring = ref::moe::Scoring::kSigmoidGrouped;
+  s.routed_scaling = 2.5f;
+  const bool grouped = f.experts % 8 == 0 && f.experts / 8 >= 2 && f.topk <= 4 * (f.experts / 8);
+  s.num_groups = grouped ? 8 : 1;
+  s.topk_groups = grouped ? 4 : 1;
+  s.validate();
+
+  EpConfig& cfg = p.cfg;
+  cfg.world_size = W;
+  cfg.hidden = f.hidden;
+  cfg.num_experts = f.experts;
+  cfg.topk = f.topk;
+  cfg.max_tokens_per_rank = p.workload.chunk_size;
+  try {
+    cfg.dtype = parse_dispatch_dtype(f.dtype);
+  } catch (const ConfigError&) {
+    EPX_THROW(ConfigError,
+              fmt::format("--dtype = '{}', expected one of bf16, fp8, bf16-to-fp8", f.dtype));
+  }
+  try {
+    cfg.layout = parse_output_layout(f.layout);
+  } catch (const ConfigError&) {
+    EPX_THROW(ConfigError, fmt::format("--layout = '{}', expected token or expert", f.layout));
+  }
+  const EnvSettings env = read_env();  // throws ConfigError naming the variable
+  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
+  cfg.validate();  // anything the checks above missed, named by field
+  p.launch = launch_from_env();
+  p.layers = f.layers;
+  p.seed = f.seed;
+  p.json_path = f.json_path;
+  return p;
+}
+
+[[maybe_unused]] std::string backend_names(const std::vector<Backend>& backends) {
+  std::string out;
+  for (Backend b : backends) out += (out.empty() ? "" : ",") + std::string(to_string(b));
+  return out;
+}
+
+#if EPX_HAVE_CUDA
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string one_line(std::string s, size_t max = 160) {
+  for (char& c : s)
+    if (c == '\n') c = ' ';
+  if (s.size() > max) s = s.substr(0, max - 3) + "...";
+  return s;
+}
+
+// fn(i) for i in [0, n) on up to `threads` host threads; rethrows the first exception (by index).
+void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
+  std::vector<std::exception_ptr> errors(size_t(std::max(n, 0)));
+  std::atomic<int> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < std::min(n, std::max(threads, 1)); ++t) {
+    pool.emplace_back([&] {
+      for (int i = next++; i < n; i = next++) {
+        try {
+          fn(i);
+        } catch (...) {
+          errors[size_t(i)] = std::current_exception();
+        }
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// One persistent host thread per rank: run(fn) releases every thread on fn(rank) and returns when
+// all have finished (MoeLayer::forward synchronises its stream after each dispatch, and a dispatch
+// completes only once every rank has dispatched, so each rank needs its own thread). Threads are
+// kept across steps so that a step's time holds no thread creation.
+class RankThreads {
+ public:
+  explicit RankThreads(int n) : errors_(size_t(n)) {
+    for (int r = 0; r < n; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  RankThreads(const RankThreads&) = delete;
+  RankThreads& operator=(const RankThreads&) = delete;
+
+  // Rethrows the first exception by rank, after every rank has finished.
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      fn_ = &fn;
+      pending_ = int(threads_.size());
+      ++generation_;
+    }
+    start_.notify_all();
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+    for (auto& e : errors_) {
+      if (e) {
+        std::exception_ptr first = e;
+        for (auto& x : errors_) x = nullptr;
+        std::rethrow_exception(first);
+      }
+    }
+  }
+
+ private:
+  void loop(int r) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        fn = fn_;
+      }
+      std::exception_ptr err;
+      try {
+        (*fn)(r);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(m_);
+      errors_[size_t(r)] = err;
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable start_, done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::thread> threads_;
+};
+
+// One rank's device state: stream, activations, MoE layers.
+struct Rank {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  void* x = nullptr;  // [2 * max_batched_tokens][H] bf16: input rows, a window per step
+  void* y = nullptr;  // [max_batched_tokens][H] bf16: every layer's output
+  std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
+  Rank() = default;
+  Rank(const Rank&) = delete;
+  Rank& operator=(const Rank&) = delete;
+  ~Rank() {
+    if (stream) (void)cudaStreamSynchronize(stream);
+    layers.clear();
+    if (x) (void)cudaFree(x);
+    if (y) (void)cudaFree(y);
+    if (stream) (void)cudaStreamDestroy(stream);
+  }
+};
+
+// What one rank runs in one engine step.
+struct RankStep {
+  int tokens = 0;
+  int num_chunks = 1;    // the same on every rank
+  size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
+};
+
+// One rank's part of one engine step: every MoE layer on the rank's tokens, then the stream
+// drained (and the All2All's device status polled). Eager only: MoeLayer::forward synchronises
+// per chunk. Once it does not, --cuda-graph captures this function per decode batch-size bucket
+// (every rank's tokens <= the bucket, one chunk: pad to the bucket) and replays the graph here
+// instead of calling forward.
+void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, size_t row_bytes) {
+  EPX_CUDA_CHECK(cudaSetDevice(rank.device));
+  const void* x = static_cast<const uint8_t*>(rank.x) + step.first_row * row_bytes;
+  for (int l = 0; l < num_layers; ++l) {
+    MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
+    layer.forward(x, step.tokens, rank.y, a2a, rank.stream, step.num_chunks);
+  }
+  a2a.synchronize(rank.stream);
+}
+
+void drain(std::vector<std::unique_ptr<Rank>>& ranks) noexcept {
+  for (auto& r : ranks) {
+    (void)cudaSetDevice(r->device);
+    (void)cudaStreamSynchronize(r->stream);
+  }
+  (void)cudaGetLastError();
+}
+
+struct BackendResult {
+  Backend backend{};
+  std::string status = "ok";  // ok | unavailable | error
+  std::string message;
+  serve::LatencyReport latency;
+  int steps = 0;
+  int prefill_steps = 0;  // steps with prefill tokens
+  serve::Summary step_s;
+  double warmup_s = 0;
+};
+
+MoeShape to_layer_shape(const ref::moe::MoeShape& s) {
+  MoeShape m;
+  m.hidden = s.hidden;
+  m.intermediate = s.intermediate;
+  m.num_experts = s.num_experts;
+  m.topk = s.topk;
+  m.num_groups = s.num_groups;
+  m.topk_groups = s.topk_groups;
+  m.routed_scaling = s.routed_scaling;
+  m.shared_intermediate = s.shared_intermediate;
+  m.scoring = MoeScoring::kSigmoidGrouped;
+  return m;
+}
+
+size_t free_device_bytes(int device) {
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  size_t free = 0, total = 0;
+  EPX_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return free;
+}
+
+// Builds every rank's layers: one per --layers with distinct weights (seed + layer), or one
+// shared by all layers. kAuto builds the first layer everywhere, measures what it took, and
+// builds the rest only if they fit next to the backends' buffers. Returns the distinct count.
+int build_layers(const ServePlan& p, const InProcessWorld& world,
+                 std::vector<std::unique_ptr<Rank>>& ranks, std::string& note) {
+  const int W = p.workload.world;
+  const MoeShape shape = to_layer_shape(p.shape);
+  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  auto build = [&](int first_layer, int num_layers) {
+    // Host generation of the weights is the slow, single-threaded part: one task per
+    // (rank, layer), all built before any forward (moe.hpp).
+    for (auto& r : ranks) r->layers.resize(size_t(first_layer + num_layers));
+    parallel_for(W * num_layers, threads, [&](int i) {
+      const int r = i % W, l = first_layer + i / W;
+      EpConfig ep = p.cfg;
+      ep.rank = r;
+      EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+      ranks[size_t(r)]->layers[size_t(l)] =
+          std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep);
+    });
+  };
+  const int dev = world.device_of(0);
+  const size_t before = free_device_bytes(dev);
+  build(0, 1);
+  const size_t after = free_device_bytes(dev);
+  const size_t per_layer = before > after ? before - after : 0;
+  int distinct = p.weights == WeightsMode::kShared ? 1 : p.layers;
+  if (p.weights == WeightsMode::kAuto && p.layers > 1) {
+    size_t reserve = size_t(2) << 30;  // CUDA / cuBLASLt workspaces and slack
+    for (int r = 0; r < W; ++r) {
+      EpConfig ep = p.cfg;
+      ep.rank = r;
+      size_t most = 0;
+      for (Backend b : p.backends) most = std::max(most, buffer_bytes(b, ep));
+      reserve += most;
+    }
+    const size_t room = after > reserve ? after - reserve : 0;
+    if (size_t(p.layers - 1) * per_layer > room) distinct = 1;
+  }
+  if (distinct > 1) build(1, distinct - 1);
+  note = distinct > 1 ? fmt::format(
+                            "{} layers with distinct weights ({:.1f} GiB of device memory per "
+                            "layer over all ranks)",
+                            distinct, double(per_layer) / double(1 << 30))
+                      : fmt::format(
+                            "{} layer(s) sharing one MoeLayer per rank (weights reused by every "
+                            "layer{}; {:.1f} GiB per layer over all ranks)",
+                            p.layers,
+                            p.weights == WeightsMode::kShared ? ", --weights shared"
+                                                              : ": distinct layers do not fit",
+                            double(per_layer) / double(1 << 30));
+  return distinct;
+}
+
+BackendResult run_backend(const ServePlan& p, Backend backend, const InProcessWorld& world,
+                          std::vector<std::unique_ptr<Rank>>& ranks, RankThreads& threads) {
+  BackendResult br;
+  br.backend = backend;
+  const std::string tag = fmt::format("serve-bench [{}]", to_string(backend));
+  const serve::Workload& w = p.workload;
+  const int W = w.world;
+  const size_t row_bytes = size_t(p.shape.hidden) * 2;
+  std::vector<std::unique_ptr<All2All>> group;
+  try {
+    group = make_all2all_group(backend, p.cfg, world, p.launch.launch);
+  } catch (const UnsupportedError& e) {
+    br.status = "unavailable";
+    br.message = e.what();
+  } catch (const Error& e) {
+    br.status = "error";
+    br.message = e.what();
+  }
+  if (br.status != "ok") {
+    fmt::print(stderr, "{}: {}: {}\n", tag, br.status, one_line(br.message));
+    return br;
+  }
+
+  std::vector<RankStep> steps(static_cast<size_t>(W));
+  auto run_all = [&] {
+    threads.run([&](int r) {
+      run_step(*ranks[size_t(r)], *group[size_t(r)], p.layers, steps[size_t(r)], row_bytes);
+    });
+  };
+  try {
+    // Warm-up, untimed: a full prefill step, one chunk, one token (first-use costs of the
+    // GEMM shapes and the backend).
+    const auto t_warm = std::chrono::steady_clock::now();
+    const int chunk = w.chunk_size;
+    for (const int n : {w.max_batched_tokens, std::min(chunk, w.max_batched_tokens), 1}) {
+      for (auto& s : steps) s = RankStep{n, (n + chunk - 1) / chunk, 0};
+      run_all();
+    }
+    br.warmup_s = seconds_since(t_warm);
+
+    serve::Scheduler sched(w);
+    std::vector<double> step_s;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto last_progress = t0;
+    while (!sched.done()) {
+      const serve::StepPlan& plan = sched.plan_step();
+      // A window of the input rows that moves every step: the same tokens are not routed alike
+      // step after step.
+      const size_t first_row = size_t(sched.steps()) * 7919 % (size_t(w.max_batched_tokens) + 1);
+      for (int r = 0; r < W; ++r)
+        steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row};
+      br.prefill_steps += plan.has_prefill();
+      const auto s0 = std::chrono::steady_clock::now();
+      run_all();
+      const auto s1 = std::chrono::steady_clock::now();
+      step_s.push_back(std::chrono::duration<double>(s1 - s0).count());
+      sched.finish_step(std::chrono::duration<double>(s1 - t0).count());
+      if (std::chrono::duration<double>(s1 - last_progress).count() >= kProgressEveryS) {
+        last_progress = s1;
+        fmt::print(stderr, "{}: step {}, {}/{} output tokens, {:.1f} s\n", tag, sched.steps(),
+                   sched.output_tokens(), sched.total_output_tokens(), seconds_since(t0));
+      }
+    }
+    br.steps = sched.steps();
+    br.step_s = serve::summarize_values(std::move(step_s));
+    br.latency = serve::latency_report(sched.requests());
+    fmt::print(stderr, "{}: done, {} steps, {:.1f} s (warm-up {:.1f} s)\n", tag, br.steps,
+               br.latency.end_s, br.warmup_s);
+  } catch (const Error& e) {
+    br.status = "error";
+    br.message = e.what();
+    fmt::print(stderr, "{}: error: {}\n", tag, one_line(br.message));
+  }
+  drain(ranks);
+  return br;
+}
+
+// ---- output ------------------------------------------------------------------------------------
+
+void print_table(const std::vector<BackendResult>& results) {
+  fmt::print("\n{:<24} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend",
+             "ITL mean", "P25", "P50", "P75", "TTFT mean", "TTFT P50", "out tok/s", "steps",
+             "total");
+  fmt::print("{:<24} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", "ms", "ms",
+             "ms", "ms", "ms", "ms", "", "", "s");
+  for (const BackendResult& br : results) {
+    if (br.status != "ok") {
+      fmt::print("{:<24} {}: {}\n", to_string(br.backend), br.status, one_line(br.message, 100));
+      continue;
+    }
+    const serve::LatencyReport& l = br.latency;
+    fmt::print("{:<24} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
+               to_string(br.backend), 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50,
+               1e3 * l.itl_s.p75, 1e3 * l.ttft_s.mean, 1e3 * l.ttft_s.p50, l.output_tokens_per_s,
+               br.steps, l.end_s);
+  }
+  fmt::print(
+      "\nITL = gaps between consecutive output tokens of a request, pooled over requests; "
+      "TTFT from submission (t = 0);\npercentiles by linear interpolation between closest "
+      "ranks (numpy's default).\n");
+}
+
+nlohmann::json summary_json(const serve::Summary& s) {
+  return {{"count", s.count},   {"mean", 1e3 * s.mean}, {"p25", 1e3 * s.p25},
+          {"p50", 1e3 * s.p50}, {"p75", 1e3 * s.p75},   {"max", 1e3 * s.max}};
+}
+
+nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const GpuInfo& gpu,
+                         const std::string& weights_note, int distinct_layers,
+                         const std::vector<BackendResult>& results) {
+  using nlohmann::json;
+  const serve::Workload& w = p.workload;
+  json doc;
+  doc["schema"] = "epx-serve-bench/1";
+  doc["commit"] = git_commit();
+  doc["timestamp_utc"] = utc_timestamp();
+  doc["machine"] = {{"hostname", host_name()},
+                    {"gpu_name", gpu.name},
+                    {"sm_count", gpu.sm_count},
+                    {"gpu_count", gpu.gpu_count},
+                    {"cuda_runtime", gpu.runtime_version},
+                    {"cuda_driver", gpu.driver_version}};
+  doc["world"] = {{"kind", "in_process"},
+                  {"ranks", w.world},
+                  {"gpus_used", 1},
+                  {"sm_budget_per_rank", world.sm_budget(0)}};
+  doc["shape"] = {{"hidden", p.shape.hidden},
+                  {"intermediate", p.shape.intermediate},
+                  {"experts", p.shape.num_experts},
+                  {"topk", p.shape.topk},
+                  {"groups", p.shape.num_groups},
+                  {"topk_groups", p.shape.topk_groups},
+                  {"shared_intermediate", p.shape.shared_intermediate},
+                  {"dtype", to_string(p.cfg.dtype)},
+                  {"layout", to_string(p.cfg.layout)},
+                  {"layers", p.layers},
+                  {"distinct_layer_weights", distinct_layers},
+                  {"weights", weights_note}};
+  doc["workload"] = {{"num_prompts", w.num_prompts},
+                     {"isl", w.isl},
+                     {"osl", w.osl},
+                     {"concurrency", w.concurrency},
+                     {"max_batched_tokens_per_rank", w.max_batched_tokens},
+                     {"chunk_size", w.chunk_size},
+                     {"preset", p.preset_note.empty() ? json(nullptr) : json(p.preset_note)},
+                     {"seed", p.seed},
+                     {"timeout_ms", p.cfg.timeout_ms},
+                     {"launch_configs", p.launch.origin},
+                     {"simulated", "MoE layers only (no attention, no dense layers)"},
+                     {"percentiles", "linear interpolation between closest ranks (numpy default)"},
+                     {"warmup", "3 untimed steps per backend (full budget, one chunk, one token)"}};
+  json records = json::array();
+  for (const BackendResult& br : results) {
+    json rec = {{"backend", to_string(br.backend)}, {"status", br.status}};
+    if (br.status != "ok") {
+      rec["message"] = br.message;
+    } else {
+      const serve::LatencyReport& l = br.latency;
+      rec["itl_ms"] = summary_json(l.itl_s);
+      rec["ttft_ms"] = summary_json(l.ttft_s);
+      rec["step_ms"] = summary_json(br.step_s);
+      rec["output_tokens"] = l.output_tokens;
+      rec["output_tokens_per_s"] = l.output_tokens_per_s;
+      rec["total_s"] = l.end_s;
+      rec["steps"] = br.steps;
+      rec["prefill_steps"] = br.prefill_steps;
+      rec["warmup_s"] = br.warmup_s;
+    }
+    records.push_back(rec);
+  }
+  doc["results"] = records;
+  return doc;
+}
+
+bool run_serve_bench(const ServePlan& p) {
+  const auto t_start = std::chrono::steady_clock::now();
+  // Before any CUDA call (moe.hpp: cuBLASLt loads its kernels lazily, and a lazy load waits for
+  // the other ranks' spinning kernels).
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  std::string loading_note = "CUDA_MODULE_LOADING=EAGER (set by epx serve-bench)";
+  if (loading == nullptr) {
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  } else {
+    loading_note = fmt::format("CUDA_MODULE_LOADING={} (from the environment){}", loading,
+                               std::string(loading) == "EAGER"
+                                   ? ""
+                                   : "; WARNING: not EAGER, a lazy kernel load may deadlock");
+  }
+  require_gpu_for("epx serve-bench");
+  const serve::Workload& w = p.workload;
+  const int W = w.world;
+  InProcessWorld world(W);
+  const GpuInfo gpu = gpu_info(world.device_of(0));
+  fmt::print(
+      "epx serve-bench: {} in-process ranks on {} ({} SMs, {} blocks per rank), "
+      "backends {}, commit {}\n",
+      W, gpu.name, gpu.sm_count, world.sm_budget(0), backend_names(p.backends), git_commit());
+  fmt::print(
+      "  MoE: H {}, I {}, E {}, top-{} ({} of {} groups), shared I {}, dtype {}, layout "
+      "{}, {} layer(s), seed {}\n",
+      p.shape.hidden, p.shape.intermediate, p.shape.num_experts, p.shape.topk, p.shape.topk_groups,
+      p.shape.num_groups, p.shape.shared_intermediate, to_string(p.cfg.dtype),
+      to_string(p.cfg.layout), p.layers, p.seed);
+  fmt::print(
+      "  workload: {} prompts, ISL {}, OSL {}, concurrency {}, {} batched tokens per rank "
+      "per step, chunk {} (max_tokens_per_rank), all submitted at t = 0, round robin "
+      "over ranks\n",
+      w.num_prompts, w.isl, w.osl, w.concurrency, w.max_batched_tokens, w.chunk_size);
+  if (!p.preset_note.empty()) fmt::print("  {}\n", p.preset_note);
+  fmt::print("  simulated: the MoE layers only; attention and dense layers are not simulated\n");
+  fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
+             loading_note);
+  std::fflush(stdout);
+  if (!p.json_path.empty()) {  // fail now, not after the run
+    std::ofstream probe(p.json_path);
+    if (!probe) EPX_THROW(InputError, fmt::format("--json = '{}' cannot be written", p.json_path));
+  }
+
+  // Streams and activations: 2 x budget rows per rank (a window of the budget moves through
+  // them), tiled from a generated block.
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < W; ++r) ranks.push_back(std::make_unique<Rank>());
+  const size_t row_bytes = size_t(p.shape.hidden) * 2;
+  const int pool_rows = 2 * w.max_batched_tokens;
+  parallel_for(W, W, [&](int r) {
+    Rank& rk = *ranks[size_t(r)];
+    rk.device = world.device_of(r);
+    EPX_CUDA_CHECK(cudaSetDevice(rk.device));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaMalloc(&rk.x, size_t(pool_rows) * row_bytes));
+    EPX_CUDA_CHECK(cudaMalloc(&rk.y, size_t(w.max_batched_tokens) * row_bytes));
+    const int block = std::min(pool_rows, 1024);
+    const std::vector<uint16_t> host =
+        ref::moe::make_moe_input(p.shape, block, p.seed * 1000003ULL + uint64_t(r) + 1);
+    for (int row = 0; row < pool_rows; row += block) {
+      const size_t n = size_t(std::min(block, pool_rows - row));
+      EPX_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(rk.x) + size_t(row) * row_bytes, host.data(),
+                                n * row_bytes, cudaMemcpyHostToDevice));
+    }
+  });
+  std::string weights_note;
+  const int distinct = build_layers(p, world, ranks, weights_note);
+  fmt::print("  weights: {}; activations and layers ready in {:.1f} s\n", weights_note,
+             seconds_since(t0));
+  std::fflush(stdout);
+
+  RankThreads threads(W);
+  std::vector<BackendResult> results;
+  for (Backend b : p.backends) results.push_back(run_backend(p, b, world, ranks, threads));
+
+  print_table(results);
+  if (!p.json_path.empty()) {
+    std::ofstream out(p.json_path);
+    out << make_json(p, world, gpu, weights_note, distinct, results).dump(2) << "\n";
+    out.close();
+    if (!out) EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", p.json_path));
+    fmt::print("wrote {}\n", p.json_path);
+  }
+  bool ok = true;  // an unavailable backend is reported, not a failure
+  for (const BackendResult& br : results) ok &= br.status == "ok" || br.status == "unavailable";
+  fmt::print("{} ({:.0f} s)\n", ok ? "done" : "done, with erroneous backends (exit 1)",
+             seconds_since(t_start));
+  return ok;
+}
+
+#endif  // EPX_HAVE_CUDA
+
+}  // namespace
+
+void add_serve_bench(CLI::App& app, int& exit_code) {
+  auto f = std::make_shared<ServeFlags>();
+  CLI::App* c = app.add_subcommand(
+      "serve-bench",
+      "inter-token latency of a simulated serving workload (chunked prefill + decode of N "
+      "requests over W data-parallel ranks, DeepSeek-R1-shaped MoE layers) per backend; only "
+      "the MoE layers are simulated (honours EPX_CONFIG_PATH and EPX_TIMEOUT_MS)");
+  serve::Workload& w = f->workload;
+  std::vector<CLI::Option*> workload_opts = {
+      c->add_option("--world", w.world, "data-parallel ranks, in-process, all on GPU 0 (1..32)"),
+      c->add_option("--num-prompts", w.num_prompts, "requests, all submitted at t = 0"),
+      c->add_option("--isl", w.isl, "input (prompt) tokens per request"),
+      c->add_option("--osl", w.osl, "output tokens per request"),
+      c->add_option("--concurrency", w.concurrency, "requests in flight over all ranks"),
+      c->add_option("--max-batched-tokens", w.max_batched_tokens,
+                    "token budget per rank per step (decodes first, then prefill chunks)"),
+      c->add_option("--chunk-size", w.chunk_size,
+                    "DP chunk = the All2All's max_tokens_per_rank; a rank's tokens beyond it go "
+                    "in further chunks")};
+  for (CLI::Option* o : workload_opts) o->capture_default_str();
+  c->add_option("--backends", f->backends,
+                "comma list of naive | allgather_reducescatter | low_latency")
+      ->capture_default_str();
+  c->add_option("--hidden", f->hidden, "hidden size H (multiple of 512)")->capture_default_str();
+  c->add_option("--intermediate", f->intermediate, "routed experts' I (multiple of 512)")
+      ->capture_default_str();
+  c->add_option("--experts", f->experts, "global experts E (multiple of --world)")
+      ->capture_default_str();
+  c->add_option("--topk", f->topk, "experts per token K")->capture_default_str();
+  c->add_option("--shared-intermediate", f->shared_intermediate,
+                "shared expert's I (0 = none, else a multiple of 512)")
+      ->capture_default_str();
+  c->add_option("--layers", f->layers, "MoE layers per step")->capture_default_str();
+  c->add_option("--weights", f->weights,
+                "auto | distinct | shared: one MoeLayer per layer, or one per rank reused by "
+                "every layer (auto: distinct when they fit in device memory)")
+      ->capture_default_str();
+  c->add_option("--dtype", f->dtype, "dispatch wire dtype: bf16 | fp8 | bf16-to-fp8")
+      ->capture_default_str();
+  c->add_option("--layout", f->layout, "token | expert (dispatch output layout)")
+      ->capture_default_str();
+  c->add_option("--seed", f->seed, "seed of weights and activations")->capture_default_str();
+  c->add_option("--json", f->json_path, "also write the results as JSON to FILE");
+  c->add_option("--preset", f->preset, preset_help());
+  c->add_flag("--cuda-graph", f->cuda_graph,
+              "replay decode steps as CUDA graphs (not supported yet: MoeLayer::forward "
+              "synchronises once per chunk)");
+  c->callback([f, workload_opts, &exit_code] {
+    std::map<std::string, bool> given;
+    for (CLI::Option* o : workload_opts)
+      if (o->count() > 0 && o->get_name() != "--world") given[o->get_name()] = true;
+    const ServePlan plan = validate(*f, given);
+#if EPX_HAVE_CUDA
+    exit_code = run_serve_bench(plan) ? 0 : 1;
+#else
+    (void)plan;
+    (void)exit_code;
+    EPX_THROW(UnsupportedError, "epx serve-bench needs an NVIDIA GPU and a CUDA build of epx");
+#endif
+  });
+}
+
+}  // namespace epx::cli
