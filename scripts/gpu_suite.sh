@@ -52,6 +52,18 @@ run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
+# The MoE layer (`epx check --moe`): W ranks against the same layer on one rank with every expert
+# local, and against the CPU reference (small shape), chunked, with a rank that has no tokens.
+MS="--world 4 --hidden 1024 --intermediate 512 --shared-intermediate 512 --experts 32 --topk 4"
+MS="$MS --tokens 64,0,200,96 --max-tokens 64"
+for b in low_latency allgather_reducescatter naive; do
+  for l in token expert; do
+    [ "$b" != low_latency ] && [ "$l" = expert ] && continue
+    run "moe_${b}_${l}" $E --moe --backend $b --layout $l $MS
+  done
+done
+[ -z "$quick" ] && run moe_r1_w8_t128 $E --moe --world 8 --tokens 128
+
 # One process per rank (IpcWorld through `epx launch`), all sharing this machine's GPU: processes
 # on one GPU are time-sliced (a round takes milliseconds), so the round counts stay small.
 L="$build/epx launch"
@@ -65,6 +77,166 @@ done
 run ipc_example_n2_cuda_ipc $L -n 2 -- "$build/example_ipc_ranks" cuda-ipc
 run ipc_n2_t128_mixed $L -n 2 -- $EI --world 2 --tokens 128 --graph 10 --mixed --iters 1
 run ipc_n2_t128_naive $L -n 2 -- $EI --world 2 --tokens 128 --backend naive --iters 1
+
+# `epx bench` over IpcWorld: every backend verified, then timed on each rank's own stream; rank 0
+# prints the table (time-sliced on one GPU: the run proves the path, not the speed).
+BI="$build/epx bench --world-kind ipc"
+for n in 2 4; do
+  run "ipc_bench_n${n}" $L -n $n -- $BI --world $n --tokens 128 --iters 50 --warmup 5 \
+    --json "$logs/ipc_bench_n${n}.json"
+  run "ipc_bench_n${n}_json" grep -q '"kind": "ipc"' "$logs/ipc_bench_n${n}.json"
+done
+
+# ---- faults of one-process-per-rank jobs ----------------------------------------------------------
+# The bootstrap's start-up and collective faults are proven on the CPU (tests/cpu/
+# test_bootstrap.cpp: threads and forked processes) and a missing rank / a configuration mismatch
+# by epx_ipc_gpu_tests; these runs add the rest on the GPU, through the real CLI, with CUDA
+# contexts and spinning kernels in the loop, and keep every message in $logs/fault_*.log. Each
+# counts as passed only when the expected error appears, nothing hangs, every surviving rank exits
+# with epx's error code (2, not a signal) and no socket file is left behind. Ranks are started by
+# hand (EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP), not by `epx launch`, where a job must outlive a
+# dead rank: the launcher stops the others as soon as one rank dies.
+FT=2000  # EPX_TIMEOUT_MS of the fault runs: the whole section takes well under a minute
+export LC_NUMERIC=C  # $EPOCHREALTIME with a decimal point
+FSHAPE="--hidden 2048 --experts 16 --topk 4 --tokens 64"
+sockdir=$(mktemp -d /tmp/epx-suite.XXXXXX)
+pids=(); rcs=()
+stamp() {  # stamp RANK: prefixes every line with "@<epoch seconds> [rank RANK] "
+  local line
+  while IFS= read -r line; do printf '@%s [rank %s] %s\n' "$EPOCHREALTIME" "$1" "$line"; done
+}
+start_rank() {  # start_rank RANK WORLD CMD...: one rank in the background, at address $addr
+  local r=$1 w=$2; shift 2
+  (EPX_RANK=$r EPX_WORLD_SIZE=$w EPX_BOOTSTRAP=$addr EPX_TIMEOUT_MS=$FT timeout 60 "$@" 2>&1 |
+     stamp "$r"; exit "${PIPESTATUS[0]}") 2>&1 &  # (bash's "Killed" notice to the log too)
+  pids+=($!)
+}
+wait_ranks() {  # rcs[i] = exit code of the i-th rank started
+  local p; rcs=()
+  for p in "${pids[@]}"; do wait "$p"; rcs+=($?); done
+  pids=()
+}
+stamp_of() { grep -Em1 "$1" "$2" | sed -E 's/^@([0-9.]+) .*/\1/'; }  # time of the first match
+ms_between() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%d", (b - a) * 1000 }'; }
+verdict() {  # verdict NAME WHY: one counted fault run, passed when WHY is empty
+  local log=$logs/$1.log
+  if [ -z "$2" ]; then
+    passed=$((passed+1))
+    echo "    ok: $(grep -Em1 'error: ' "$log" | sed -E 's/^@[0-9.]+ //' | cut -c1-240)"
+  else
+    failed=$((failed+1)); echo "    FAILED: $2"; tail -n 15 "$log" | sed 's/^/      /'
+  fi
+}
+# survivors_named LOG DEAD RANK...: why not, when a listed rank did not exit 2 naming rank DEAD
+survivors_named() {
+  local log=$1 dead=$2 r why=""; shift 2
+  for r in "$@"; do
+    [ "${rcs[$r]}" = 2 ] || why+="rank $r exited ${rcs[$r]}, expected 2; "
+    grep -Eq "\[rank $r\] epx: (peer|timeout) error: .*rank $dead( \(pid|[^0-9]|$)" "$log" ||
+      why+="rank $r did not name rank $dead; "
+  done
+  echo "$why"
+}
+
+# (a) A rank killed (SIGKILL) after creating its All2All, before its first dispatch: every other
+# rank raises PeerError/TimeoutError naming it within EPX_TIMEOUT_MS + 1 s of its death.
+fault_kill() {  # fault_kill NAME WORLD DEAD
+  local name=$1 n=$2 dead=$3 log=$logs/$1.log r why="" survivors=()
+  echo "=== $name: rank $dead of $n killed before its first dispatch (EPX_TIMEOUT_MS=$FT)"
+  addr=$sockdir/$name.sock
+  for ((r = 0; r < n; r++)); do
+    start_rank $r $n $EI $FSHAPE --fault-kill-rank $dead
+    [ $r = $dead ] || survivors+=($r)
+  done >"$log"
+  wait_ranks
+  why=$(survivors_named "$log" "$dead" "${survivors[@]}")
+  local t_dead; t_dead=$(stamp_of "fault injection: rank $dead" "$log")
+  [ -n "$t_dead" ] || why+="rank $dead did not reach the fault; "
+  for r in "${survivors[@]}"; do
+    local t_err; t_err=$(stamp_of "\[rank $r\] epx: .* error: " "$log")
+    [ -n "$t_dead" ] && [ -n "$t_err" ] || continue
+    local ms; ms=$(ms_between "$t_dead" "$t_err")
+    echo "rank $r raised its error $ms ms after rank $dead died (bound $((FT + 1000)) ms)" >>"$log"
+    [ "$ms" -le $((FT + 1000)) ] || why+="rank $r took $ms ms; "
+  done
+  [ -e "$addr" ] && why+="socket file $addr left behind; "
+  verdict "$name" "$why"
+}
+fault_kill fault_kill_rank1_of2 2 1
+fault_kill fault_kill_rank0_of2 2 0  # rank 0 held the socket: the survivor removes its file
+fault_kill fault_kill_rank2_of4 4 2  # ranks 1 and 3 learn it from rank 0
+
+# (b) A rank that never arrives (`epx bench --world-kind ipc`): a TimeoutError naming it within
+# EPX_TIMEOUT_MS + 1 s of the bootstrap's start (allowing 2 s for the process and CUDA start-up).
+fault_missing() {  # fault_missing NAME PRESENT MISSING REGEX
+  local name=$1 present=$2 missing=$3 log=$logs/$1.log why=""
+  echo "=== $name: world of 2, rank $missing never started (EPX_TIMEOUT_MS=$FT)"
+  addr=$sockdir/$name.sock
+  local t0=$EPOCHREALTIME
+  start_rank "$present" 2 $BI --world 2 --tokens 64 --iters 50 >"$log"
+  wait_ranks
+  [ "${rcs[0]}" = 2 ] || why+="rank $present exited ${rcs[0]}, expected 2; "
+  grep -Eq "\[rank $present\] epx: timeout error: .*$4" "$log" || why+="no TimeoutError naming rank $missing; "
+  local ms; ms=$(ms_between "$t0" "$(stamp_of "epx: timeout error" "$log")")
+  echo "the TimeoutError came $ms ms after the process started (bound $((FT + 3000)) ms)" >>"$log"
+  [ "$ms" -le $((FT + 3000)) ] || why+="took $ms ms; "
+  [ -e "$addr" ] && why+="socket file $addr left behind; "
+  verdict "$name" "$why"
+}
+fault_missing fault_missing_rank1_bench 0 1 "rank 1 of 2 did not arrive within $FT ms"
+fault_missing fault_missing_rank0_bench 1 0 "rank 0 did not arrive within $FT ms"
+
+# (c) World sizes that disagree, (d) a rank number used twice or out of range: refused at
+# start-up on every rank that got that far, long before the timeout.
+fault_startup() {  # fault_startup NAME REGEX (ranks started by the caller, as "RANK WORLD" pairs)
+  local name=$1 re=$2 log=$logs/$1.log why="" r rc; shift 2
+  echo "=== $name: expects /$re/ on every rank, before EPX_TIMEOUT_MS=$FT"
+  addr=$sockdir/$name.sock
+  local t0=$EPOCHREALTIME
+  while [ $# -gt 0 ]; do start_rank "$1" "$2" $EI $FSHAPE; shift 2; done >"$log"
+  wait_ranks
+  for r in "${!rcs[@]}"; do [ "${rcs[$r]}" = 2 ] || why+="process $r exited ${rcs[$r]}, expected 2; "; done
+  [ "$(grep -Ec "epx: config error: .*$re" "$log")" -ge "${#rcs[@]}" ] ||
+    why+="not every process reported /$re/; "
+  # A late detection would be a TimeoutError, not the ConfigError above; this only bounds a hang.
+  local ms; ms=$(ms_between "$t0" "$EPOCHREALTIME")
+  echo "all processes ended $ms ms after the start (EPX_TIMEOUT_MS=$FT)" >>"$log"
+  [ "$ms" -le $((FT + 3000)) ] || why+="took $ms ms; "
+  [ -e "$addr" ] && why+="socket file $addr left behind; "
+  verdict "$name" "$why"
+}
+# (World sizes that divide --experts 16, so that each rank's shape is valid on its own.)
+fault_startup fault_world_size_mismatch "world size disagrees" 0 2 1 4
+fault_startup fault_rank_used_twice "rank 1 used twice" 0 4 1 4 1 4
+fault_startup fault_rank_out_of_range "EPX_RANK = \"2\", expected" 2 2
+
+# (e) A second job on the address of a running one: refused at start-up (its rank 0 finds the
+# address taken, its rank 1 is refused by the running job's rank 0), the running job passes.
+fault_second_job() {
+  local name=fault_second_job log=$logs/fault_second_job.log why="" t
+  echo "=== $name: a second job on the socket of a running one"
+  addr=$sockdir/$name.sock
+  # The first job: the default (DeepSeek-R1) shape, so that its CPU reference, built after its
+  # bootstrap, keeps it running for a few seconds.
+  EPX_TIMEOUT_MS=20000 timeout 120 $L -n 2 --bootstrap "$addr" -- $EI --world 2 --tokens 512 \
+    --iters 2 >"$logs/${name}_first.log" 2>&1 &
+  local first=$!
+  for t in $(seq 300); do grep -q "epx check: ipc world" "$logs/${name}_first.log" && break; sleep 0.1; done
+  EPX_TIMEOUT_MS=$FT timeout 60 $L -n 2 --bootstrap "$addr" -- $EI --world 2 $FSHAPE >"$log" 2>&1
+  local second=$?
+  grep -Eq "PASS|FAIL" "$logs/${name}_first.log" &&
+    why+="the first job had ended before the second started (inconclusive); "
+  wait "$first"; local first_rc=$?
+  sed 's/^/first job: /' "$logs/${name}_first.log" >>"$log"
+  [ "$second" = 2 ] || why+="the second job exited $second, expected 2; "
+  grep -Eq "epx: config error: .*(already in use by a live process|in use by a running job)" "$log" ||
+    why+="no 'address in use' ConfigError; "
+  [ "$first_rc" = 0 ] || why+="the first job exited $first_rc, expected 0 (undisturbed); "
+  [ -e "$addr" ] && why+="socket file $addr left behind; "
+  verdict "$name" "$why"
+}
+fault_second_job
+rm -rf "$sockdir"
 
 [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"

@@ -2,20 +2,28 @@
 // side, in one run (DESIGN §8). Each backend and token count is first checked against the CPU
 // reference (src/check); one that fails is reported FAILED and not timed, one that this build
 // cannot serve is reported unavailable.
+//
+// Two worlds: in-process (default; every rank a stream of this process, timed as one fork/join)
+// and ipc (one process per rank under `epx launch`; each process times its own rank on its own
+// stream, rank 0 gathers every rank's figures and reports the slowest rank's).
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bench_common.hpp"
 #include "commands.hpp"
+#include "epx/bootstrap.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #if EPX_HAVE_CUDA
@@ -39,6 +47,7 @@ struct BenchFlags {
   int warmup = 20;
   std::string json_path;
   bool no_verify = false;
+  std::string world_kind = "inproc";
 };
 
 struct BenchPlan {
@@ -49,11 +58,32 @@ struct BenchPlan {
   int warmup = 0;
   bool verify = true;
   std::string json_path;
+  bool ipc = false;  // one process per rank (--world-kind ipc)
 };
 
-BenchPlan validate(const BenchFlags& f) {
+// `world_given`: --world was on the command line (over ipc it must then equal EPX_WORLD_SIZE;
+// left out, it is EPX_WORLD_SIZE).
+BenchPlan validate(const BenchFlags& f, bool world_given) {
   BenchPlan p;
-  p.shape = validate_shape(f.shape);
+  const std::string& kind = f.world_kind;
+  if (kind != "inproc" && kind != "in-process" && kind != "ipc") {
+    EPX_THROW(ConfigError, fmt::format("--world-kind = '{}', expected inproc (in-process) or ipc",
+                                       kind));
+  }
+  p.ipc = kind == "ipc";
+  ShapeFlagValues shape = f.shape;
+  if (p.ipc) {
+    const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
+    if (world_given && shape.world != env.world_size) {
+      EPX_THROW(ConfigError,
+                fmt::format("--world = {}, expected EPX_WORLD_SIZE = {} with --world-kind ipc (one "
+                            "process per rank: run `epx launch -n {} -- epx bench --world-kind "
+                            "ipc ...`, or leave --world out)",
+                            shape.world, env.world_size, shape.world));
+    }
+    shape.world = env.world_size;
+  }
+  p.shape = validate_shape(shape);
   for (const std::string& name : split_list(f.backends, "--backends")) {
     const Backend b = parse_backend_flag(name, "--backends");
     for (Backend seen : p.backends) {
@@ -87,7 +117,10 @@ struct BackendResult {
   struct Mode {
     bool ok = false;
     std::string error;
-    Stats op[2];  // dispatch, combine
+    Stats op[2];  // dispatch, combine; ipc: those of the slowest rank (largest median)
+    // ipc only: every rank's own figures, and which rank op[] comes from
+    std::vector<Stats> per_rank[2];
+    int slowest_rank[2] = {-1, -1};
   } mode[2];      // graph, eager
 };
 
@@ -171,8 +204,36 @@ std::string ablate_setting() {
   return v == nullptr ? std::string() : std::string(v);
 }
 
-nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const GpuInfo& gpu,
-                         const CopyBandwidth& bw, double fork_join_us,
+nlohmann::json in_process_world_json(const InProcessWorld& world) {
+  return {{"kind", "in_process"},
+          {"ranks", world.size()},
+          {"gpus_used", gpus_used(world)},
+          {"ranks_per_gpu", world.ranks_on_device(world.device_of(0))},
+          {"sm_budget_per_rank", world.sm_budget(0)}};
+}
+
+nlohmann::json stats_json(const Stats& s) {
+  return {{"samples", s.samples},
+          {"median_us", s.median_us},
+          {"p90_us", s.p90_us},
+          {"min_us", s.min_us},
+          {"mean_us", s.mean_us}};
+}
+
+Stats stats_from_json(const nlohmann::json& j) {
+  Stats s;
+  s.samples = j.at("samples").get<int>();
+  s.median_us = j.at("median_us").get<double>();
+  s.p90_us = j.at("p90_us").get<double>();
+  s.min_us = j.at("min_us").get<double>();
+  s.mean_us = j.at("mean_us").get<double>();
+  return s;
+}
+
+// `world_json`: the "world" object (kind, ranks, placement); `fork_join_us`: the in-process
+// harness floor (none over ipc).
+nlohmann::json make_json(const BenchPlan& p, const nlohmann::json& world_json, const GpuInfo& gpu,
+                         const CopyBandwidth& bw, std::optional<double> fork_join_us,
                          const std::vector<TokenResult>& results) {
   using nlohmann::json;
   const EpConfig& cfg = p.shape.cfg;
@@ -190,11 +251,7 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
                     {"gpu_count", gpu.gpu_count},
                     {"cuda_runtime", gpu.runtime_version},
                     {"cuda_driver", gpu.driver_version}};
-  doc["world"] = {{"kind", "in_process"},
-                  {"ranks", W},
-                  {"gpus_used", gpus_used(world)},
-                  {"ranks_per_gpu", world.ranks_on_device(world.device_of(0))},
-                  {"sm_budget_per_rank", world.sm_budget(0)}};
+  doc["world"] = world_json;
   doc["shape"] = {{"hidden", cfg.hidden},
                   {"experts", cfg.num_experts},
                   {"topk", cfg.topk},
@@ -217,7 +274,7 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
                            {"median_us", bw.median_us},
                            {"gbps", bw.gbps},
                            {"counts", "read + write (2 x bytes per copy)"}};
-  doc["fork_join_floor_us"] = fork_join_us;
+  doc["fork_join_floor_us"] = fork_join_us ? json(*fork_join_us) : json(nullptr);
   json volumes = json::array();
   json records = json::array();
   for (const TokenResult& tr : results) {
@@ -261,6 +318,12 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
             rec["status"] = "ok";
             rec["message"] = nullptr;
             rec.update(figures(mode.op[op], b, tr.floor_us[op], W));
+            if (!mode.per_rank[op].empty()) {
+              rec["slowest_rank"] = mode.slowest_rank[op];
+              json per_rank = json::array();
+              for (const Stats& s : mode.per_rank[op]) per_rank.push_back(stats_json(s));
+              rec["per_rank"] = per_rank;
+            }
           }
           for (const char* k : {"samples", "median_us", "p90_us", "min_us", "mean_us",
                                 "crossing_gbps_per_rank", "algorithm_gbps_per_rank",
@@ -274,6 +337,31 @@ nlohmann::json make_json(const BenchPlan& p, const InProcessWorld& world, const 
   doc["volumes"] = volumes;
   doc["results"] = records;
   return doc;
+}
+
+void write_json(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+  out.close();
+  if (!out) {
+    EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
+  }
+  fmt::print("wrote {}\n", path);
+}
+
+bool all_ok(const std::vector<TokenResult>& results) {
+  bool ok = true;  // an unavailable backend is reported, not a failure
+  for (const TokenResult& tr : results)
+    for (const BackendResult& br : tr.backends)
+      if (br.status != "unavailable" && (br.status != "ok" || !br.mode[0].ok || !br.mode[1].ok))
+        ok = false;
+  return ok;
+}
+
+std::string backend_list(const BenchPlan& p) {
+  std::string out;
+  for (Backend b : p.backends) out += (out.empty() ? "" : ",") + std::string(to_string(b));
+  return out;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -371,11 +459,9 @@ bool run_bench(const BenchPlan& p) {
              W, gpu.name, gpu.sm_count, world.sm_budget(0), base.hidden, base.num_experts,
              base.topk, to_string(base.dtype), to_string(base.layout), p.shape.routing_name,
              p.shape.seed);
-  std::string backends;
-  for (Backend b : p.backends) backends += (backends.empty() ? "" : ",") + std::string(to_string(b));
   fmt::print("  backends {}, tokens/rank {}, {} timed rounds after {} warm-up, verify {}, "
              "launch shapes: {}, timeout {} ms, commit {}\n",
-             backends, fmt::join(p.shape.tokens, ","), p.iters, p.warmup,
+             backend_list(p), fmt::join(p.shape.tokens, ","), p.iters, p.warmup,
              p.verify ? "on" : "off", p.launch.origin, base.timeout_ms, git_commit());
   if (!ablate_setting().empty()) {
     fmt::print("  EPX_ABLATE={}: stages are left out to attribute time; results are wrong by "
@@ -416,22 +502,279 @@ bool run_bench(const BenchPlan& p) {
 
   print_table(p, results);
   if (!p.json_path.empty()) {
-    const nlohmann::json doc = make_json(p, world, gpu, bw, fork_join_us, results);
-    std::ofstream out(p.json_path);
-    out << doc.dump(2) << "\n";
-    out.close();
-    if (!out) {
-      EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", p.json_path));
-    }
-    fmt::print("wrote {}\n", p.json_path);
+    write_json(p.json_path, make_json(p, in_process_world_json(world), gpu, bw, fork_join_us,
+                                      results));
   }
-  bool ok = true;  // an unavailable backend is reported, not a failure
-  for (const TokenResult& tr : results)
-    for (const BackendResult& br : tr.backends)
-      if (br.status != "unavailable" && (br.status != "ok" || !br.mode[0].ok || !br.mode[1].ok))
-        ok = false;
+  const bool ok = all_ok(results);
   fmt::print("{} ({:.0f} s)\n", ok ? "done" : "done, with FAILED or erroneous backends (exit 1)",
              seconds_since(t_start));
+  return ok;
+}
+
+// ---- one process per rank (IpcWorld) -----------------------------------------------------------
+
+constexpr const char* kTimeSlicedNote =
+    "processes that share one GPU are time-sliced (no MPS): the timings below are not "
+    "meaningful, only the verification is";
+
+// Collective: every rank passes its (status, message) of one step; all return the first rank's
+// (in rank order) whose status is not "ok", or ok when none. Makes every rank take the same path
+// after a step that may fail on some ranks only. Errors of the bootstrap propagate.
+struct Verdict {
+  std::string status = "ok";
+  std::string message;
+};
+Verdict agree(Bootstrap& boot, const std::string& status, const std::string& message) {
+  const std::vector<std::string> all =
+      boot.all_gather(status == "ok" ? std::string() : status + "\n" + message);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    const size_t eol = all[r].find('\n');
+    return {all[r].substr(0, eol), fmt::format("rank {}: {}", r, all[r].substr(eol + 1))};
+  }
+  return {};
+}
+
+// Verification (run_check_ipc), then graph and eager timing of this rank's object.
+BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfig& cfg,
+                              IpcWorld& world, const DeviceInputs& inputs) {
+  Bootstrap& boot = world.bootstrap();
+  const int me = world.rank();
+  auto say = [&](const std::string& s) {
+    if (me == 0) progress(s);
+  };
+  BackendResult br;
+  br.backend = backend;
+  const std::string tag = fmt::format("[tokens {}] {}", inputs.tokens(), to_string(backend));
+  auto fail = [&](const Verdict& v) {
+    br.status = v.status;
+    br.message = v.message;
+    say(fmt::format("{}: {}: {}", tag, v.status, one_line(br.message)));
+    return br;
+  };
+  if (p.verify) {
+    const auto t0 = std::chrono::steady_clock::now();
+    check::CheckOptions o;
+    o.cfg = cfg;
+    o.backend = backend;
+    o.launch = p.launch.launch;
+    o.tokens = {inputs.tokens()};
+    o.routing = p.shape.routing;
+    o.seed = p.shape.seed;
+    o.iters = 1;
+    o.pool = 1;
+    std::string status = "ok", message;
+    try {
+      const check::CheckReport rep = check::run_check_ipc(o, world);  // same report on every rank
+      if (!rep.ok) {
+        status = "failed";
+        message = rep.mismatches.empty() ? "output differs from the CPU reference"
+                                         : "output differs from the CPU reference: " +
+                                               rep.mismatches.front();
+      }
+    } catch (const UnsupportedError& e) {
+      status = "unavailable";
+      message = e.what();
+    } catch (const ConfigError& e) {
+      status = "error";
+      message = e.what();
+    } catch (const Error& e) {
+      status = "failed";
+      message = e.what();
+    }
+    const Verdict v = agree(boot, status, message);
+    br.verification = v.status == "ok" ? "passed" : v.status == "failed" ? "failed" : "not_run";
+    say(fmt::format("{}: verify {} ({:.1f} s)", tag, v.status == "ok" ? "passed" : v.status,
+                    seconds_since(t0)));
+    if (v.status != "ok") return fail(v);
+  } else {
+    br.verification = "skipped";
+  }
+
+  cudaStream_t stream = nullptr;
+  struct StreamGuard {
+    cudaStream_t& s;
+    ~StreamGuard() {
+      if (!s) return;
+      (void)cudaStreamSynchronize(s);
+      (void)cudaStreamDestroy(s);
+    }
+  } stream_guard{stream};
+  std::unique_ptr<All2All> a2a;
+  for (int m = 0; m < 2; ++m) {
+    const TimingMode mode = m == 0 ? TimingMode::kGraph : TimingMode::kEager;
+    auto& res = br.mode[m];
+    if (!a2a) {  // collective; a rank that fails makes the others throw, so agree right after
+      std::string status = "ok", message;
+      try {
+        if (!stream && cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+          (void)cudaGetLastError();
+          EPX_THROW(CudaError, "cudaStreamCreateWithFlags failed");
+        }
+        a2a = make_all2all(backend, cfg, world, p.launch.launch);
+      } catch (const UnsupportedError& e) {
+        status = "unavailable";
+        message = e.what();
+      } catch (const Error& e) {
+        status = "error";
+        message = e.what();
+      }
+      const Verdict v = agree(boot, status, message);
+      if (v.status != "ok") return fail(v);
+    }
+    RoundSamples samples;
+    const std::string error = time_rank_rounds(*a2a, inputs.input(me), inputs.y(me), stream, boot,
+                                               mode, p.warmup, p.iters, samples);
+    if (!error.empty()) {
+      res.error = error;
+      boot.barrier();  // every rank has stopped before any object goes away
+      a2a.reset();     // unusable after an error; the next mode gets a fresh one
+      say(fmt::format("{}: {} timing error: {}", tag, to_string(mode), one_line(res.error)));
+      continue;
+    }
+    // Every rank's figures to every rank; the world's figure of an op is its slowest rank's.
+    const nlohmann::json mine = {{"dispatch", stats_json(summarize(samples.dispatch_us))},
+                                 {"combine", stats_json(summarize(samples.combine_us))}};
+    const std::vector<std::string> all = boot.all_gather(mine.dump());
+    for (int op = 0; op < 2; ++op) {
+      std::vector<Stats>& ranks = res.per_rank[op];
+      for (const std::string& text : all)
+        ranks.push_back(stats_from_json(nlohmann::json::parse(text).at(kOps[op])));
+      const auto slowest = std::max_element(ranks.begin(), ranks.end(), [](auto& a, auto& b) {
+        return a.median_us < b.median_us;
+      });
+      res.slowest_rank[op] = int(slowest - ranks.begin());
+      res.op[op] = *slowest;
+    }
+    res.ok = true;
+    say(fmt::format("{}: {:<5} dispatch {:8.2f} us (rank {}), combine {:8.2f} us (rank {}): "
+                    "median of {} of the slowest rank",
+                    tag, to_string(mode), res.op[0].median_us, res.slowest_rank[0],
+                    res.op[1].median_us, res.slowest_rank[1], p.iters));
+  }
+  boot.barrier();  // after every rank's last synchronize, before any object goes away
+  return br;
+}
+
+bool run_bench_ipc(const BenchPlan& p) {
+  const auto t_start = std::chrono::steady_clock::now();
+  require_gpu_for("epx bench");
+  const BootstrapOptions env = BootstrapOptions::from_env();
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) gpus = 1;
+  // Ranks go round-robin over the GPUs this process sees (as `epx check --world-kind ipc`).
+  IpcWorld world = IpcWorld::from_env(env.rank % gpus);
+  if (const cudaError_t e = cudaSetDevice(world.device()); e != cudaSuccess) {
+    EPX_THROW(CudaError, fmt::format("cudaSetDevice({}) failed: {}", world.device(),
+                                     cudaGetErrorString(e)));
+  }
+  Bootstrap& boot = world.bootstrap();
+  const int me = world.rank();
+  const bool lead = me == 0;
+  const EpConfig base = p.shape.cfg;
+  const int W = world.size();
+  EPX_CHECK(base.world_size == W, ConfigError, "--world", base.world_size,
+            fmt::format("the ranks of the IPC world = {}", W));
+  const GpuInfo gpu = gpu_info(world.device());
+
+  // Where every rank runs: its GPU's PCI bus id (ordinals differ with CUDA_VISIBLE_DEVICES).
+  char bus[32] = {};
+  if (cudaDeviceGetPCIBusId(bus, sizeof(bus), world.device()) != cudaSuccess) {
+    (void)cudaGetLastError();
+    std::snprintf(bus, sizeof(bus), "device %d", world.device());
+  }
+  std::map<std::string, int> ranks_per_bus;
+  for (const std::string& b : boot.all_gather(bus)) ++ranks_per_bus[b];
+  int most_on_one_gpu = 0;
+  for (const auto& [b, n] : ranks_per_bus) most_on_one_gpu = std::max(most_on_one_gpu, n);
+  const bool time_sliced = most_on_one_gpu > 1;
+  if (lead) {
+    fmt::print("epx bench: ipc world, {} processes on {} GPU(s) ({}, {} SMs, {} blocks per rank, "
+               "{} handles), H {}, E {}, K {}, dtype {}, layout {}, routing {}, seed {}\n",
+               W, ranks_per_bus.size(), gpu.name, gpu.sm_count, world.sm_budget(),
+               to_string(world.handles()), base.hidden, base.num_experts, base.topk,
+               to_string(base.dtype), to_string(base.layout), p.shape.routing_name, p.shape.seed);
+    fmt::print("  backends {}, tokens/rank {}, {} timed rounds after {} warm-up (eager and graph "
+               "on each rank's own stream, a bootstrap barrier before every round), verify {}, "
+               "launch shapes: {}, timeout {} ms, commit {}\n",
+               backend_list(p), fmt::join(p.shape.tokens, ","), p.iters, p.warmup,
+               p.verify ? "on" : "off", p.launch.origin, base.timeout_ms, git_commit());
+    if (time_sliced) {
+      fmt::print("  NOTE: {} ranks on one GPU: {}\n", most_on_one_gpu, kTimeSlicedNote);
+    }
+    if (!ablate_setting().empty()) {
+      fmt::print("  EPX_ABLATE={}: stages are left out to attribute time; results are wrong by "
+                 "design (run with --no-verify)\n",
+                 ablate_setting());
+    }
+    std::fflush(stdout);
+  }
+  // Rank 0 measures the copy bandwidth alone (the others wait), then tells everyone.
+  CopyBandwidth bw;
+  if (lead) {
+    bw = measure_copy_bandwidth(world.device(), kCopyBytes, kCopyRepeats);
+    progress(fmt::format("copy bandwidth: {:.1f} GB/s (device-to-device copy of {:.1f} GiB, read "
+                         "+ write, median of {}, rank 0's GPU)",
+                         bw.gbps, double(bw.bytes) / double(1 << 30), bw.repeats));
+  }
+  const nlohmann::json bw_json =
+      nlohmann::json::parse(boot.all_gather(nlohmann::json{
+          {"bytes", bw.bytes}, {"repeats", bw.repeats}, {"median_us", bw.median_us},
+          {"gbps", bw.gbps}}.dump())[0]);
+  bw.bytes = bw_json.at("bytes").get<size_t>();
+  bw.repeats = bw_json.at("repeats").get<int>();
+  bw.median_us = bw_json.at("median_us").get<double>();
+  bw.gbps = bw_json.at("gbps").get<double>();
+
+  std::vector<TokenResult> results;
+  for (const int T : p.shape.tokens) {
+    EpConfig cfg = base;
+    cfg.max_tokens_per_rank = T;
+    cfg.validate();
+    const auto t0 = std::chrono::steady_clock::now();
+    DeviceInputs inputs(me, world.device(), cfg, T, p.shape.routing, p.shape.seed);
+    TokenResult tr;
+    tr.tokens = T;
+    tr.volumes = compute_volumes(cfg, inputs.routings());
+    for (int op = 0; op < 2; ++op)
+      tr.floor_us[op] = double(op_bytes(tr.volumes, op).floor) / (bw.gbps * 1e3);
+    if (lead) {
+      progress(fmt::format("[tokens {}] inputs on the device: {} tokens on each of {} ranks, "
+                           "{:.2f} destination ranks per token ({:.1f} s)",
+                           T, T, W,
+                           double(tr.volumes.rows_crossing + tr.volumes.rows_self) /
+                               double(std::max<int64_t>(1, tr.volumes.tokens)),
+                           seconds_since(t0)));
+    }
+    for (Backend b : p.backends) tr.backends.push_back(run_backend_ipc(p, b, cfg, world, inputs));
+    results.push_back(std::move(tr));
+  }
+
+  const bool ok = all_ok(results);  // the same on every rank: every step was agreed on
+  if (lead) {
+    print_table(p, results);
+    fmt::print("ipc world: the figures are those of the slowest rank (largest median) of each "
+               "op; --json lists every rank's.\n");
+    if (time_sliced) {
+      fmt::print("NOTE: {} ranks on one GPU: {}.\n", most_on_one_gpu, kTimeSlicedNote);
+    }
+    if (!p.json_path.empty()) {
+      nlohmann::json world_json = {{"kind", "ipc"},
+                                   {"ranks", W},
+                                   {"gpus_used", int(ranks_per_bus.size())},
+                                   {"ranks_per_gpu", world.ranks_on_device()},
+                                   {"sm_budget_per_rank", world.sm_budget()},
+                                   {"handles", to_string(world.handles())},
+                                   {"time_sliced", time_sliced},
+                                   {"figures", "slowest rank (largest median) per op"}};
+      if (time_sliced) world_json["note"] = kTimeSlicedNote;
+      write_json(p.json_path, make_json(p, world_json, gpu, bw, std::nullopt, results));
+    }
+    fmt::print("{} ({:.0f} s)\n", ok ? "done" : "done, with FAILED or erroneous backends (exit 1)",
+               seconds_since(t_start));
+    std::fflush(stdout);
+  }
+  boot.barrier();  // no rank leaves (and unmaps its peers) while rank 0 still works
   return ok;
 }
 #endif  // EPX_HAVE_CUDA
@@ -452,10 +795,15 @@ void add_bench(CLI::App& app, int& exit_code) {
   c->add_option("--warmup", f->warmup, "untimed rounds before them")->capture_default_str();
   c->add_option("--json", f->json_path, "also write the results as JSON to FILE");
   c->add_flag("--no-verify", f->no_verify, "skip the correctness check before timing");
-  c->callback([f, &exit_code] {
-    const BenchPlan plan = validate(*f);
+  c->add_option("--world-kind", f->world_kind,
+                "inproc (every rank a stream of this process) | ipc (this process is one rank: "
+                "run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE)")
+      ->capture_default_str();
+  CLI::Option* world_opt = c->get_option("--world");
+  c->callback([f, world_opt, &exit_code] {
+    const BenchPlan plan = validate(*f, world_opt->count() > 0);
 #if EPX_HAVE_CUDA
-    exit_code = run_bench(plan) ? 0 : 1;
+    exit_code = (plan.ipc ? run_bench_ipc(plan) : run_bench(plan)) ? 0 : 1;
 #else
     (void)plan;
     (void)exit_code;

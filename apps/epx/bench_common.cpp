@@ -17,6 +17,7 @@
 #include "epx/error.hpp"
 
 #if EPX_HAVE_CUDA
+#include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
 #endif
 
@@ -28,7 +29,7 @@ namespace epx::cli {
 // ---- flags -------------------------------------------------------------------------------------
 
 void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f) {
-  c->add_option("--world", f.world, "ranks of the in-process world (all on GPU 0)")
+  c->add_option("--world", f.world, "ranks of the world (in-process: all on GPU 0)")
       ->capture_default_str();
   c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
   c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
@@ -385,7 +386,25 @@ CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
 DeviceInputs::DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
                            ref::RoutingKind routing, uint64_t seed)
     : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(world.size()) {
-  const int W = world.size();
+  std::vector<int> devices(size_t(world.size()));
+  for (int r = 0; r < world.size(); ++r) devices[size_t(r)] = world.device_of(r);
+  init(devices, cfg, routing, seed);
+}
+
+DeviceInputs::DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens,
+                           ref::RoutingKind routing, uint64_t seed)
+    : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(cfg.world_size) {
+  EPX_CHECK(rank >= 0 && rank < cfg.world_size, InputError, "rank", rank,
+            "in [0, world_size = " + std::to_string(cfg.world_size) + ")");
+  std::vector<int> devices(size_t(cfg.world_size), -1);
+  devices[size_t(rank)] = device;
+  init(devices, cfg, routing, seed);
+}
+
+void DeviceInputs::init(const std::vector<int>& devices, const EpConfig& cfg,
+                        ref::RoutingKind routing, uint64_t seed) {
+  const int W = int(devices.size());
+  const int tokens = tokens_;
   const size_t T = tokens, H = cfg.hidden, K = cfg.topk, G = cfg.num_scale_groups();
   // Generating activations is the slow part: one thread per rank (each is independent).
   std::vector<ref::RankInput> host(W);
@@ -399,6 +418,7 @@ DeviceInputs::DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int
           const uint64_t rs = seed * 0x9E3779B97F4A7C15ull + uint64_t(r) * 7919 + 1;
           routings_[r] = ref::make_routing(routing, tokens, cfg.num_experts, cfg.topk, rs,
                                            int(seed % uint64_t(cfg.num_experts)));
+          if (devices[size_t(r)] < 0) return;  // another process's rank: its routing only
           host[r] = ref::make_rank_input(cfg, tokens, routings_[r], rs ^ 0xB5AD4ECEDA1CE2A9ull);
         } catch (...) {
           errors[r] = std::current_exception();
@@ -411,9 +431,10 @@ DeviceInputs::DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int
   }
   try {
     for (int r = 0; r < W; ++r) {
+      if (devices[size_t(r)] < 0) continue;
       Rank& d = ranks_[r];
       const ref::RankInput& in = host[r];
-      BENCH_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+      BENCH_CUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
       BENCH_CUDA_CHECK(cudaMalloc(&d.x, T * H * (fp8_input_ ? 1 : 2)));
       BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ids), T * K * sizeof(int32_t)));
       BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.weights), T * K * sizeof(float)));
@@ -600,6 +621,64 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
     throw;
   }
   return out;
+}
+
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
+                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
+                             int iters, RoundSamples& out) {
+  const bool graph = mode == TimingMode::kGraph;
+  auto dispatch = [&] { (void)a2a.dispatch(input, stream); };
+  auto combine = [&] { a2a.combine(a2a.combine_buffer(), y, stream); };
+  GraphExec dispatch_graph, combine_graph;
+  std::unique_ptr<EventSet> ev;
+  std::string error;  // this rank's first error
+  auto attempt = [&](const std::function<void()>& body) {
+    try {
+      body();
+    } catch (const Error& e) {
+      error = e.what();
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaGetLastError();
+    }
+  };
+  attempt([&] {
+    ev = std::make_unique<EventSet>(3 * size_t(iters), cudaEventDefault);
+    if (graph) {  // captured in call order, as every backend expects on the host
+      capture(stream, dispatch, dispatch_graph);
+      capture(stream, combine, combine_graph);
+    }
+  });
+  for (int i = 0;; ++i) {
+    const std::vector<std::string> all = boot.all_gather(error);  // the round's barrier
+    for (size_t r = 0; r < all.size(); ++r)
+      if (!all[r].empty()) return fmt::format("rank {}: {}", r, all[r]);
+    if (i == warmup + iters) break;
+    const int t = i - warmup;
+    attempt([&] {
+      const EventSet& e = *ev;
+      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t], stream));
+      if (graph) {
+        BENCH_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, stream));
+      } else {
+        dispatch();
+      }
+      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], stream));
+      if (graph) {
+        BENCH_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, stream));
+      } else {
+        combine();
+      }
+      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
+      a2a.synchronize(stream);  // raises device errors (a peer that never came: TimeoutError)
+    });
+  }
+  // now every rank finished every round without an error
+  out = {};
+  for (int t = 0; t < iters; ++t) {
+    out.dispatch_us.push_back(elapsed_us((*ev)[3 * t], (*ev)[3 * t + 1]));
+    out.combine_us.push_back(elapsed_us((*ev)[3 * t + 1], (*ev)[3 * t + 2]));
+  }
+  return {};
 }
 
 #endif  // EPX_HAVE_CUDA

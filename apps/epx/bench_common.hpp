@@ -31,6 +31,7 @@
 #endif
 
 namespace epx {
+class Bootstrap;
 class InProcessWorld;
 }
 
@@ -149,11 +150,17 @@ struct CopyBandwidth {
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats);
 
 // Random inputs of every rank for one token count, on the device, uploaded once; y is the
-// combine output. Only the routing stays on the host (for the byte volumes).
+// combine output. Only the routing stays on the host (for the byte volumes). The inputs depend
+// only on (cfg, tokens, routing, seed), so every world gets the same ones.
 class DeviceInputs {
  public:
+  // Every rank of an in-process world, each on its own GPU.
   DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
                ref::RoutingKind routing, uint64_t seed);
+  // One process of an IPC world: only rank `rank`'s inputs, on `device`; every rank's routing is
+  // still drawn (routings() covers the world). input(r) and y(r) are valid for r == rank only.
+  DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens, ref::RoutingKind routing,
+               uint64_t seed);
   ~DeviceInputs();
   DeviceInputs(const DeviceInputs&) = delete;
   DeviceInputs& operator=(const DeviceInputs&) = delete;
@@ -164,6 +171,9 @@ class DeviceInputs {
   const std::vector<ref::Routing>& routings() const { return routings_; }
 
  private:
+  // devices[r] = the GPU of rank r, or -1 when rank r lives in another process.
+  void init(const std::vector<int>& devices, const EpConfig& cfg, ref::RoutingKind routing,
+            uint64_t seed);
   void release() noexcept;
   struct Rank {
     void* x = nullptr;          // [T, H] bf16 or fp8
@@ -226,6 +236,18 @@ using Group = std::vector<std::unique_ptr<All2All>>;
 // drained before the exception leaves.
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
                          int warmup, int iters);
+
+// One process of an IPC world: `warmup` untimed then `iters` timed dispatch+combine rounds of
+// this rank's object on `stream`, with events on that stream (a, dispatch, b, combine, c) and, in
+// graph mode, one graph per op captured on it. Every round begins with an all-gather on the
+// bootstrap after the previous round has finished on the device: the barrier that makes the ranks
+// start each round together (its skew, tens of microseconds between processes, is part of what
+// a rank waits for), and the way an error on any rank ends the loop on every rank at the same
+// round. Returns "" and fills `out`, or returns the first failing rank's error ("rank r: ...").
+// Errors of the bootstrap itself propagate: the job cannot go on.
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
+                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
+                             int iters, RoundSamples& out);
 
 #endif  // EPX_HAVE_CUDA
 

@@ -1,7 +1,9 @@
 // `epx check` (GPU vs CPU reference), `epx selftest` (CPU reference only) and `epx sizes`.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -84,6 +86,7 @@ struct CheckFlags {
   int pool = 3;
   std::string world_kind = "in-process";
   bool moe = false;
+  int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
   MoeCheckFlags moe_flags;  // the layer's own flags; the shape flags are copied in at run time
 };
 
@@ -119,6 +122,8 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
                           env_world.world_size, fl.shape.world));
   }
   fl.shape.world = env_world.world_size;
+  EPX_CHECK(fl.fault_kill_rank < fl.shape.world, ConfigError, "--fault-kill-rank",
+            fl.fault_kill_rank, fmt::format("a rank of the world, in [0, {})", fl.shape.world));
   require_gpu("epx check");
   check::CheckOptions o;
   o.tokens = check::parse_token_list(fl.tokens, "--tokens");
@@ -143,6 +148,18 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
   IpcWorld world = IpcWorld::from_env(device);
   const bool lead = world.rank() == 0;
   const EpConfig& cfg = o.cfg;
+  if (fl.fault_kill_rank == world.rank()) {
+    // Fault injection: take part in the world and in the creation of the All2All (the first
+    // collective of run_check_ipc), then die abruptly before the first dispatch. The other ranks
+    // must report this rank by name within EPX_TIMEOUT_MS and leave no socket file.
+    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+    const std::unique_ptr<All2All> a2a = make_all2all(o.backend, cfg, world, o.launch);
+    fmt::print("fault injection: rank {} (pid {}) created its All2All and kills itself (SIGKILL) "
+               "before its first dispatch\n",
+               world.rank(), long(::getpid()));
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+  }
   if (lead) {
     fmt::print("epx check: ipc world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
                "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
@@ -183,6 +200,11 @@ void add_check(CLI::App& app, int& exit_code) {
   c->add_flag("--mixed", f->mixed, "with --graph: rank 0 calls eagerly, the others replay");
   c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
   c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
+  // Testing only, hence hidden (empty group): proves that a killed rank is named by the others.
+  c->add_option("--fault-kill-rank", f->fault_kill_rank,
+                "testing, --world-kind ipc: this rank creates its All2All, then kills itself "
+                "(SIGKILL) before its first dispatch")
+      ->group("");
   CLI::Option* world_opt = c->get_option("--world");
   c->add_option("--world-kind", f->world_kind,
                 "in-process (every rank a stream of this process) | ipc (this process is one "
@@ -211,6 +233,8 @@ void add_check(CLI::App& app, int& exit_code) {
                                        c->get_option("--ids64"),   c->get_option("--pool"),
                                        c->get_option("--world-kind")};
   c->callback([f, world_opt, moe_only, not_moe, &exit_code] {
+    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind == "ipc"), ConfigError,
+              "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc");
     if (f->moe) {
       for (CLI::Option* o : not_moe)
         EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given",
