@@ -21,9 +21,10 @@
 //
 // In-process worlds (ranks spinning on each other on one GPU): construct every
 // rank's MoeLayer before any rank's first forward(), and run with
-// CUDA_MODULE_LOADING=EAGER, because cuBLASLt loads its GEMM kernels lazily at
-// their first use and a lazy load waits for the kernels running on the device
-// (all2all.hpp); the layer preloads only its own kernels.
+// CUDA_MODULE_LOADING=EAGER. A kernel loaded while peers spin waits for them,
+// and they wait for this rank: the layer preloads its own kernels, and its
+// constructor launches every cuBLASLt GEMM shape forward() can use (GEMM rows
+// come from a few buckets, src/moe/row_buckets.hpp) so that none loads later.
 
 #include <cuda_runtime_api.h>
 

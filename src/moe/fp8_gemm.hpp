@@ -8,7 +8,7 @@
 // D: [M][N] row-major, bf16 or f32.
 // N is a multiple of 128 and K of 512 (K/128 a multiple of 4: the weight scale rows are 16-byte
 // aligned whether or not cuBLASLt pads them). M >= 1 is any size; the scale buffer of A is laid
-// out for M_pad = padded_rows(M) rows, and callers run the GEMM at M_pad (see kRowAlign).
+// out for M_pad = padded_rows(M) rows, and callers run the GEMM at M_pad (row_buckets.hpp).
 //
 // Mapping onto cuBLASLt (column-major, TN, the only fp8 order Hopper accepts), two operand
 // orders (GemmOrder); the first one cuBLASLt offers an algorithm for is used and remembered:
@@ -53,6 +53,8 @@
 #include <tuple>
 #include <vector>
 
+#include "moe/row_buckets.hpp"  // padded_rows: M_pad, a multiple of 16
+
 #if defined(__CUDACC__)
 #define EPX_MOE_HOST_DEVICE __host__ __device__
 #else
@@ -61,7 +63,6 @@
 
 namespace epx::moe {
 
-inline constexpr int kRowAlign = 4;  // M_pad = round_up(M, 4): 16-byte aligned scale columns
 
 enum class ActScaleOrder { kBlockMajor, kRowMajor };
 enum class WeightScaleOrder { kRowMajor, kTransposed };
@@ -78,7 +79,6 @@ struct Fp8ScaleLayouts {
 };
 std::string to_string(const Fp8ScaleLayouts& l);
 
-inline int padded_rows(int m) { return (m + kRowAlign - 1) / kRowAlign * kRowAlign; }
 
 // Index of the activation scale (row m, block b) in a scale buffer for m_pad
 // rows.

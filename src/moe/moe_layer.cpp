@@ -179,6 +179,7 @@ struct MoeLayer::Impl {
     return p;
   }
 
+  void warm_up_gemms();
   void experts_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
   void experts_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
 };
@@ -215,7 +216,7 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
   m.has_shared = shape.shared_intermediate > 0;
   m.max_inter = std::max(shape.intermediate, shape.shared_intermediate);
   m.rows_pad = moe::padded_rows(std::max(cap, t));
-  m.max_total_rows = cap * std::min(k, local) + local * moe::kRowAlign;
+  m.max_total_rows = cap * std::min(k, local) + local * moe::kMaxRowPad;
 
   // Keep f32 GEMM outputs (the reference's precision) unless cuBLASLt offers no
   // algorithm.
@@ -267,9 +268,42 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
     m.dev_rows = m.alloc<int32_t>(size_t(m.max_total_rows));
     m.dev_slots = m.alloc<int32_t>(size_t(cap) * k);
   }
+  m.warm_up_gemms();
   // No device-wide synchronisation here: in an in-process world other ranks'
   // kernels may be spinning on this device (cudaMemcpy from pageable memory
   // above is synchronous already).
+}
+
+void MoeLayer::Impl::warm_up_gemms() {
+  // Every GEMM shape forward() can run, launched once on this layer's own scratch (its contents do
+  // not matter): see row_buckets.hpp for why kernels must not load during forward().
+  cudaStream_t s = nullptr;
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  try {
+    const int h = shape.hidden;
+    std::vector<const DeviceExpert*> kinds = {&experts.front()};
+    if (has_shared && experts.back().intermediate != experts.front().intermediate)
+      kinds.push_back(&experts.back());
+    const bool token_major = ep.layout == OutputLayout::kTokenMajor;
+    const int out_rows = token_major ? max_total_rows : rows_pad;
+    for (const int rows : moe::padded_row_buckets(rows_pad)) {
+      for (const DeviceExpert* e : kinds) {
+        gemm.run({.m = rows, .n = e->intermediate, .k = h, .a = xq, .a_scales = xs, .b = e->w1.q,
+                  .b_scales = e->w1.scales, .d = h1, .out = out_type},
+                 s);
+        if (rows <= out_rows) {
+          gemm.run({.m = rows, .n = h, .k = e->intermediate, .a = act_q, .a_scales = act_s,
+                    .b = e->w2.q, .b_scales = e->w2.scales, .d = out_all, .out = out_type},
+                   s);
+        }
+      }
+    }
+    EPX_CUDA_CHECK(cudaStreamSynchronize(s));
+  } catch (...) {
+    (void)cudaStreamDestroy(s);
+    throw;
+  }
+  EPX_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 MoeLayer::~MoeLayer() = default;
@@ -296,7 +330,7 @@ void MoeLayer::Impl::experts_token_major(const DispatchResult& d, All2All& a2a,
                                  stream));
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   // Per local expert, its rows in ascending order; output rows are laid out
-  // expert after expert, each expert's block padded to kRowAlign rows.
+  // expert after expert, each expert's block padded to padded_rows rows.
   std::vector<int> list_start(size_t(local) + 1, 0), out_start(size_t(local), 0);
   std::vector<std::vector<int32_t>> lists(static_cast<size_t>(local));
   for (int r = 0; r < rows; ++r) {
