@@ -70,8 +70,11 @@ L="$build/epx launch"
 EI="$build/epx check --world-kind ipc"
 for n in 2 4; do
   run "ipc_example_n${n}" $L -n $n -- "$build/example_ipc_ranks"
-  run "ipc_n${n}_t128_token" $L -n $n -- $EI --world $n --tokens 128 --iters 2
-  run "ipc_n${n}_t128_expert" $L -n $n -- $EI --world $n --tokens 128 --layout expert --iters 2
+  for d in bf16-to-fp8 bf16 fp8; do  # the DeepSeek-R1 shape, every dtype and both layouts
+    run "ipc_n${n}_t128_${d}_token" $L -n $n -- $EI --world $n --tokens 128 --dtype $d --iters 2
+    run "ipc_n${n}_t128_${d}_expert" $L -n $n -- $EI --world $n --tokens 128 --dtype $d \
+      --layout expert --iters 2
+  done
   run "ipc_n${n}_t128_graph20" $L -n $n -- $EI --world $n --tokens 128 --graph 20 --iters 1
 done
 run ipc_example_n2_cuda_ipc $L -n 2 -- "$build/example_ipc_ranks" cuda-ipc
