@@ -34,6 +34,7 @@ namespace epx {
 
 class InProcessWorld;
 class IpcWorld;
+class NcclWorld;
 
 enum class IdType { kInt32, kInt64 };
 
@@ -121,6 +122,11 @@ std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConf
 // follows each rank's last synchronize(): a peer may still be reading this rank's buffer, and
 // with IpcHandles::kCudaIpc the memory goes away with its exporting rank.
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
+                                      LaunchConfigs launch = {});
+
+// This process's object of an NcclWorld: as for an IpcWorld, with the symmetric buffer from an
+// NCCL window (SymmetricBuffer::create_nccl). Destroy it before the world.
+std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch = {});
 
 }  // namespace epx

@@ -11,6 +11,7 @@ namespace epx {
 
 class InProcessWorld;
 class IpcWorld;
+class NcclWorld;
 
 namespace detail {
 // What create_ipc() mapped, imported or opened for one buffer (defined in src/transport/ipc.cpp).
@@ -58,6 +59,13 @@ class SymmetricBuffer {
   // exporting rank must outlive its peers' use of its buffer (destroy after a barrier).
   static SymmetricBuffer create_ipc(IpcWorld& world, size_t bytes);
 
+  // One process per rank through NCCL (NcclWorld): ncclMemAlloc + ncclCommWindowRegister
+  // (collective over the communicator), and the peer table from the window's LSA pointers, so the
+  // kernels stay the same. Zeroed, and returned on every rank after a barrier. Needs every rank
+  // in the communicator's LSA team (one node over NVLink; UnsupportedError otherwise). The buffer
+  // must be destroyed before its world (it deregisters the window on the world's communicator).
+  static SymmetricBuffer create_nccl(NcclWorld& world, size_t bytes);
+
   DeviceHandle device_handle() const { return {peers_dev_, local_, rank_, world_size_}; }
   uint8_t* local() const { return local_; }
   size_t bytes() const { return bytes_; }
@@ -75,6 +83,8 @@ class SymmetricBuffer {
   // Set by create_ipc only: owns local_ and the peers' mappings (create_in_process: empty, and
   // local_ is a cudaMalloc of this object).
   std::unique_ptr<detail::IpcMappings, detail::IpcMappingsDeleter> ipc_;
+  // Set by create_nccl only: releases the NCCL window and its memory (which is local_).
+  std::shared_ptr<void> external_;
 };
 
 }  // namespace epx

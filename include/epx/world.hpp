@@ -89,4 +89,43 @@ class IpcWorld {
   IpcHandles handles_ = IpcHandles::kCudaIpc;
 };
 
+// One process per rank through NCCL (DESIGN §3, §10): an NCCL communicator created from a unique
+// id that rank 0 draws and the bootstrap passes on; symmetric memory through ncclMemAlloc and
+// ncclCommWindowRegister (SymmetricBuffer::create_nccl), and the peer table from the window's
+// LSA pointers (NCCL's device API), so the intra-node kernels are those of every other world.
+// NVLink multicast is never used. Inter-node traffic (GIN put + signal) is not implemented:
+// every rank must be in this communicator's LSA team (one node), UnsupportedError otherwise.
+//
+// NCCL is loaded at run time (dlopen of libnccl.so.2, or EPX_NCCL_LIBRARY), so that nothing else
+// depends on it; UnsupportedError names what is missing when it cannot be loaded. One GPU per
+// rank (NCCL refuses two ranks of a communicator on one GPU). Collective constructor; the world
+// must outlive every SymmetricBuffer and All2All made from it.
+class NcclWorld {
+ public:
+  // device < 0: the calling thread's current CUDA device.
+  explicit NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1);
+  // A UnixSocketBootstrap on BootstrapOptions::from_env() (`epx launch` sets it up).
+  static NcclWorld from_env(int device = -1);
+  NcclWorld(NcclWorld&&) noexcept;
+  NcclWorld& operator=(NcclWorld&&) noexcept;
+  ~NcclWorld();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  int ranks_on_device() const { return 1; }
+  int num_sms() const { return num_sms_; }
+  int sm_budget() const { return num_sms_; }
+  Bootstrap& bootstrap() { return *bootstrap_; }
+  void* comm() const { return comm_; }  // ncclComm_t
+
+ private:
+  std::unique_ptr<Bootstrap> bootstrap_;
+  void* comm_ = nullptr;
+  int rank_ = 0;
+  int size_ = 1;
+  int device_ = 0;
+  int num_sms_ = 1;
+};
+
 }  // namespace epx

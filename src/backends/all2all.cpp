@@ -33,6 +33,18 @@ std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& w
                          "allgather_reducescatter, low_latency");
 }
 
+std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
+                                      LaunchConfigs launch) {
+  switch (backend) {
+    case Backend::kLowLatency: return low_latency::make_rank(cfg, world, launch);
+    case Backend::kNaive: return naive::make_rank(cfg, world, launch);
+    case Backend::kAllgatherReduceScatter:
+      return allgather_reducescatter::make_rank(cfg, world, launch);
+  }
+  EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
+                         "allgather_reducescatter, low_latency");
+}
+
 size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
   switch (backend) {
     case Backend::kLowLatency: return low_latency::buffer_bytes(cfg);

@@ -32,8 +32,13 @@
 #include "epx/bootstrap.hpp"
 #include "epx/symmetric.hpp"
 #include "epx/world.hpp"
+#include "transport/collective.hpp"
 
 namespace epx {
+
+using transport::attempt;
+using transport::gather_checked;
+using transport::Step;
 
 const char* to_string(IpcHandles h) {
   switch (h) {
@@ -127,42 +132,6 @@ const Driver& driver() {
     const CUresult epx_cu_ = (call);                                \
     if (epx_cu_ != CUDA_SUCCESS) throw_cu(epx_cu_, #call, __FILE__, __LINE__); \
   } while (0)
-
-// ---- collective status ----------------------------------------------------------------------
-
-// The outcome of one rank's local step.
-struct Step {
-  std::exception_ptr error;
-  std::string message;
-};
-
-template <typename Fn>
-Step attempt(Fn&& fn) {
-  try {
-    fn();
-    return {};
-  } catch (const std::exception& e) {
-    return {std::current_exception(), e.what()};
-  }
-}
-
-// Collective: all-gathers each rank's status with `payload`. When any rank's step failed, every
-// rank throws: the failing rank its own error, the others PeerError naming the first failing
-// rank and its message. Returns every rank's payload.
-std::vector<std::string> gather_checked(Bootstrap& b, const char* what, const Step& mine,
-                                        const std::string& payload) {
-  std::vector<std::string> all = b.all_gather(mine.error ? "E" + mine.message : "K" + payload);
-  if (mine.error) std::rethrow_exception(mine.error);
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty() || all[r][0] != 'K') {
-      EPX_THROW(PeerError, fmt::format("rank {} of {}: {} failed on rank {}: {}", b.rank(),
-                                       b.size(), what, r,
-                                       all[r].empty() ? "(no report)" : all[r].substr(1)));
-    }
-    all[r].erase(0, 1);
-  }
-  return all;
-}
 
 // "key=value" lines, as IpcWorld's ranks describe themselves.
 std::string field(const std::string& text, std::string_view key) {

@@ -15,6 +15,7 @@ SymmetricBuffer& SymmetricBuffer::operator=(SymmetricBuffer&& o) noexcept {
     local_ = std::exchange(o.local_, nullptr);
     peers_dev_ = std::exchange(o.peers_dev_, nullptr);
     ipc_ = std::move(o.ipc_);
+    external_ = std::move(o.external_);
     bytes_ = std::exchange(o.bytes_, 0);
     rank_ = o.rank_;
     world_size_ = o.world_size_;
@@ -26,14 +27,15 @@ SymmetricBuffer& SymmetricBuffer::operator=(SymmetricBuffer&& o) noexcept {
 SymmetricBuffer::~SymmetricBuffer() { release(); }
 
 void SymmetricBuffer::release() noexcept {
-  if (local_ == nullptr && peers_dev_ == nullptr && !ipc_) return;
+  if (local_ == nullptr && peers_dev_ == nullptr && !ipc_ && !external_) return;
   int prev = 0;
   (void)cudaGetDevice(&prev);
   (void)cudaSetDevice(device_);
-  if (!ipc_ && local_ != nullptr) (void)cudaFree(local_);
+  if (!ipc_ && !external_ && local_ != nullptr) (void)cudaFree(local_);
   if (peers_dev_ != nullptr) (void)cudaFree(peers_dev_);
   // create_ipc: unmaps the peers' buffers and releases this rank's own (it owns local_).
   ipc_.reset();
+  external_.reset();  // create_nccl: deregisters the window, frees its memory
   (void)cudaSetDevice(prev);
   local_ = nullptr;
   peers_dev_ = nullptr;

@@ -333,8 +333,20 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
   return out;
 }
 
-std::unique_ptr<All2All> make_ipc_rank(const EpConfig& base, IpcWorld& world,
-                                       const LaunchConfigs& launch, const Algorithm& algo) {
+namespace {
+
+SymmetricBuffer create_buffer(IpcWorld& world, size_t bytes) {
+  return SymmetricBuffer::create_ipc(world, bytes);
+}
+SymmetricBuffer create_buffer(NcclWorld& world, size_t bytes) {
+  return SymmetricBuffer::create_nccl(world, bytes);
+}
+
+// One process per rank (IpcWorld, NcclWorld): the same steps, the worlds differ only in how the
+// symmetric buffer is shared.
+template <typename World>
+std::unique_ptr<All2All> make_process_rank(const EpConfig& base, World& world,
+                                           const LaunchConfigs& launch, const Algorithm& algo) {
   EpConfig cfg = base;
   cfg.world_size = world.size();
   cfg.rank = world.rank();
@@ -342,18 +354,30 @@ std::unique_ptr<All2All> make_ipc_rank(const EpConfig& base, IpcWorld& world,
   // Every rank must build the same object: compare before anything is allocated, so that a
   // mismatch is one ConfigError on every rank rather than a size error or a hang later.
   check_fingerprints(world.bootstrap(), cfg, algo.backend);
-  // Ranks that share this GPU run concurrently (time-sliced between processes): the same SM
+  // Ranks that share a GPU run concurrently (time-sliced between processes): the same SM
   // budget as an in-process world, and the same defaults (docs/perf-notes.md). Resolved before
   // the collective allocation, so that a shape this GPU cannot hold fails here, on this rank,
-  // and its peers hear of it from create_ipc (PeerError) instead of waiting in a kernel.
+  // and its peers hear of it from the allocation (PeerError) instead of waiting in a kernel.
   const int budget = world.sm_budget();
   const int sharing = world.ranks_on_device();
   LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", cfg.rank, sharing, kDefaultDispatchWarps),
                    resolve(launch.combine, budget, "combine", cfg.rank, sharing, kDefaultCombineWarps)};
   const Layout L = make_layout(cfg, algo);
   preload_kernels(world.device());
-  SymmetricBuffer buf = SymmetricBuffer::create_ipc(world, L.total);
+  SymmetricBuffer buf = create_buffer(world, L.total);
   return std::make_unique<PeerAll2All>(cfg, algo, std::move(buf), lc);
+}
+
+}  // namespace
+
+std::unique_ptr<All2All> make_ipc_rank(const EpConfig& cfg, IpcWorld& world,
+                                       const LaunchConfigs& launch, const Algorithm& algo) {
+  return make_process_rank(cfg, world, launch, algo);
+}
+
+std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
+                                        const LaunchConfigs& launch, const Algorithm& algo) {
+  return make_process_rank(cfg, world, launch, algo);
 }
 
 int32_t ablate_from_env() {

@@ -12,6 +12,7 @@
 namespace epx {
 class InProcessWorld;
 class IpcWorld;
+class NcclWorld;
 namespace peer {
 std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& cfg,
                                                             const InProcessWorld& world,
@@ -22,6 +23,9 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& cfg,
 // compared (ConfigError on every rank when they differ) before anything is allocated.
 std::unique_ptr<All2All> make_ipc_rank(const EpConfig& cfg, IpcWorld& world,
                                        const LaunchConfigs& launch, const Algorithm& algo);
+// The same over an NcclWorld (symmetric memory from NCCL windows).
+std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
+                                        const LaunchConfigs& launch, const Algorithm& algo);
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo);
 }  // namespace peer
 }  // namespace epx

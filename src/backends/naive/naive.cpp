@@ -18,6 +18,10 @@ std::unique_ptr<All2All> make_rank(const EpConfig& cfg, IpcWorld& world, const L
   return peer::make_ipc_rank(cfg, world, launch, kAlgorithm);
 }
 
+std::unique_ptr<All2All> make_rank(const EpConfig& cfg, NcclWorld& world, const LaunchConfigs& launch) {
+  return peer::make_nccl_rank(cfg, world, launch, kAlgorithm);
+}
+
 size_t buffer_bytes(const EpConfig& cfg) { return peer::buffer_bytes(cfg, kAlgorithm); }
 
 }  // namespace epx::naive

@@ -1,0 +1,230 @@
+// NcclWorld and SymmetricBuffer::create_nccl (world.hpp, symmetric.hpp). libnccl is opened at
+// run time, so that only a process that builds an NcclWorld needs it.
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/cuda_check.hpp"
+#include "epx/bootstrap.hpp"
+#include "epx/config.hpp"
+#include "epx/symmetric.hpp"
+#include "epx/world.hpp"
+#include "transport/collective.hpp"
+#include "transport/nccl_peers.hpp"
+
+namespace epx {
+namespace {
+
+using transport::attempt;
+using transport::gather_checked;
+using transport::Step;
+
+// ncclTeam (nccl_device/core.h), as ncclTeamLsa(ncclComm_t) returns it.
+struct LsaTeam {
+  int nRanks, rank, stride;
+};
+
+// The NCCL host functions epx calls, resolved once from libnccl.so.2 (or EPX_NCCL_LIBRARY).
+struct Nccl {
+  decltype(&ncclGetVersion) get_version = nullptr;
+  decltype(&ncclGetErrorString) error_string = nullptr;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+  decltype(&ncclCommDestroy) comm_destroy = nullptr;
+  decltype(&ncclMemAlloc) mem_alloc = nullptr;
+  decltype(&ncclMemFree) mem_free = nullptr;
+  decltype(&ncclCommWindowRegister) window_register = nullptr;
+  decltype(&ncclCommWindowDeregister) window_deregister = nullptr;
+  LsaTeam (*team_lsa)(ncclComm_t) = nullptr;
+  int version = 0;
+};
+
+const Nccl& nccl() {
+  static Nccl lib;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("EPX_NCCL_LIBRARY");
+    const std::string name = env != nullptr && *env != '\0' ? env : "libnccl.so.2";
+    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      const char* why = dlerror();
+      error = fmt::format("NCCL: cannot load {} ({}); install NCCL >= 2.28 (e.g. the "
+                          "nvidia-nccl-cu13 wheel) and name it in LD_LIBRARY_PATH or "
+                          "EPX_NCCL_LIBRARY",
+                          name, why != nullptr ? why : "unknown reason");
+      return;
+    }
+    auto sym = [&](auto& fn, const char* symbol) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, symbol));
+      if (fn == nullptr && error.empty())
+        error = fmt::format("NCCL: {} has no {} (NCCL >= 2.28 needed)", name, symbol);
+    };
+    sym(lib.get_version, "ncclGetVersion");
+    sym(lib.error_string, "ncclGetErrorString");
+    sym(lib.get_unique_id, "ncclGetUniqueId");
+    sym(lib.comm_init_rank, "ncclCommInitRank");
+    sym(lib.comm_destroy, "ncclCommDestroy");
+    sym(lib.mem_alloc, "ncclMemAlloc");
+    sym(lib.mem_free, "ncclMemFree");
+    sym(lib.window_register, "ncclCommWindowRegister");
+    sym(lib.window_deregister, "ncclCommWindowDeregister");
+    sym(lib.team_lsa, "ncclTeamLsa");
+    if (error.empty()) (void)lib.get_version(&lib.version);
+  });
+  if (!error.empty()) EPX_THROW(UnsupportedError, error);
+  return lib;
+}
+
+void nccl_check(ncclResult_t r, const char* call) {
+  if (r == ncclSuccess) return;
+  EPX_THROW(CudaError, fmt::format("{} failed: {} ({})", call, nccl().error_string(r), int(r)));
+}
+
+#define EPX_NCCL_CHECK(call) nccl_check((call), #call)
+
+}  // namespace
+
+NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
+    : bootstrap_(std::move(bootstrap)) {
+  EPX_CHECK(bootstrap_ != nullptr, InputError, "bootstrap", "nullptr", "a Bootstrap");
+  rank_ = bootstrap_->rank();
+  size_ = bootstrap_->size();
+  EPX_CHECK(size_ >= 1 && size_ <= kMaxRanks, InputError, "bootstrap size", size_,
+            fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+  // 1. Local facts and NCCL itself; rank 0 draws the unique id.
+  ncclUniqueId id{};
+  const Step local = attempt([&] {
+    require_gpu("an NCCL world");
+    int dev = device;
+    if (dev < 0) EPX_CUDA_CHECK(cudaGetDevice(&dev));
+    const int count = cuda_device_count();
+    EPX_CHECK(dev >= 0 && dev < count, InputError, "device", dev,
+              fmt::format("in [0, {}) (the GPUs visible to this process)", count));
+    EPX_CUDA_CHECK(cudaSetDevice(dev));
+    cudaDeviceProp prop{};
+    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    device_ = dev;
+    num_sms_ = prop.multiProcessorCount;
+    const Nccl& lib = nccl();
+    EPX_CHECK(lib.version >= 22800, UnsupportedError, "NCCL version", lib.version,
+              ">= 22800 (2.28: symmetric windows and the device API)");
+    if (rank_ == 0) EPX_NCCL_CHECK(lib.get_unique_id(&id));
+  });
+  const std::string mine(reinterpret_cast<const char*>(&id), sizeof(id));
+  const std::vector<std::string> ids = gather_checked(*bootstrap_, "NCCL set-up", local, mine);
+  std::memcpy(&id, ids[0].data(), sizeof(id));
+  // 2. The communicator (collective inside NCCL), then its LSA team must be the whole world.
+  const Step comm = attempt([&] {
+    ncclComm_t c = nullptr;
+    EPX_NCCL_CHECK(nccl().comm_init_rank(&c, size_, id, rank_));
+    comm_ = c;
+    const LsaTeam lsa = nccl().team_lsa(c);
+    EPX_CHECK(lsa.nRanks == size_, UnsupportedError, "NCCL LSA team size", lsa.nRanks,
+              fmt::format("the world size {} (every rank on one node over NVLink; inter-node "
+                          "GIN transport is not implemented)",
+                          size_));
+  });
+  try {
+    (void)gather_checked(*bootstrap_, "NCCL communicator", comm, "");
+  } catch (...) {
+    if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+    comm_ = nullptr;
+    throw;
+  }
+}
+
+NcclWorld NcclWorld::from_env(int device) {
+  return NcclWorld(std::make_unique<UnixSocketBootstrap>(BootstrapOptions::from_env()), device);
+}
+
+NcclWorld::NcclWorld(NcclWorld&& o) noexcept { *this = std::move(o); }
+
+NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
+  if (this != &o) {
+    if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+    bootstrap_ = std::move(o.bootstrap_);
+    comm_ = std::exchange(o.comm_, nullptr);
+    rank_ = o.rank_;
+    size_ = o.size_;
+    device_ = o.device_;
+    num_sms_ = o.num_sms_;
+  }
+  return *this;
+}
+
+NcclWorld::~NcclWorld() {
+  if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+}
+
+// ---- symmetric memory ---------------------------------------------------------------------------
+
+namespace {
+
+// What create_nccl registered: the window on `comm` and its ncclMemAlloc memory.
+struct NcclWindow {
+  ncclComm_t comm = nullptr;
+  ncclWindow_t window = nullptr;
+  void* memory = nullptr;
+  int device = 0;
+  ~NcclWindow() {
+    if (window != nullptr) (void)nccl().window_deregister(comm, window);
+    if (memory != nullptr) (void)nccl().mem_free(memory);
+  }
+};
+
+}  // namespace
+
+SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
+  EPX_CHECK(bytes > 0, InputError, "bytes", bytes, "> 0");
+  const std::vector<std::string> sizes =
+      world.bootstrap().all_gather(std::to_string(bytes));
+  for (int r = 0; r < world.size(); ++r) {
+    EPX_CHECK(sizes[size_t(r)] == std::to_string(bytes), InputError, "bytes", bytes,
+              fmt::format("the same on every rank (rank {} asks for {})", r, sizes[size_t(r)]));
+  }
+  SymmetricBuffer out;
+  out.rank_ = world.rank();
+  out.world_size_ = world.size();
+  out.device_ = world.device();
+  auto win = std::make_shared<NcclWindow>();
+  win->comm = static_cast<ncclComm_t>(world.comm());
+  win->device = world.device();
+  // Registration is collective inside NCCL (and unbounded there): every rank's allocation is
+  // agreed first, so that no rank enters it alone.
+  const size_t rounded = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
+                         NCCL_WIN_REQUIRED_ALIGNMENT;
+  const Step allocated = attempt([&] {
+    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+    EPX_NCCL_CHECK(nccl().mem_alloc(&win->memory, rounded));
+  });
+  (void)gather_checked(world.bootstrap(), "ncclMemAlloc", allocated, "");
+  const Step registered = attempt([&] {
+    EPX_NCCL_CHECK(nccl().window_register(win->comm, win->memory, rounded, &win->window,
+                                          NCCL_WIN_COLL_SYMMETRIC));
+  });
+  (void)gather_checked(world.bootstrap(), "ncclCommWindowRegister", registered, "");
+  const Step table = attempt([&] {
+    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+    EPX_CUDA_CHECK(cudaMemset(win->memory, 0, rounded));
+    EPX_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&out.peers_dev_), sizeof(uint8_t*) * world.size()));
+    transport::fill_lsa_peer_table(win->window, world.size(), out.peers_dev_, nullptr);
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  });
+  out.local_ = static_cast<uint8_t*>(win->memory);
+  out.bytes_ = bytes;
+  out.external_ = std::move(win);
+  // Every rank's buffer is zeroed and its table complete before anyone's kernels touch a peer.
+  (void)gather_checked(world.bootstrap(), "the NCCL peer table", table, "");
+  return out;
+}
+
+}  // namespace epx

@@ -1,0 +1,26 @@
+// The peer table of an NCCL window: LSA pointers from NCCL's device API (header-only device
+// functions; nothing links against libnccl here).
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "core/cuda_check.hpp"
+#include "transport/nccl_peers.hpp"
+
+namespace epx::transport {
+namespace {
+
+__global__ void lsa_peer_table_kernel(ncclWindow_t win, int world_size, uint8_t** peers) {
+  for (int r = threadIdx.x; r < world_size; r += blockDim.x)
+    peers[r] = static_cast<uint8_t*>(ncclGetPeerPointer(win, 0, r));
+}
+
+}  // namespace
+
+void fill_lsa_peer_table(void* window, int world_size, uint8_t** peers_dev, cudaStream_t stream) {
+  lsa_peer_table_kernel<<<1, 64, 0, stream>>>(static_cast<ncclWindow_t>(window), world_size,
+                                              peers_dev);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epx::transport
