@@ -58,7 +58,8 @@ struct BenchPlan {
   int warmup = 0;
   bool verify = true;
   std::string json_path;
-  bool ipc = false;  // one process per rank (--world-kind ipc)
+  bool ipc = false;   // one process per rank (--world-kind ipc or nccl)
+  bool nccl = false;  // --world-kind nccl
 };
 
 // `world_given`: --world was on the command line (over ipc it must then equal EPX_WORLD_SIZE;
@@ -66,11 +67,13 @@ struct BenchPlan {
 BenchPlan validate(const BenchFlags& f, bool world_given) {
   BenchPlan p;
   const std::string& kind = f.world_kind;
-  if (kind != "inproc" && kind != "in-process" && kind != "ipc") {
-    EPX_THROW(ConfigError, fmt::format("--world-kind = '{}', expected inproc (in-process) or ipc",
+  if (kind != "inproc" && kind != "in-process" && kind != "ipc" && kind != "nccl") {
+    EPX_THROW(ConfigError, fmt::format("--world-kind = '{}', expected inproc (in-process), ipc "
+                                       "or nccl",
                                        kind));
   }
-  p.ipc = kind == "ipc";
+  p.ipc = kind == "ipc" || kind == "nccl";
+  p.nccl = kind == "nccl";
   ShapeFlagValues shape = f.shape;
   if (p.ipc) {
     const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
@@ -536,8 +539,12 @@ Verdict agree(Bootstrap& boot, const std::string& status, const std::string& mes
 }
 
 // Verification (run_check_ipc), then graph and eager timing of this rank's object.
+std::string handles_name(IpcWorld& world) { return to_string(world.handles()); }
+std::string handles_name(NcclWorld&) { return "nccl-window"; }
+
+template <typename World>
 BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfig& cfg,
-                              IpcWorld& world, const DeviceInputs& inputs) {
+                              World& world, const DeviceInputs& inputs) {
   Bootstrap& boot = world.bootstrap();
   const int me = world.rank();
   auto say = [&](const std::string& s) {
@@ -565,7 +572,7 @@ BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfi
     o.pool = 1;
     std::string status = "ok", message;
     try {
-      const check::CheckReport rep = check::run_check_ipc(o, world);  // same report on every rank
+      const check::CheckReport rep = check::run_check_world(o, world);  // same report on every rank
       if (!rep.ok) {
         status = "failed";
         message = rep.mismatches.empty() ? "output differs from the CPU reference"
@@ -656,14 +663,10 @@ BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfi
   return br;
 }
 
-bool run_bench_ipc(const BenchPlan& p) {
-  const auto t_start = std::chrono::steady_clock::now();
-  require_gpu_for("epx bench");
-  const BootstrapOptions env = BootstrapOptions::from_env();
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) gpus = 1;
-  // Ranks go round-robin over the GPUs this process sees (as `epx check --world-kind ipc`).
-  IpcWorld world = IpcWorld::from_env(env.rank % gpus);
+template <typename World>
+bool run_bench_process(const BenchPlan& p, World& world,
+                       std::chrono::steady_clock::time_point t_start) {
+  const std::string kind = p.nccl ? "nccl" : "ipc";
   if (const cudaError_t e = cudaSetDevice(world.device()); e != cudaSuccess) {
     EPX_THROW(CudaError, fmt::format("cudaSetDevice({}) failed: {}", world.device(),
                                      cudaGetErrorString(e)));
@@ -674,7 +677,7 @@ bool run_bench_ipc(const BenchPlan& p) {
   const EpConfig base = p.shape.cfg;
   const int W = world.size();
   EPX_CHECK(base.world_size == W, ConfigError, "--world", base.world_size,
-            fmt::format("the ranks of the IPC world = {}", W));
+            fmt::format("the ranks of the {} world = {}", kind, W));
   const GpuInfo gpu = gpu_info(world.device());
 
   // Where every rank runs: its GPU's PCI bus id (ordinals differ with CUDA_VISIBLE_DEVICES).
@@ -689,10 +692,10 @@ bool run_bench_ipc(const BenchPlan& p) {
   for (const auto& [b, n] : ranks_per_bus) most_on_one_gpu = std::max(most_on_one_gpu, n);
   const bool time_sliced = most_on_one_gpu > 1;
   if (lead) {
-    fmt::print("epx bench: ipc world, {} processes on {} GPU(s) ({}, {} SMs, {} blocks per rank, "
+    fmt::print("epx bench: {} world, {} processes on {} GPU(s) ({}, {} SMs, {} blocks per rank, "
                "{} handles), H {}, E {}, K {}, dtype {}, layout {}, routing {}, seed {}\n",
-               W, ranks_per_bus.size(), gpu.name, gpu.sm_count, world.sm_budget(),
-               to_string(world.handles()), base.hidden, base.num_experts, base.topk,
+               kind, W, ranks_per_bus.size(), gpu.name, gpu.sm_count, world.sm_budget(),
+               handles_name(world), base.hidden, base.num_experts, base.topk,
                to_string(base.dtype), to_string(base.layout), p.shape.routing_name, p.shape.seed);
     fmt::print("  backends {}, tokens/rank {}, {} timed rounds after {} warm-up (eager and graph "
                "on each rank's own stream, a bootstrap barrier before every round), verify {}, "
@@ -753,18 +756,19 @@ bool run_bench_ipc(const BenchPlan& p) {
   const bool ok = all_ok(results);  // the same on every rank: every step was agreed on
   if (lead) {
     print_table(p, results);
-    fmt::print("ipc world: the figures are those of the slowest rank (largest median) of each "
-               "op; --json lists every rank's.\n");
+    fmt::print("{} world: the figures are those of the slowest rank (largest median) of each "
+               "op; --json lists every rank's.\n",
+               kind);
     if (time_sliced) {
       fmt::print("NOTE: {} ranks on one GPU: {}.\n", most_on_one_gpu, kTimeSlicedNote);
     }
     if (!p.json_path.empty()) {
-      nlohmann::json world_json = {{"kind", "ipc"},
+      nlohmann::json world_json = {{"kind", kind},
                                    {"ranks", W},
                                    {"gpus_used", int(ranks_per_bus.size())},
                                    {"ranks_per_gpu", world.ranks_on_device()},
                                    {"sm_budget_per_rank", world.sm_budget()},
-                                   {"handles", to_string(world.handles())},
+                                   {"handles", handles_name(world)},
                                    {"time_sliced", time_sliced},
                                    {"figures", "slowest rank (largest median) per op"}};
       if (time_sliced) world_json["note"] = kTimeSlicedNote;
@@ -776,6 +780,22 @@ bool run_bench_ipc(const BenchPlan& p) {
   }
   boot.barrier();  // no rank leaves (and unmaps its peers) while rank 0 still works
   return ok;
+}
+
+// One process per rank (--world-kind ipc|nccl); ranks go round-robin over the GPUs this process
+// sees (as `epx check`).
+bool run_bench_ipc(const BenchPlan& p) {
+  const auto t_start = std::chrono::steady_clock::now();
+  require_gpu_for("epx bench");
+  const BootstrapOptions env = BootstrapOptions::from_env();
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) gpus = 1;
+  if (p.nccl) {
+    NcclWorld world = NcclWorld::from_env(env.rank % gpus);
+    return run_bench_process(p, world, t_start);
+  }
+  IpcWorld world = IpcWorld::from_env(env.rank % gpus);
+  return run_bench_process(p, world, t_start);
 }
 #endif  // EPX_HAVE_CUDA
 
@@ -797,7 +817,8 @@ void add_bench(CLI::App& app, int& exit_code) {
   c->add_flag("--no-verify", f->no_verify, "skip the correctness check before timing");
   c->add_option("--world-kind", f->world_kind,
                 "inproc (every rank a stream of this process) | ipc (this process is one rank: "
-                "run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE)")
+                "run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE) | nccl (as ipc, "
+                "memory through NCCL windows; one GPU per rank)")
       ->capture_default_str();
   CLI::Option* world_opt = c->get_option("--world");
   c->callback([f, world_opt, &exit_code] {

@@ -3,8 +3,8 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -12,10 +12,10 @@
 
 #include "bench_common.hpp"
 #include "commands.hpp"
-#include "moe_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
+#include "moe_check.hpp"
 #include "reference/reference.hpp"
 #if EPX_HAVE_CUDA
 #include "check/harness.hpp"
@@ -50,7 +50,8 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f) {
   c->add_option("--layout", f.layout, "token | expert")->capture_default_str();
   c->add_option("--scale-layout", f.scale_layout, "row | column (received fp8 scales)")
       ->capture_default_str();
-  c->add_option("--timeout-ms", f.timeout_ms, "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
+  c->add_option("--timeout-ms", f.timeout_ms,
+                "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
 }
 
 EpConfig make_config(const ShapeFlags& f, int max_tokens) {
@@ -70,8 +71,9 @@ EpConfig make_config(const ShapeFlags& f, int max_tokens) {
   return cfg;
 }
 
-
-[[maybe_unused]] std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20)); }
+[[maybe_unused]] std::string mib(size_t bytes) {
+  return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20));
+}
 
 struct CheckFlags {
   ShapeFlags shape;
@@ -87,7 +89,7 @@ struct CheckFlags {
   std::string world_kind = "in-process";
   bool moe = false;
   int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
-  MoeCheckFlags moe_flags;  // the layer's own flags; the shape flags are copied in at run time
+  MoeCheckFlags moe_flags;   // the layer's own flags; the shape flags are copied in at run time
 };
 
 // `epx check --moe`: the shared flags of `check` into MoeCheckFlags.
@@ -111,6 +113,7 @@ MoeCheckFlags moe_check_flags(const CheckFlags& f) {
 #if EPX_HAVE_CUDA
 // `epx check --world-kind ipc`: this process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch`
 // sets both). Every rank checks its own outputs; rank 0 prints; all exit with the same code.
+// `epx check --world-kind ipc|nccl`: one process per rank.
 void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code) {
   const BootstrapOptions env_world = BootstrapOptions::from_env();
   CheckFlags fl = flags;
@@ -131,8 +134,8 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
   for (int t : o.tokens) max_t = std::max(max_t, t);
   o.cfg = make_config(fl.shape, max_t);
   const EnvSettings env = read_env();
-  o.backend = !fl.backend.empty() ? parse_backend(fl.backend)
-                                  : env.backend.value_or(Backend::kLowLatency);
+  o.backend =
+      !fl.backend.empty() ? parse_backend(fl.backend) : env.backend.value_or(Backend::kLowLatency);
   if (env.config_path) o.launch = load_launch_configs(*env.config_path);
   o.routing = parse_routing_flag(fl.routing);
   o.seed = fl.seed;
@@ -145,40 +148,51 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
   // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
   const int gpus = cuda_device_count();
   const int device = gpus > 0 ? env_world.rank % gpus : -1;
-  IpcWorld world = IpcWorld::from_env(device);
-  const bool lead = world.rank() == 0;
-  const EpConfig& cfg = o.cfg;
-  if (fl.fault_kill_rank == world.rank()) {
-    // Fault injection: take part in the world and in the creation of the All2All (the first
-    // collective of run_check_ipc), then die abruptly before the first dispatch. The other ranks
-    // must report this rank by name within EPX_TIMEOUT_MS and leave no socket file.
-    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
-    const std::unique_ptr<All2All> a2a = make_all2all(o.backend, cfg, world, o.launch);
-    fmt::print("fault injection: rank {} (pid {}) created its All2All and kills itself (SIGKILL) "
-               "before its first dispatch\n",
-               world.rank(), long(::getpid()));
-    std::fflush(stdout);
-    ::raise(SIGKILL);
+  const bool nccl = fl.world_kind == "nccl";
+  auto run_on = [&](auto& world) {
+    const bool lead = world.rank() == 0;
+    const EpConfig& cfg = o.cfg;
+    if (fl.fault_kill_rank == world.rank()) {
+      // Fault injection: take part in the world and in the creation of the All2All (the first
+      // collective of run_check_ipc), then die abruptly before the first dispatch. The other ranks
+      // must report this rank by name within EPX_TIMEOUT_MS and leave no socket file.
+      EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+      const std::unique_ptr<All2All> a2a = make_all2all(o.backend, cfg, world, o.launch);
+      fmt::print(
+          "fault injection: rank {} (pid {}) created its All2All and kills itself (SIGKILL) "
+          "before its first dispatch\n",
+          world.rank(), long(::getpid()));
+      std::fflush(stdout);
+      ::raise(SIGKILL);
+    }
+    if (lead) {
+      fmt::print(
+          "epx check: {} world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
+          "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
+          fl.world_kind, world.size(), to_string(o.backend), cfg.world_size, cfg.hidden,
+          cfg.num_experts, cfg.topk, fl.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
+          to_string(cfg.layout), to_string(cfg.scale_layout), fl.routing, o.seed);
+      std::fflush(stdout);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const check::CheckReport rep = check::run_check_world(o, world);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (lead) {
+      for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+      fmt::print("{}: {} call(s) checked on each of {} ranks, buffer {} per rank, {:.1f} s\n",
+                 rep.ok ? "PASS" : "FAIL", rep.calls, world.size(), mib(rep.buffer_bytes), secs);
+      std::fflush(stdout);
+    }
+    exit_code = rep.ok ? 0 : 1;
+  };
+  if (nccl) {
+    NcclWorld world = NcclWorld::from_env(device);
+    run_on(world);
+  } else {
+    IpcWorld world = IpcWorld::from_env(device);
+    run_on(world);
   }
-  if (lead) {
-    fmt::print("epx check: ipc world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
-               "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
-               world.size(), to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts,
-               cfg.topk, fl.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
-               to_string(cfg.layout), to_string(cfg.scale_layout), fl.routing, o.seed);
-    std::fflush(stdout);
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  const check::CheckReport rep = check::run_check_ipc(o, world);
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (lead) {
-    for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
-    fmt::print("{}: {} call(s) checked on each of {} ranks, buffer {} per rank, {:.1f} s\n",
-               rep.ok ? "PASS" : "FAIL", rep.calls, world.size(), mib(rep.buffer_bytes), secs);
-    std::fflush(stdout);
-  }
-  exit_code = rep.ok ? 0 : 1;
 }
 #endif
 
@@ -187,12 +201,14 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
 void add_check(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<CheckFlags>();
   CLI::App* c = app.add_subcommand(
-      "check", "run dispatch -> identity expert -> combine on the GPU and compare every output "
-               "with the CPU reference (exit 0 only if all match)");
+      "check",
+      "run dispatch -> identity expert -> combine on the GPU and compare every output "
+      "with the CPU reference (exit 0 only if all match)");
   add_shape_flags(c, f->shape);
   c->add_option("--tokens", f->tokens, "tokens per rank: one count, or a comma list (one per rank)")
       ->capture_default_str();
-  c->add_option("--routing", f->routing, "uniform | skew | one-expert | masked")->capture_default_str();
+  c->add_option("--routing", f->routing, "uniform | skew | one-expert | masked")
+      ->capture_default_str();
   c->add_option("--backend", f->backend, "low_latency (default: EPX_BACKEND or low_latency)");
   c->add_option("--seed", f->seed, "seed of inputs and routing")->capture_default_str();
   c->add_option("--iters", f->iters, "eager calls, fresh inputs each")->capture_default_str();
@@ -208,7 +224,8 @@ void add_check(CLI::App& app, int& exit_code) {
   CLI::Option* world_opt = c->get_option("--world");
   c->add_option("--world-kind", f->world_kind,
                 "in-process (every rank a stream of this process) | ipc (this process is one "
-                "rank: run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE)")
+                "rank: run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE) | nccl "
+                "(as ipc, memory through NCCL windows; one GPU per rank)")
       ->capture_default_str();
   c->add_flag("--moe", f->moe,
               "check the MoE layer instead: W ranks vs the same layer on one rank with every "
@@ -218,8 +235,7 @@ void add_check(CLI::App& app, int& exit_code) {
           ->capture_default_str(),
       c->add_option("--scoring", f->moe_flags.scoring, "--moe: sigmoid (grouped) | softmax")
           ->capture_default_str(),
-      c->add_option("--groups", f->moe_flags.groups, "--moe: expert groups")
-          ->capture_default_str(),
+      c->add_option("--groups", f->moe_flags.groups, "--moe: expert groups")->capture_default_str(),
       c->add_option("--topk-groups", f->moe_flags.topk_groups, "--moe: groups kept per token")
           ->capture_default_str(),
       c->add_option("--shared-intermediate", f->moe_flags.shared_intermediate,
@@ -228,13 +244,13 @@ void add_check(CLI::App& app, int& exit_code) {
       c->add_option("--tolerance", f->moe_flags.tolerance,
                     "--moe: bound of ||d||/||ref|| over all tokens (fp8 experts)")
           ->capture_default_str()};
-  std::vector<CLI::Option*> not_moe = {c->get_option("--routing"), c->get_option("--iters"),
-                                       c->get_option("--graph"),   c->get_option("--mixed"),
-                                       c->get_option("--ids64"),   c->get_option("--pool"),
+  std::vector<CLI::Option*> not_moe = {c->get_option("--routing"),   c->get_option("--iters"),
+                                       c->get_option("--graph"),     c->get_option("--mixed"),
+                                       c->get_option("--ids64"),     c->get_option("--pool"),
                                        c->get_option("--world-kind")};
   c->callback([f, world_opt, moe_only, not_moe, &exit_code] {
-    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind == "ipc"), ConfigError,
-              "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc");
+    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
+              "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");
     if (f->moe) {
       for (CLI::Option* o : not_moe)
         EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given",
@@ -245,9 +261,9 @@ void add_check(CLI::App& app, int& exit_code) {
     for (CLI::Option* o : moe_only)
       EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given", "only with --moe");
 #if EPX_HAVE_CUDA
-    EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc", ConfigError,
-              "--world-kind", "'" + f->world_kind + "'", "in-process or ipc");
-    if (f->world_kind == "ipc") {
+    EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc" || f->world_kind == "nccl",
+              ConfigError, "--world-kind", "'" + f->world_kind + "'", "in-process, ipc or nccl");
+    if (f->world_kind == "ipc" || f->world_kind == "nccl") {
       run_check_ipc_cli(*f, world_opt->count() > 0, exit_code);
       return;
     }
@@ -269,18 +285,19 @@ void add_check(CLI::App& app, int& exit_code) {
     o.pool = f->pool;
     o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
     const EpConfig& cfg = o.cfg;
-    fmt::print("epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
-               "layout {}, scales {}, routing {}, seed {}\n",
-               to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk,
-               f->tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
-               to_string(cfg.scale_layout), f->routing, o.seed);
+    fmt::print(
+        "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
+        "layout {}, scales {}, routing {}, seed {}\n",
+        to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk, f->tokens,
+        cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
+        to_string(cfg.scale_layout), f->routing, o.seed);
     const auto t0 = std::chrono::steady_clock::now();
     const check::CheckReport rep = check::run_check(o);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
-    fmt::print("{}: {} call(s) checked, buffer {} per rank, {:.1f} s\n",
-               rep.ok ? "PASS" : "FAIL", rep.calls, mib(rep.buffer_bytes), secs);
+    fmt::print("{}: {} call(s) checked, buffer {} per rank, {:.1f} s\n", rep.ok ? "PASS" : "FAIL",
+               rep.calls, mib(rep.buffer_bytes), secs);
     exit_code = rep.ok ? 0 : 1;
 #else
     (void)f;
@@ -295,9 +312,10 @@ void add_selftest(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<ShapeFlags>();
   auto seeds = std::make_shared<int>(3);
   auto tokens = std::make_shared<int>(128);
-  CLI::App* c = app.add_subcommand(
-      "selftest", "CPU only: check the reference's own invariants (delivery, dedup, counts, "
-                  "combine of identity experts = sum_k w_k x within bf16 rounding)");
+  CLI::App* c =
+      app.add_subcommand("selftest",
+                         "CPU only: check the reference's own invariants (delivery, dedup, counts, "
+                         "combine of identity experts = sum_k w_k x within bf16 rounding)");
   add_shape_flags(c, *f);
   c->add_option("--tokens", *tokens, "tokens per rank")->capture_default_str();
   c->add_option("--seeds", *seeds, "random cases")->capture_default_str();
@@ -351,17 +369,18 @@ void add_selftest(CLI::App& app, int& exit_code) {
             if (err > 4.0 / 256) {
               ++failures;
               if (failures < 8)
-                fmt::print("  seed {} rank {} token {} col {}: got {} expected {}\n", seed, s, n,
-                           h, got, want);
+                fmt::print("  seed {} rank {} token {} col {}: got {} expected {}\n", seed, s, n, h,
+                           got, want);
             }
           }
         }
       }
     }
-    fmt::print("{}: reference selftest, world {}, H {}, E {}, K {}, {} tokens/rank, {} seed(s), "
-               "worst relative combine error {:.2e}\n",
-               failures == 0 ? "PASS" : "FAIL", cfg.world_size, cfg.hidden, cfg.num_experts,
-               cfg.topk, *tokens, *seeds, worst);
+    fmt::print(
+        "{}: reference selftest, world {}, H {}, E {}, K {}, {} tokens/rank, {} seed(s), "
+        "worst relative combine error {:.2e}\n",
+        failures == 0 ? "PASS" : "FAIL", cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk,
+        *tokens, *seeds, worst);
     exit_code = failures == 0 ? 0 : 1;
   });
 }

@@ -15,6 +15,7 @@
 
 namespace epx {
 class IpcWorld;
+class NcclWorld;
 }
 
 namespace epx::check {
@@ -84,6 +85,10 @@ CheckReport run_check(const CheckOptions& options);
 // or exits makes the others throw the bootstrap's PeerError / TimeoutError (or a device
 // TimeoutError in the report), never hang.
 CheckReport run_check_ipc(const CheckOptions& options, IpcWorld& world);
+// The same over an NcclWorld (`epx check --world-kind nccl`, one GPU per process).
+CheckReport run_check_nccl(const CheckOptions& options, NcclWorld& world);
+inline CheckReport run_check_world(const CheckOptions& o, IpcWorld& w) { return run_check_ipc(o, w); }
+inline CheckReport run_check_world(const CheckOptions& o, NcclWorld& w) { return run_check_nccl(o, w); }
 
 // Parses "128" or "0,7,128,1024" (one per rank); throws InputError naming `what`.
 std::vector<int> parse_token_list(const std::string& text, const char* what);

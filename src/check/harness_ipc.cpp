@@ -56,14 +56,25 @@ void merge(CheckReport& into, const std::string& text, int rank, int max_report)
   }
 }
 
-}  // namespace
+std::string describe(IpcWorld& world) {
+  return fmt::format("ipc world: {} rank(s), {} handles, {} rank(s) on rank 0's GPU, SM budget {}",
+                     world.size(), to_string(world.handles()), world.ranks_on_device(),
+                     world.sm_budget());
+}
 
-CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
+std::string describe(NcclWorld& world) {
+  return fmt::format("nccl world: {} rank(s), one GPU each, SM budget {}", world.size(),
+                     world.sm_budget());
+}
+
+// One process per rank: the same steps over either world.
+template <typename World>
+CheckReport run_check_process(const CheckOptions& o, World& world) {
   require_gpu("epx check");
   CheckReport rep;
   EpConfig cfg = o.cfg;
   EPX_CHECK(cfg.world_size == world.size(), ConfigError, "world_size", cfg.world_size,
-            fmt::format("the ranks of the IPC world = {} (EPX_WORLD_SIZE)", world.size()));
+            fmt::format("the ranks of the world = {} (EPX_WORLD_SIZE)", world.size()));
   cfg.rank = 0;
   cfg.validate();
   const int W = cfg.world_size;
@@ -88,8 +99,7 @@ CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
   rep.buffer_bytes = a2a->symmetric_bytes();
   EPX_CUDA_CHECK(cudaSetDevice(world.device()));
   preload_identity_expert();
-  say(fmt::format("ipc world: {} rank(s), {} handles, {} rank(s) on rank 0's GPU, SM budget {}",
-                  W, to_string(world.handles()), world.ranks_on_device(), world.sm_budget()));
+  say(describe(world));
 
   const size_t H = cfg.hidden, K = cfg.topk, G = cfg.num_scale_groups();
   const size_t maxT = cfg.max_tokens_per_rank;
@@ -228,6 +238,16 @@ CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
   // with its exporting process).
   boot.barrier();
   return out;
+}
+
+}  // namespace
+
+CheckReport run_check_ipc(const CheckOptions& o, IpcWorld& world) {
+  return run_check_process(o, world);
+}
+
+CheckReport run_check_nccl(const CheckOptions& o, NcclWorld& world) {
+  return run_check_process(o, world);
 }
 
 }  // namespace epx::check
