@@ -8,9 +8,12 @@
 // include/epx/moe.hpp) on them through the backend's All2All, in chunks of --chunk-size with the
 // same chunk count on every rank; the step's wall time runs from the release of all ranks'
 // threads until every thread has drained its stream and joined. Output tokens are stamped with the
-// end of their step. Only the MoE layers are simulated (no attention, no dense layers), and
-// every layer reads the step's input activations (there is no residual stream).
+// end of their step. With --cuda-graph each backend runs a second time with its decode-only steps
+// replayed as per-rank CUDA graphs (one per batch bucket, MoeLayer's captured path). Only the MoE
+// layers are simulated (no attention, no dense layers), and every layer reads the step's input
+// activations (there is no residual stream).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -81,6 +84,7 @@ struct ServePlan {
   uint64_t seed = 1;
   std::string json_path;
   std::string preset_note;  // empty unless --preset
+  bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
 };
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
@@ -138,12 +142,7 @@ void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
 
 ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   ServePlan p;
-  if (f.cuda_graph) {
-    EPX_THROW(ConfigError,
-              "--cuda-graph is not supported yet: MoeLayer::forward synchronises its stream once "
-              "per chunk to read the received row counts (include/epx/moe.hpp), so a step "
-              "cannot be captured in a CUDA graph; run without --cuda-graph");
-  }
+  p.cuda_graph = f.cuda_graph;
   p.preset_note = apply_preset(f, given);
   p.workload = f.workload;
   serve::validate(p.workload);
@@ -336,21 +335,29 @@ class RankThreads {
   std::vector<std::thread> threads_;
 };
 
-// One rank's device state: stream, activations, MoE layers.
+// One rank's device state: stream, activations, MoE layers, decode graphs.
 struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;
-  void* x = nullptr;  // [2 * max_batched_tokens][H] bf16: input rows, a window per step
-  void* y = nullptr;  // [max_batched_tokens][H] bf16: every layer's output
+  void* x = nullptr;        // [2 * max_batched_tokens][H] bf16: input rows, a window per step
+  void* y = nullptr;        // [max_batched_tokens][H] bf16: every layer's output
+  void* x_graph = nullptr;  // [largest decode bucket][H] bf16: the decode graphs' input
   std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
+  std::map<int, cudaGraphExec_t> graphs;          // decode bucket -> every layer's forward
   Rank() = default;
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
+  void destroy_graphs() noexcept {
+    for (auto& [bucket, exec] : graphs) (void)cudaGraphExecDestroy(exec);
+    graphs.clear();
+  }
   ~Rank() {
     if (stream) (void)cudaStreamSynchronize(stream);
+    destroy_graphs();
     layers.clear();
     if (x) (void)cudaFree(x);
     if (y) (void)cudaFree(y);
+    if (x_graph) (void)cudaFree(x_graph);
     if (stream) (void)cudaStreamDestroy(stream);
   }
 };
@@ -360,21 +367,76 @@ struct RankStep {
   int tokens = 0;
   int num_chunks = 1;    // the same on every rank
   size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
+  int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
 };
 
+// Decode batch buckets of --cuda-graph: 1, 2, 4, ... below `largest`, then `largest` (the
+// smaller of --chunk-size and --max-batched-tokens: one chunk).
+std::vector<int> decode_buckets(int largest) {
+  std::vector<int> out;
+  for (int b = 1; b < largest; b *= 2) out.push_back(b);
+  out.push_back(largest);
+  return out;
+}
+
+// The smallest bucket holding `tokens` (>= 1), or 0 when none does.
+int decode_bucket(const std::vector<int>& buckets, int tokens) {
+  for (int b : buckets)
+    if (b >= std::max(tokens, 1)) return b;
+  return 0;
+}
+
 // One rank's part of one engine step: every MoE layer on the rank's tokens, then the stream
-// drained (and the All2All's device status polled). Eager only: MoeLayer::forward synchronises
-// per chunk. Once it does not, --cuda-graph captures this function per decode batch-size bucket
-// (every rank's tokens <= the bucket, one chunk: pad to the bucket) and replays the graph here
-// instead of calling forward.
+// drained (and the All2All's device status polled). A decode graph step copies the rank's tokens
+// into the graph's input (rows beyond them are dummy tokens: whatever the buffer holds, routed
+// and computed like the others, outputs ignored) and replays the graph of its bucket.
 void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, size_t row_bytes) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
   const void* x = static_cast<const uint8_t*>(rank.x) + step.first_row * row_bytes;
+  if (step.graph_bucket > 0) {
+    if (step.tokens > 0) {
+      EPX_CUDA_CHECK(cudaMemcpyAsync(rank.x_graph, x, size_t(step.tokens) * row_bytes,
+                                     cudaMemcpyDeviceToDevice, rank.stream));
+    }
+    EPX_CUDA_CHECK(cudaGraphLaunch(rank.graphs.at(step.graph_bucket), rank.stream));
+    a2a.synchronize(rank.stream);
+    return;
+  }
   for (int l = 0; l < num_layers; ++l) {
     MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
     layer.forward(x, step.tokens, rank.y, a2a, rank.stream, step.num_chunks);
   }
   a2a.synchronize(rank.stream);
+}
+
+// Captures this rank's decode graphs, one per bucket: every layer's forward of `bucket` tokens of
+// x_graph in one chunk (capture only records: no rank waits for another).
+void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
+                           const std::vector<int>& buckets) {
+  EPX_CUDA_CHECK(cudaSetDevice(rank.device));
+  for (int b : buckets) {
+    for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
+    cudaGraph_t g = nullptr;
+    EPX_CUDA_CHECK(cudaStreamBeginCapture(rank.stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      for (int l = 0; l < num_layers; ++l) {
+        MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
+        layer.forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
+      }
+    } catch (...) {
+      (void)cudaStreamEndCapture(rank.stream, &g);
+      if (g) (void)cudaGraphDestroy(g);
+      throw;
+    }
+    EPX_CUDA_CHECK(cudaStreamEndCapture(rank.stream, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+    (void)cudaGraphDestroy(g);
+    EPX_CUDA_CHECK(err);
+    rank.graphs[b] = exec;
+    EPX_CUDA_CHECK(cudaGraphUpload(exec, rank.stream));
+  }
+  for (auto& layer : rank.layers) layer->set_capture_token_bound(0);
 }
 
 void drain(std::vector<std::unique_ptr<Rank>>& ranks) noexcept {
@@ -387,6 +449,9 @@ void drain(std::vector<std::unique_ptr<Rank>>& ranks) noexcept {
 
 struct BackendResult {
   Backend backend{};
+  bool cuda_graph = false;    // decode steps replayed as CUDA graphs
+  int graph_steps = 0;        // steps run as graph replays
+  double capture_s = 0;       // capture + instantiation of every rank's decode graphs
   std::string status = "ok";  // ok | unavailable | error
   std::string message;
   serve::LatencyReport latency;
@@ -471,11 +536,14 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
   return distinct;
 }
 
-BackendResult run_backend(const ServePlan& p, Backend backend, const InProcessWorld& world,
-                          std::vector<std::unique_ptr<Rank>>& ranks, RankThreads& threads) {
+BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
+                          const InProcessWorld& world, std::vector<std::unique_ptr<Rank>>& ranks,
+                          RankThreads& threads) {
   BackendResult br;
   br.backend = backend;
-  const std::string tag = fmt::format("serve-bench [{}]", to_string(backend));
+  br.cuda_graph = cuda_graph;
+  const std::string tag =
+      fmt::format("serve-bench [{}{}]", to_string(backend), cuda_graph ? ", cuda graph" : "");
   const serve::Workload& w = p.workload;
   const int W = w.world;
   const size_t row_bytes = size_t(p.shape.hidden) * 2;
@@ -509,6 +577,19 @@ BackendResult run_backend(const ServePlan& p, Backend backend, const InProcessWo
       for (auto& s : steps) s = RankStep{n, (n + chunk - 1) / chunk, 0};
       run_all();
     }
+    // Decode graphs: captured per rank, then each replayed once on every rank (untimed).
+    const std::vector<int> buckets = decode_buckets(std::min(w.chunk_size, w.max_batched_tokens));
+    if (cuda_graph) {
+      const auto t_capture = std::chrono::steady_clock::now();
+      threads.run([&](int r) {
+        capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets);
+      });
+      br.capture_s = seconds_since(t_capture);
+      for (const int b : buckets) {
+        for (auto& s : steps) s = RankStep{b, 1, 0, b};
+        run_all();
+      }
+    }
     br.warmup_s = seconds_since(t_warm);
 
     serve::Scheduler sched(w);
@@ -520,9 +601,16 @@ BackendResult run_backend(const ServePlan& p, Backend backend, const InProcessWo
       // A window of the input rows that moves every step: the same tokens are not routed alike
       // step after step.
       const size_t first_row = size_t(sched.steps()) * 7919 % (size_t(w.max_batched_tokens) + 1);
+      // A decode-only step within one chunk replays every rank's graph of the bucket that holds
+      // the largest rank's batch; anything else runs eagerly.
+      const int most = *std::max_element(plan.tokens.begin(), plan.tokens.end());
+      const int bucket = cuda_graph && !plan.has_prefill() && plan.num_chunks == 1
+                             ? decode_bucket(buckets, most)
+                             : 0;
       for (int r = 0; r < W; ++r)
-        steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row};
+        steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row, bucket};
       br.prefill_steps += plan.has_prefill();
+      br.graph_steps += bucket > 0;
       const auto s0 = std::chrono::steady_clock::now();
       run_all();
       const auto s1 = std::chrono::steady_clock::now();
@@ -537,14 +625,20 @@ BackendResult run_backend(const ServePlan& p, Backend backend, const InProcessWo
     br.steps = sched.steps();
     br.step_s = serve::summarize_values(std::move(step_s));
     br.latency = serve::latency_report(sched.requests());
-    fmt::print(stderr, "{}: done, {} steps, {:.1f} s (warm-up {:.1f} s)\n", tag, br.steps,
-               br.latency.end_s, br.warmup_s);
+    fmt::print(stderr, "{}: done, {} steps ({} graph replays), {:.1f} s (warm-up {:.1f} s{})\n",
+               tag, br.steps, br.graph_steps, br.latency.end_s, br.warmup_s,
+               cuda_graph ? fmt::format(", of which capture {:.1f} s", br.capture_s) : "");
   } catch (const Error& e) {
     br.status = "error";
     br.message = e.what();
     fmt::print(stderr, "{}: error: {}\n", tag, one_line(br.message));
   }
   drain(ranks);
+  // The graphs hold this backend's All2All: gone with it.
+  for (auto& r : ranks) {
+    (void)cudaSetDevice(r->device);
+    r->destroy_graphs();
+  }
   return br;
 }
 
@@ -556,21 +650,34 @@ void print_table(const std::vector<BackendResult>& results) {
              "total");
   fmt::print("{:<24} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", "ms", "ms",
              "ms", "ms", "ms", "ms", "", "", "s");
+  bool any_graph = false;
   for (const BackendResult& br : results) {
+    const std::string name =
+        fmt::format("{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "");
+    any_graph |= br.cuda_graph;
     if (br.status != "ok") {
-      fmt::print("{:<24} {}: {}\n", to_string(br.backend), br.status, one_line(br.message, 100));
+      fmt::print("{:<24} {}: {}\n", name, br.status, one_line(br.message, 100));
       continue;
     }
     const serve::LatencyReport& l = br.latency;
     fmt::print("{:<24} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
-               to_string(br.backend), 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50,
-               1e3 * l.itl_s.p75, 1e3 * l.ttft_s.mean, 1e3 * l.ttft_s.p50, l.output_tokens_per_s,
-               br.steps, l.end_s);
+               name, 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50, 1e3 * l.itl_s.p75,
+               1e3 * l.ttft_s.mean, 1e3 * l.ttft_s.p50, l.output_tokens_per_s, br.steps, l.end_s);
   }
   fmt::print(
       "\nITL = gaps between consecutive output tokens of a request, pooled over requests; "
       "TTFT from submission (t = 0);\npercentiles by linear interpolation between closest "
       "ranks (numpy's default).\n");
+  if (!any_graph) return;
+  fmt::print(
+      "(graph) rows: decode-only steps within one chunk replay per-rank CUDA graphs captured "
+      "per batch bucket (every rank padded to the bucket of the largest rank's batch); prefill "
+      "and mixed steps run eagerly.\n");
+  for (const BackendResult& br : results) {
+    if (!br.cuda_graph || br.status != "ok") continue;
+    fmt::print("  {}: {} of {} steps replayed, capture + instantiation {:.2f} s\n",
+               to_string(br.backend), br.graph_steps, br.steps, br.capture_s);
+  }
 }
 
 nlohmann::json summary_json(const serve::Summary& s) {
@@ -609,22 +716,31 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
                   {"layers", p.layers},
                   {"distinct_layer_weights", distinct_layers},
                   {"weights", weights_note}};
-  doc["workload"] = {{"num_prompts", w.num_prompts},
-                     {"isl", w.isl},
-                     {"osl", w.osl},
-                     {"concurrency", w.concurrency},
-                     {"max_batched_tokens_per_rank", w.max_batched_tokens},
-                     {"chunk_size", w.chunk_size},
-                     {"preset", p.preset_note.empty() ? json(nullptr) : json(p.preset_note)},
-                     {"seed", p.seed},
-                     {"timeout_ms", p.cfg.timeout_ms},
-                     {"launch_configs", p.launch.origin},
-                     {"simulated", "MoE layers only (no attention, no dense layers)"},
-                     {"percentiles", "linear interpolation between closest ranks (numpy default)"},
-                     {"warmup", "3 untimed steps per backend (full budget, one chunk, one token)"}};
+  doc["workload"] = {
+      {"num_prompts", w.num_prompts},
+      {"isl", w.isl},
+      {"osl", w.osl},
+      {"concurrency", w.concurrency},
+      {"max_batched_tokens_per_rank", w.max_batched_tokens},
+      {"chunk_size", w.chunk_size},
+      {"preset", p.preset_note.empty() ? json(nullptr) : json(p.preset_note)},
+      {"seed", p.seed},
+      {"timeout_ms", p.cfg.timeout_ms},
+      {"launch_configs", p.launch.origin},
+      {"simulated", "MoE layers only (no attention, no dense layers)"},
+      {"percentiles", "linear interpolation between closest ranks (numpy default)"},
+      {"warmup",
+       "3 untimed steps per backend (full budget, one chunk, one token)"
+       "; with cuda_graph also the capture and one replay per bucket"},
+      {"cuda_graph", p.cuda_graph},
+      {"graph_buckets", p.cuda_graph
+                            ? json(decode_buckets(std::min(w.chunk_size, w.max_batched_tokens)))
+                            : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
-    json rec = {{"backend", to_string(br.backend)}, {"status", br.status}};
+    json rec = {{"backend", to_string(br.backend)},
+                {"mode", br.cuda_graph ? "cuda_graph" : "eager"},
+                {"status", br.status}};
     if (br.status != "ok") {
       rec["message"] = br.message;
     } else {
@@ -638,6 +754,10 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       rec["steps"] = br.steps;
       rec["prefill_steps"] = br.prefill_steps;
       rec["warmup_s"] = br.warmup_s;
+      if (br.cuda_graph) {
+        rec["graph_steps"] = br.graph_steps;
+        rec["capture_s"] = br.capture_s;
+      }
     }
     records.push_back(rec);
   }
@@ -681,6 +801,12 @@ bool run_serve_bench(const ServePlan& p) {
       w.num_prompts, w.isl, w.osl, w.concurrency, w.max_batched_tokens, w.chunk_size);
   if (!p.preset_note.empty()) fmt::print("  {}\n", p.preset_note);
   fmt::print("  simulated: the MoE layers only; attention and dense layers are not simulated\n");
+  if (p.cuda_graph) {
+    fmt::print(
+        "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
+        "replays (buckets {})\n",
+        fmt::join(decode_buckets(std::min(w.chunk_size, w.max_batched_tokens)), ","));
+  }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              loading_note);
   std::fflush(stdout);
@@ -703,6 +829,11 @@ bool run_serve_bench(const ServePlan& p) {
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking));
     EPX_CUDA_CHECK(cudaMalloc(&rk.x, size_t(pool_rows) * row_bytes));
     EPX_CUDA_CHECK(cudaMalloc(&rk.y, size_t(w.max_batched_tokens) * row_bytes));
+    if (p.cuda_graph) {
+      const size_t rows = size_t(std::min(w.chunk_size, w.max_batched_tokens));
+      EPX_CUDA_CHECK(cudaMalloc(&rk.x_graph, rows * row_bytes));
+      EPX_CUDA_CHECK(cudaMemset(rk.x_graph, 0, rows * row_bytes));
+    }
     const int block = std::min(pool_rows, 1024);
     const std::vector<uint16_t> host =
         ref::moe::make_moe_input(p.shape, block, p.seed * 1000003ULL + uint64_t(r) + 1);
@@ -720,7 +851,10 @@ bool run_serve_bench(const ServePlan& p) {
 
   RankThreads threads(W);
   std::vector<BackendResult> results;
-  for (Backend b : p.backends) results.push_back(run_backend(p, b, world, ranks, threads));
+  for (Backend b : p.backends) {
+    results.push_back(run_backend(p, b, false, world, ranks, threads));
+    if (p.cuda_graph) results.push_back(run_backend(p, b, true, world, ranks, threads));
+  }
 
   print_table(results);
   if (!p.json_path.empty()) {
@@ -786,8 +920,10 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
   c->add_option("--json", f->json_path, "also write the results as JSON to FILE");
   c->add_option("--preset", f->preset, preset_help());
   c->add_flag("--cuda-graph", f->cuda_graph,
-              "replay decode steps as CUDA graphs (not supported yet: MoeLayer::forward "
-              "synchronises once per chunk)");
+              "run every backend twice, eager then with decode-only steps (one chunk) replayed "
+              "as per-rank CUDA graphs captured per batch bucket (1, 2, 4, ... up to "
+              "min(--chunk-size, --max-batched-tokens); batches padded with dummy tokens); "
+              "prefill and mixed steps stay eager");
   c->callback([f, workload_opts, &exit_code] {
     std::map<std::string, bool> given;
     for (CLI::Option* o : workload_opts)

@@ -11,13 +11,38 @@
 // expert are generated on the host from the seed (the same bytes as
 // ref::moe::make_moe_weights) and uploaded once. Nothing is downloaded.
 //
-// Host synchronisation (the current, simplest-correct version): forward()
-// synchronises `stream` once per chunk after dispatch to read the received row
-// count and the rows' expert ids (token-major), or the per-expert counts
-// (expert-major), and launches each local expert's GEMMs at its exact row
-// count. Cost: one stream sync + two small device-to-host copies + one small
-// host-to-device copy per chunk; forward() cannot be captured in a CUDA graph.
-// Removing it (device-side counts, capacity-bounded GEMMs) is future work.
+// Host synchronisation, eager (stream not capturing): forward() synchronises
+// `stream` once per chunk after dispatch to read the received row count and the
+// rows' expert ids (token-major), or the per-expert counts (expert-major), and
+// launches each local expert's GEMMs at its exact (bucketed) row count. Cost: one
+// stream sync + small copies per chunk.
+//
+// CUDA graph capture: when `stream` is capturing (cudaStreamBeginCapture; use
+// cudaStreamCaptureModeThreadLocal when ranks capture from their own threads), forward()
+// records the whole layer without any host synchronisation, allocation or copy
+// from the host, and the graph replays with whatever the inputs then hold:
+//   router, shared expert, quantisation, dispatch, combine: captured as eager;
+//   expert stage: the row counts stay on the device. Token-major rows are grouped
+//   by local expert by one kernel (same lists and order as the eager path). Each
+//   local expert gets a conditional SWITCH node (CUDA 12.8+) whose body i runs
+//   its quantise + GEMM w1 + GEMM w3 + SiLU-quantise + GEMM w2 (+ a copy of the
+//   rows into place) at M = the i-th row bucket (row_buckets.hpp); a small kernel
+//   picks each expert's body from its count (body 0: no rows, nothing runs).
+//   The GEMMs run at the same M as eagerly (padded_rows(count)), so a replay
+//   gives the eager forward's results.
+// Cost: the GEMMs are those of the eager path; the graph holds local experts x
+// buckets x 6-9 nodes per chunk, buckets = the distinct padded_rows values up to
+// the most rows an expert can receive (world_size x tokens per rank, at most the
+// capacity: 28 buckets at 1024 rows), so capture and instantiation take ~ms per
+// layer and the executable graph some MB. set_capture_token_bound() shrinks it.
+// Rules: capture every rank's forward (each on its own stream, the same number of
+// chunks; capture only records, nothing runs and no rank waits); replays run
+// dispatch and combine, so they must run on all ranks together like any eager
+// forward (ranks may mix replays with eager forwards, all2all.hpp). A replay uses
+// the pointers and token counts captured: copy new inputs into the captured x. The
+// layer's scratch is shared by its graphs and eager calls: run them in one stream
+// order. Construct the layer (its warm-up reserves every GEMM's scratch) and make
+// one eager forward or none before capturing; nothing else is required.
 //
 // In-process worlds (ranks spinning on each other on one GPU): construct every
 // rank's MoeLayer before any rank's first forward(), and run with
@@ -89,11 +114,23 @@ class MoeLayer {
   // need, InputError otherwise). `a2a` is this rank's All2All, created with the
   // `ep` above; the layer uses combine_buffer() for its expert outputs.
   // `routing`, when given, receives the router's output. Synchronises `stream`
-  // once per chunk (see above). x and y must not overlap. Throws InputError for
+  // once per chunk when eager; when `stream` is capturing, records the layer
+  // without synchronising (see above). x and y must not overlap. Throws InputError for
   // bad arguments, CudaError for CUDA / cuBLASLt failures, and whatever the
   // All2All throws.
   void forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                int num_chunks = 0, const MoeRoutingOut* routing = nullptr);
+
+  // For graphs captured from now on: every rank's chunks hold at most
+  // `max_tokens_per_rank` tokens (0, the default: the EpConfig's
+  // max_tokens_per_rank), so an expert receives at most world_size x that many
+  // rows and the SWITCH bodies stop at that row bucket (a decode graph of 4
+  // tokens per rank on 8 ranks needs 2 buckets instead of 28). forward() under
+  // capture throws InputError for a chunk above the bound; a replay in which some
+  // rank sends more than the bound (its graph, or an eager call, was made with a
+  // larger one) leaves the overflowing experts' outputs unwritten: wrong results.
+  // InputError outside [0, max_tokens_per_rank]. Eager forwards ignore it.
+  void set_capture_token_bound(int max_tokens_per_rank);
 
  private:
   struct Impl;

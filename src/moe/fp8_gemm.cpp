@@ -246,6 +246,13 @@ void Fp8Gemm::run(const Fp8GemmArgs& g, cudaStream_t stream) {
   if (!wf) {
     const size_t need = size_t(p.ld_d) * size_t(g.n) * elem;
     if (need > scratch_bytes_) {
+      // Under capture the allocation would become a graph node, which a conditional node's body
+      // (MoeLayer's captured expert stage) may not hold: the caller reserves it eagerly first.
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "acts-first GEMM scratch",
+                std::to_string(need) + " bytes needed under stream capture",
+                std::to_string(scratch_bytes_) + " bytes reserved (run this shape eagerly once)");
       // Grows to the largest M seen so far, stream-ordered: cudaFree / cudaMalloc would wait
       // for the whole device, including in-process peers' kernels waiting for this rank.
       if (scratch_) EPX_CUDA_CHECK(cudaFreeAsync(scratch_, stream));

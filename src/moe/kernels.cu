@@ -7,6 +7,7 @@
 #include "core/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "moe/kernels.hpp"
+#include "moe/row_buckets.hpp"
 
 namespace epx::moe {
 namespace {
@@ -60,12 +61,13 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const QuantizeRowsPa
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int total = p.m_pad * blocks;
+  const int m = p.m_dev != nullptr ? min(*p.m_dev, p.m) : p.m;
   for (int w = warp; w < total; w += (gridDim.x * blockDim.x) >> 5) {
     const int r = w / blocks;
     const int b = w % blocks;
     uint8_t* q = p.dst_q + size_t(r) * p.k + size_t(b) * kBlock;
     float* scale = p.dst_scales + act_scale_index(p.order, r, b, p.m_pad, blocks);
-    if (r >= p.m) {
+    if (r >= m) {
       *reinterpret_cast<uint32_t*>(q + 4 * lane) = 0u;
       if (lane == 0) *scale = 1.0f;
       continue;
@@ -235,6 +237,75 @@ __global__ void __launch_bounds__(256) elementwise_kernel(const ElementwiseParam
   }
 }
 
+__global__ void __launch_bounds__(256) store_rows_kernel(const StoreRowsParams p) {
+  const int rows = min(*p.rows_dev, p.max_rows);
+  const size_t count = size_t(rows > 0 ? rows : 0) * size_t(p.cols);
+  const size_t r0 = p.dst_row_dev != nullptr ? size_t(*p.dst_row_dev) : 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float v = load(p.src, i, p.src_bf16);
+    const size_t j = r0 * size_t(p.cols) + i;
+    if (p.dst_bf16) {
+      static_cast<uint16_t*>(p.dst)[j] = float_to_bf16_bits(v);
+    } else {
+      static_cast<float*>(p.dst)[j] = v;
+    }
+  }
+}
+
+// One block; warp w owns local experts w, w + 32, ... and scans the rows in order 32 at a time
+// (ballot + popc keep the row order), once to count, once to place.
+constexpr int kGroupWarps = 32;
+__global__ void __launch_bounds__(kGroupWarps * 32) group_rows_kernel(const GroupRowsParams p) {
+  const int rows = min(*p.num_rows, p.capacity);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < rows * p.topk; i += blockDim.x) p.slots[i] = -1;
+  // k of local expert e in row r (first occurrence), or -1.
+  const auto k_of = [&](int r, int e) {
+    if (r >= rows) return -1;
+    const int32_t* ids = p.topk_ids + size_t(r) * p.topk;
+    for (int k = 0; k < p.topk; ++k)
+      if (ids[k] == p.first_expert + e) return k;
+    return -1;
+  };
+  for (int e = warp; e < p.num_local; e += kGroupWarps) {
+    int count = 0;
+    for (int r0 = 0; r0 < rows; r0 += 32)
+      count += __popc(__ballot_sync(0xffffffffu, k_of(r0 + lane, e) >= 0));
+    if (lane == 0) p.counts[e] = count;
+  }
+  __syncthreads();  // now counts[] and every slot = -1 are visible to the block
+  if (threadIdx.x == 0) {
+    int start = 0;
+    for (int e = 0; e < p.num_local; ++e) {
+      p.out_start[e] = start;
+      start += padded_rows(p.counts[e]);
+    }
+  }
+  __syncthreads();
+  for (int e = warp; e < p.num_local; e += kGroupWarps) {
+    const int start = p.out_start[e];
+    int placed = 0;
+    for (int r0 = 0; r0 < rows; r0 += 32) {
+      const int r = r0 + lane;
+      const int k = k_of(r, e);
+      const unsigned mask = __ballot_sync(0xffffffffu, k >= 0);
+      if (k >= 0) {
+        const int pos = placed + __popc(mask & ((1u << lane) - 1u));
+        p.rows[size_t(e) * p.capacity + pos] = r;
+        p.slots[size_t(r) * p.topk + k] = start + pos;
+      }
+      placed += __popc(mask);
+    }
+  }
+}
+
+__global__ void set_expert_switches_kernel(const ExpertSwitchParams p) {
+  const int e = threadIdx.x;
+  if (e < p.num_experts) cudaGraphSetConditional(p.handles[e], row_bucket_index(p.counts[e]));
+}
+
 int warp_grid(int warps) {
   const int blocks = (warps + 7) / 8;  // 8 warps per 256-thread block
   return blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096;
@@ -301,6 +372,28 @@ void launch_add_shared(uint16_t* y, const void* shared, bool shared_bf16, int ro
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
+void launch_store_rows(const StoreRowsParams& p, cudaStream_t stream) {
+  const size_t count = size_t(p.max_rows) * size_t(p.cols);
+  if (count == 0) return;
+  store_rows_kernel<<<elem_grid(count), 256, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_group_rows(const GroupRowsParams& p, cudaStream_t stream) {
+  if (p.num_local == 0) return;
+  group_rows_kernel<<<1, kGroupWarps * 32, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_set_expert_switches(const ExpertSwitchParams& p, cudaStream_t stream) {
+  EPX_CHECK(p.num_experts >= 0 && p.num_experts <= kSwitchHandlesPerLaunch, InputError,
+            "num_experts", p.num_experts,
+            "in [0, " + std::to_string(kSwitchHandlesPerLaunch) + "]");
+  if (p.num_experts == 0) return;
+  set_expert_switches_kernel<<<1, kSwitchHandlesPerLaunch, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
 namespace {
 
 // 32 x 32 tiles through shared memory: coalesced reads of src columns and writes of dst rows.
@@ -344,6 +437,9 @@ void preload_moe_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, router_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, weighted_partials_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, elementwise_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, store_rows_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, group_rows_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, set_expert_switches_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, transpose_kernel<uint16_t>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, transpose_kernel<float>));
 }

@@ -26,6 +26,7 @@ struct QuantizeRowsParams {
   int src_rows = 0;               // rows of the source (leading dim of col-major scales)
   const int32_t* rows = nullptr;  // [m] source row of each output row, or nullptr
   int m = 0;
+  const int32_t* m_dev = nullptr;  // device row count: min(*m_dev, m) replaces m (graph capture)
   int m_pad = 0;
   int k = 0;                    // multiple of 128
   uint8_t* dst_q = nullptr;     // [m_pad][k]
@@ -105,6 +106,54 @@ void launch_add_shared(uint16_t* y, const void* shared, bool shared_bf16, int ro
 // (bf16) or 4 bytes (f32).
 void launch_transpose(const void* src, int ld_src, int rows, int cols, int elem_bytes, void* dst,
                       cudaStream_t stream);
+
+// ---- the expert stage under CUDA graph capture (row counts only on the device) ----------------
+
+// dst rows [r0, r0 + rows) = src rows [0, rows), converted to dst's type, where rows =
+// min(*rows_dev, max_rows) and r0 = dst_row_dev ? *dst_row_dev : 0. src, dst: f32 or bf16, `cols`
+// per row.
+struct StoreRowsParams {
+  const void* src = nullptr;
+  bool src_bf16 = false;
+  void* dst = nullptr;
+  bool dst_bf16 = true;
+  int cols = 0;
+  int max_rows = 0;  // grid bound
+  const int32_t* rows_dev = nullptr;
+  const int32_t* dst_row_dev = nullptr;
+};
+void launch_store_rows(const StoreRowsParams& p, cudaStream_t stream);
+
+// Token-major rows grouped by local expert on the device (one block), the lists the eager path
+// builds on the host: for local expert e, counts[e] rows that use it, their source rows ascending
+// in rows[e][0, counts[e]), and out_start[e] = sum over e' < e of padded_rows(counts[e']);
+// slots[r][k] = out_start[e] + position of r in e's list where topk_ids[r][k] is local expert e
+// (its first occurrence in the row), else -1, for r < *num_rows.
+struct GroupRowsParams {
+  const int32_t* topk_ids = nullptr;  // [capacity][topk]
+  const int32_t* num_rows = nullptr;  // device scalar, <= capacity
+  int capacity = 0;
+  int topk = 0;
+  int first_expert = 0;  // global id of local expert 0
+  int num_local = 0;
+  int32_t* counts = nullptr;     // [num_local]
+  int32_t* out_start = nullptr;  // [num_local]
+  int32_t* rows = nullptr;       // [num_local][capacity]
+  int32_t* slots = nullptr;      // [capacity][topk]
+};
+void launch_group_rows(const GroupRowsParams& p, cudaStream_t stream);
+
+// For each local expert e < num_experts: cudaGraphSetConditional(handles[e],
+// row_bucket_index(counts[e])) (0 when counts[e] <= 0; an index beyond the SWITCH node's bodies,
+// i.e. counts[e] above the bound the bodies were captured for, runs no body). Device side of
+// MoeLayer's captured expert stage; must be launched inside the graph that owns the handles.
+inline constexpr int kSwitchHandlesPerLaunch = 128;
+struct ExpertSwitchParams {
+  const int32_t* counts = nullptr;
+  int num_experts = 0;  // <= kSwitchHandlesPerLaunch
+  cudaGraphConditionalHandle handles[kSwitchHandlesPerLaunch] = {};
+};
+void launch_set_expert_switches(const ExpertSwitchParams& p, cudaStream_t stream);
 
 // Loads every kernel of this file (CUDA lazy loading would otherwise wait for
 // running kernels, which deadlocks with ranks spinning on each other; see

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "epx/moe.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
+#include "moe/row_buckets.hpp"
 #include "reference/moe_ref.hpp"
 
 namespace epx {
@@ -80,8 +82,17 @@ struct MoeLayer::Impl {
   int32_t* dev_slots = nullptr;  // [capacity][K] output row of (row, k) or -1
   std::vector<int32_t> host_ids, host_rows, host_slots;
 
+  // Captured expert stage (forward() on a capturing stream).
+  cudaStream_t side = nullptr;         // captures the SWITCH bodies; runs nothing
+  int capture_tokens = 0;              // set_capture_token_bound (0 = max_tokens_per_rank)
+  void* graph_out = nullptr;           // token-major: one expert's w2 output [rows_pad][H]
+  int32_t* graph_counts = nullptr;     // token-major: [local] rows per local expert
+  int32_t* graph_out_start = nullptr;  // token-major: [local] first row in out_all
+  int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
+
   Impl(const MoeShape& s, const EpConfig& e) : shape(s), ref_shape(to_ref(s)), ep(e) {}
   ~Impl() {
+    if (side) cudaStreamDestroy(side);
     for (void* p : allocations) cudaFree(p);
   }
 
@@ -182,6 +193,12 @@ struct MoeLayer::Impl {
   void warm_up_gemms();
   void experts_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
   void experts_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+
+  // Under capture: the same expert stage with the row counts read on the device.
+  using ExpertBody = std::function<void(int expert, int m_pad, cudaStream_t body_stream)>;
+  void add_expert_switches(const int32_t* counts, cudaStream_t stream, const ExpertBody& body);
+  void captured_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+  void captured_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
 };
 
 MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
@@ -267,7 +284,14 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
   if (token_major) {
     m.dev_rows = m.alloc<int32_t>(size_t(m.max_total_rows));
     m.dev_slots = m.alloc<int32_t>(size_t(cap) * k);
+    m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * h * m.out_bytes());
+    m.graph_counts = m.alloc<int32_t>(size_t(local));
+    m.graph_out_start = m.alloc<int32_t>(size_t(local));
+    m.graph_rows = m.alloc<int32_t>(size_t(local) * cap);
   }
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&m.side, cudaStreamNonBlocking));
+  // Also reserves Fp8Gemm's acts-first scratch for the largest M: a captured GEMM must not
+  // allocate.
   m.warm_up_gemms();
   // No device-wide synchronisation here: in an in-process world other ranks'
   // kernels may be spinning on this device (cudaMemcpy from pageable memory
@@ -414,6 +438,137 @@ void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, All2All& a2a,
   }
 }
 
+void MoeLayer::Impl::add_expert_switches(const int32_t* counts, cudaStream_t stream,
+                                         const ExpertBody& body) {
+  const int local = ep.num_local_experts();
+  const int bound = capture_tokens > 0 ? capture_tokens : ep.max_tokens_per_rank;
+  // Body i (i >= 1) runs at buckets[i - 1] rows; body 0 (no rows) is empty.
+  const std::vector<int> buckets =
+      moe::padded_row_buckets(moe::max_expert_rows(ep.world_size, bound, ep.capacity()));
+  for (int e0 = 0; e0 < local; e0 += moe::kSwitchHandlesPerLaunch) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    EPX_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
+    moe::ExpertSwitchParams sw{.counts = counts + e0,
+                               .num_experts = std::min(local - e0, moe::kSwitchHandlesPerLaunch)};
+    for (int i = 0; i < sw.num_experts; ++i) {
+      EPX_CUDA_CHECK(
+          cudaGraphConditionalHandleCreate(&sw.handles[i], graph, 0, cudaGraphCondAssignDefault));
+    }
+    moe::launch_set_expert_switches(sw, stream);
+    // One SWITCH node per expert, each after the previous one (they share the scratch).
+    for (int i = 0; i < sw.num_experts; ++i) {
+      const cudaGraphNode_t* deps = nullptr;
+      const cudaGraphEdgeData* edges = nullptr;
+      size_t num_deps = 0;
+      EPX_CUDA_CHECK(
+          cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, &edges, &num_deps));
+      cudaGraphNodeParams node_params{};
+      node_params.type = cudaGraphNodeTypeConditional;
+      node_params.conditional.handle = sw.handles[i];
+      node_params.conditional.type = cudaGraphCondTypeSwitch;
+      node_params.conditional.size = static_cast<unsigned>(buckets.size() + 1);
+      cudaGraphNode_t node = nullptr;
+      EPX_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, num_deps, &node_params));
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        cudaGraph_t body_graph = node_params.conditional.phGraph_out[b + 1];
+        EPX_CUDA_CHECK(cudaStreamBeginCaptureToGraph(side, body_graph, nullptr, nullptr, 0,
+                                                     cudaStreamCaptureModeThreadLocal));
+        try {
+          body(e0 + i, buckets[b], side);
+        } catch (...) {
+          cudaGraph_t ended = nullptr;
+          (void)cudaStreamEndCapture(side, &ended);
+          throw;
+        }
+        cudaGraph_t ended = nullptr;
+        EPX_CUDA_CHECK(cudaStreamEndCapture(side, &ended));
+      }
+      EPX_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
+                                                         cudaStreamSetCaptureDependencies));
+    }
+  }
+}
+
+void MoeLayer::Impl::captured_token_major(const DispatchResult& d, All2All& a2a,
+                                          cudaStream_t stream) {
+  const int k = shape.topk;
+  const int h = shape.hidden;
+  const int local = ep.num_local_experts();
+  const int cap = d.capacity;
+  EPX_CHECK(cap <= ep.capacity(), StateError, "DispatchResult.capacity", cap,
+            "<= " + std::to_string(ep.capacity()));
+  const bool bf16 = out_type == GemmOut::kBF16;
+  // now graph_counts / graph_out_start / graph_rows / dev_slots as the eager path's host lists
+  moe::launch_group_rows({.topk_ids = d.recv_topk_ids,
+                          .num_rows = d.recv_count,
+                          .capacity = cap,
+                          .topk = k,
+                          .first_expert = ep.rank * local,
+                          .num_local = local,
+                          .counts = graph_counts,
+                          .out_start = graph_out_start,
+                          .rows = graph_rows,
+                          .slots = dev_slots},
+                         stream);
+  add_expert_switches(graph_counts, stream, [&](int e, int m_pad, cudaStream_t s) {
+    moe::QuantizeRowsParams src = wire_source(d.recv_x, d.recv_scales, cap);
+    src.rows = graph_rows + size_t(e) * cap;
+    src.m_dev = graph_counts + e;
+    run_expert(experts[size_t(e)], src, m_pad, graph_out, s);
+    // Expert e's block of out_all, where the eager path's GEMM writes directly.
+    moe::launch_store_rows({.src = graph_out,
+                            .src_bf16 = bf16,
+                            .dst = out_all,
+                            .dst_bf16 = bf16,
+                            .cols = h,
+                            .max_rows = m_pad,
+                            .rows_dev = graph_counts + e,
+                            .dst_row_dev = graph_out_start + e},
+                           s);
+  });
+  moe::launch_weighted_partials({.out = out_all,
+                                 .out_bf16 = bf16,
+                                 .slots = dev_slots,
+                                 .weights = d.recv_topk_weights,
+                                 .num_rows = d.recv_count,
+                                 .max_rows = cap,
+                                 .topk = k,
+                                 .hidden = h,
+                                 .partials = static_cast<uint16_t*>(a2a.combine_buffer())},
+                                stream);
+}
+
+void MoeLayer::Impl::captured_expert_major(const DispatchResult& d, All2All& a2a,
+                                           cudaStream_t stream) {
+  const int h = shape.hidden;
+  const size_t plane = size_t(d.capacity) * h;
+  const size_t groups = size_t(h) / 128;
+  add_expert_switches(d.expert_counts, stream, [&](int e, int m_pad, cudaStream_t s) {
+    const void* x =
+        static_cast<const uint8_t*>(d.expert_x) + plane * size_t(e) * (ep.wire_fp8() ? 1 : 2);
+    const float* sc = d.expert_scales ? d.expert_scales + size_t(e) * d.capacity * groups : nullptr;
+    moe::QuantizeRowsParams src = wire_source(x, sc, d.capacity);
+    src.m_dev = d.expert_counts + e;
+    run_expert(experts[size_t(e)], src, m_pad, out_all, s);
+    moe::launch_store_rows({.src = out_all,
+                            .src_bf16 = out_type == GemmOut::kBF16,
+                            .dst = static_cast<uint16_t*>(a2a.combine_buffer()) + plane * size_t(e),
+                            .dst_bf16 = true,
+                            .cols = h,
+                            .max_rows = std::min(m_pad, d.capacity),
+                            .rows_dev = d.expert_counts + e},
+                           s);
+  });
+}
+
+void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
+  EPX_CHECK(max_tokens_per_rank >= 0 && max_tokens_per_rank <= impl_->ep.max_tokens_per_rank,
+            InputError, "max_tokens_per_rank", max_tokens_per_rank,
+            "in [0, max_tokens_per_rank = " + std::to_string(impl_->ep.max_tokens_per_rank) + "]");
+  impl_->capture_tokens = max_tokens_per_rank;
+}
+
 void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                        int num_chunks, const MoeRoutingOut* routing) {
   Impl& m = *impl_;
@@ -435,9 +590,16 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
   const int h = m.shape.hidden;
   const int k = m.shape.topk;
   const size_t row_bytes = size_t(h) * 2;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool captured = capture != cudaStreamCaptureStatusNone;
+
   for (int ci = 0; ci < chunks; ++ci) {
     const int start = std::min(num_tokens, ci * t);
     const int n = std::min(t, num_tokens - start);
+    EPX_CHECK(!captured || m.capture_tokens == 0 || n <= m.capture_tokens, InputError,
+              "tokens of a captured chunk", n,
+              "<= set_capture_token_bound() = " + std::to_string(m.capture_tokens));
     const void* xc = static_cast<const uint8_t*>(x) + size_t(start) * row_bytes;
     void* yc = static_cast<uint8_t*>(y) + size_t(start) * row_bytes;
     int32_t* ids = routing ? routing->topk_ids + size_t(start) * k : m.route_ids;
@@ -476,13 +638,22 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
       in.x_scales = m.in_s;
     }
     const DispatchResult d = a2a.dispatch(in, stream);
-    // Host sync: the expert GEMMs are launched at the exact received row
-    // counts.
-    a2a.synchronize(stream);
-    if (m.ep.layout == OutputLayout::kTokenMajor) {
-      m.experts_token_major(d, a2a, stream);
+    const bool token_major = m.ep.layout == OutputLayout::kTokenMajor;
+    if (captured) {
+      // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
+      if (token_major) {
+        m.captured_token_major(d, a2a, stream);
+      } else {
+        m.captured_expert_major(d, a2a, stream);
+      }
     } else {
-      m.experts_expert_major(d, a2a, stream);
+      // Host sync: the expert GEMMs are launched at the exact received row counts.
+      a2a.synchronize(stream);
+      if (token_major) {
+        m.experts_token_major(d, a2a, stream);
+      } else {
+        m.experts_expert_major(d, a2a, stream);
+      }
     }
     a2a.combine(a2a.combine_buffer(), yc, stream);
     if (m.has_shared && n > 0) {

@@ -25,4 +25,22 @@ inline std::vector<int> padded_row_buckets(int max_rows) {
   return out;
 }
 
+// Position of padded_rows(m) in padded_row_buckets(max) plus one (for any max >= m), 0 for m <= 0:
+// the body of a captured expert's SWITCH node (MoeLayer under CUDA graph capture), 0 = no rows.
+// Closed form of padded_rows' three ranges (16 buckets up to 256, 12 up to 1024, then every 256);
+// also called in device code.
+constexpr int row_bucket_index(int m) {
+  if (m <= 0) return 0;
+  if (m <= 256) return (m + 15) / 16;
+  if (m <= 1024) return 16 + (m - 256 + 63) / 64;
+  return 28 + (m - 1024 + 255) / 256;
+}
+
+// Most rows one local expert can receive in a chunk when every rank sends at most
+// `tokens_per_rank` tokens (each token reaches an expert at most once), bounded by the capacity.
+constexpr int max_expert_rows(int world_size, int tokens_per_rank, int capacity) {
+  const long long rows = static_cast<long long>(world_size) * tokens_per_rank;
+  return rows < capacity ? static_cast<int>(rows) : capacity;
+}
+
 }  // namespace epx::moe
