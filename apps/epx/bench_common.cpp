@@ -253,14 +253,6 @@ void progress(const std::string& line) {
 
 // The apps see only the public API, so they carry their own CUDA check (same message shape as
 // the library's).
-#define BENCH_CUDA_CHECK(call)                                                            \
-  do {                                                                                    \
-    const cudaError_t bench_err_ = (call);                                                \
-    if (bench_err_ != cudaSuccess) {                                                      \
-      EPX_THROW(CudaError, std::string(#call) + " failed: " + cudaGetErrorName(bench_err_) + \
-                               " (" + cudaGetErrorString(bench_err_) + ")");              \
-    }                                                                                     \
-  } while (0)
 
 void require_gpu_for(const char* what) {
   int n = 0;
@@ -623,12 +615,12 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
   return out;
 }
 
-std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
-                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
-                             int iters, RoundSamples& out) {
+std::string time_op_rounds(const std::function<void()>& dispatch,
+                           const std::function<void()>& combine,
+                           const std::function<void()>& synchronize, cudaStream_t stream,
+                           Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                           RoundSamples& out) {
   const bool graph = mode == TimingMode::kGraph;
-  auto dispatch = [&] { (void)a2a.dispatch(input, stream); };
-  auto combine = [&] { a2a.combine(a2a.combine_buffer(), y, stream); };
   GraphExec dispatch_graph, combine_graph;
   std::unique_ptr<EventSet> ev;
   std::string error;  // this rank's first error
@@ -669,7 +661,7 @@ std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
         combine();
       }
       if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
-      a2a.synchronize(stream);  // raises device errors (a peer that never came: TimeoutError)
+      synchronize();  // raises device errors (a peer that never came: TimeoutError)
     });
   }
   // now every rank finished every round without an error
@@ -679,6 +671,14 @@ std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
     out.combine_us.push_back(elapsed_us((*ev)[3 * t + 1], (*ev)[3 * t + 2]));
   }
   return {};
+}
+
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
+                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
+                             int iters, RoundSamples& out) {
+  return time_op_rounds([&] { (void)a2a.dispatch(input, stream); },
+                        [&] { a2a.combine(a2a.combine_buffer(), y, stream); },
+                        [&] { a2a.synchronize(stream); }, stream, boot, mode, warmup, iters, out);
 }
 
 #endif  // EPX_HAVE_CUDA

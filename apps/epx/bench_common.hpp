@@ -220,6 +220,16 @@ class ForkJoin {
 // 16-byte memset per rank in place of the op. What an op costs above it is the op's.
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
 
+// Throws CudaError naming the call (apps see the public API only, not src/core).
+#define BENCH_CUDA_CHECK(call)                                                            \
+  do {                                                                                    \
+    const cudaError_t bench_err_ = (call);                                                \
+    if (bench_err_ != cudaSuccess) {                                                      \
+      EPX_THROW(CudaError, std::string(#call) + " failed: " + cudaGetErrorName(bench_err_) + \
+                               " (" + cudaGetErrorString(bench_err_) + ")");              \
+    }                                                                                     \
+  } while (0)
+
 enum class TimingMode { kGraph, kEager };
 const char* to_string(TimingMode m);
 
@@ -248,6 +258,13 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
 std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
                              cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
                              int iters, RoundSamples& out);
+// The same rounds for any pair of ops enqueued on `stream` (NCCL's collectives, the yardstick);
+// `synchronize` waits for the stream and raises what went wrong.
+std::string time_op_rounds(const std::function<void()>& dispatch,
+                           const std::function<void()>& combine,
+                           const std::function<void()>& synchronize, cudaStream_t stream,
+                           Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                           RoundSamples& out);
 
 #endif  // EPX_HAVE_CUDA
 

@@ -119,6 +119,17 @@ class NcclWorld {
   Bootstrap& bootstrap() { return *bootstrap_; }
   void* comm() const { return comm_; }  // ncclComm_t
 
+  // NCCL's own collectives on this communicator, the yardstick `epx bench` times beside the
+  // backends; enqueued on `stream` (a cudaStream_t). Collective over the world.
+  // recv[r * bytes ..] = rank r's send[0 .. bytes).
+  void all_gather(const void* send, void* recv, size_t bytes, void* stream);
+  // recv[i] = sum over ranks of send[rank() * count + i], bf16 elements.
+  void reduce_scatter_bf16(const void* send, void* recv, size_t count, void* stream);
+  // Grouped send/recv: send_bytes[r] bytes from send + send_offsets[r] to rank r,
+  // recv_bytes[r] bytes from rank r into recv + recv_offsets[r] (size() entries each).
+  void all_to_all(const void* send, const size_t* send_offsets, const size_t* send_bytes,
+                  void* recv, const size_t* recv_offsets, const size_t* recv_bytes, void* stream);
+
  private:
   std::unique_ptr<Bootstrap> bootstrap_;
   void* comm_ = nullptr;

@@ -42,6 +42,12 @@ struct Nccl {
   decltype(&ncclMemFree) mem_free = nullptr;
   decltype(&ncclCommWindowRegister) window_register = nullptr;
   decltype(&ncclCommWindowDeregister) window_deregister = nullptr;
+  decltype(&ncclAllGather) all_gather = nullptr;
+  decltype(&ncclReduceScatter) reduce_scatter = nullptr;
+  decltype(&ncclSend) send = nullptr;
+  decltype(&ncclRecv) recv = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
   LsaTeam (*team_lsa)(ncclComm_t) = nullptr;
   int version = 0;
 };
@@ -77,6 +83,12 @@ const Nccl& nccl() {
     sym(lib.window_register, "ncclCommWindowRegister");
     sym(lib.window_deregister, "ncclCommWindowDeregister");
     sym(lib.team_lsa, "ncclTeamLsa");
+    sym(lib.all_gather, "ncclAllGather");
+    sym(lib.reduce_scatter, "ncclReduceScatter");
+    sym(lib.send, "ncclSend");
+    sym(lib.recv, "ncclRecv");
+    sym(lib.group_start, "ncclGroupStart");
+    sym(lib.group_end, "ncclGroupEnd");
     if (error.empty()) (void)lib.get_version(&lib.version);
   });
   if (!error.empty()) EPX_THROW(UnsupportedError, error);
@@ -162,6 +174,38 @@ NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
 
 NcclWorld::~NcclWorld() {
   if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+}
+
+void NcclWorld::all_gather(const void* send, void* recv, size_t bytes, void* stream) {
+  EPX_NCCL_CHECK(nccl().all_gather(send, recv, bytes, ncclUint8, static_cast<ncclComm_t>(comm_),
+                                   static_cast<cudaStream_t>(stream)));
+}
+
+void NcclWorld::reduce_scatter_bf16(const void* send, void* recv, size_t count, void* stream) {
+  EPX_NCCL_CHECK(nccl().reduce_scatter(send, recv, count, ncclBfloat16, ncclSum,
+                                       static_cast<ncclComm_t>(comm_),
+                                       static_cast<cudaStream_t>(stream)));
+}
+
+void NcclWorld::all_to_all(const void* send, const size_t* send_offsets, const size_t* send_bytes,
+                           void* recv, const size_t* recv_offsets, const size_t* recv_bytes,
+                           void* stream) {
+  const Nccl& lib = nccl();
+  auto* c = static_cast<ncclComm_t>(comm_);
+  auto* st = static_cast<cudaStream_t>(stream);
+  EPX_NCCL_CHECK(lib.group_start());
+  ncclResult_t first = ncclSuccess;
+  for (int r = 0; r < size_ && first == ncclSuccess; ++r) {
+    if (send_bytes[r] > 0)
+      first = lib.send(static_cast<const uint8_t*>(send) + send_offsets[r], send_bytes[r],
+                       ncclUint8, r, c, st);
+    if (first == ncclSuccess && recv_bytes[r] > 0)
+      first = lib.recv(static_cast<uint8_t*>(recv) + recv_offsets[r], recv_bytes[r], ncclUint8, r,
+                       c, st);
+  }
+  const ncclResult_t end = lib.group_end();  // always closes the group
+  EPX_NCCL_CHECK(first);
+  EPX_NCCL_CHECK(end);
 }
 
 // ---- symmetric memory ---------------------------------------------------------------------------
