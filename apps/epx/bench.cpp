@@ -248,12 +248,7 @@ nlohmann::json make_json(const BenchPlan& p, const nlohmann::json& world_json, c
   doc["schema"] = "epx-bench/1";
   doc["commit"] = git_commit();
   doc["timestamp_utc"] = utc_timestamp();
-  doc["machine"] = {{"hostname", host_name()},
-                    {"gpu_name", gpu.name},
-                    {"sm_count", gpu.sm_count},
-                    {"gpu_count", gpu.gpu_count},
-                    {"cuda_runtime", gpu.runtime_version},
-                    {"cuda_driver", gpu.driver_version}};
+  doc["machine"] = machine_json(gpu);
   doc["world"] = world_json;
   doc["shape"] = {{"hidden", cfg.hidden},
                   {"experts", cfg.num_experts},
@@ -361,6 +356,21 @@ bool all_ok(const std::vector<TokenResult>& results) {
   return ok;
 }
 
+// The check `epx bench` runs before timing a backend: one call on the bench's own inputs.
+check::CheckOptions verify_options(const BenchPlan& p, Backend backend, const EpConfig& cfg,
+                                   int tokens) {
+  check::CheckOptions o;
+  o.cfg = cfg;
+  o.backend = backend;
+  o.launch = p.launch.launch;
+  o.tokens = {tokens};
+  o.routing = p.shape.routing;
+  o.seed = p.shape.seed;
+  o.iters = 1;
+  o.pool = 1;
+  return o;
+}
+
 std::string backend_list(const BenchPlan& p) {
   std::string out;
   for (Backend b : p.backends) {
@@ -382,15 +392,7 @@ BackendResult run_backend(const BenchPlan& p, Backend backend, const EpConfig& c
   const std::string tag = fmt::format("[tokens {}] {}", inputs.tokens(), to_string(backend));
   if (p.verify) {
     const auto t0 = std::chrono::steady_clock::now();
-    check::CheckOptions o;
-    o.cfg = cfg;
-    o.backend = backend;
-    o.launch = p.launch.launch;
-    o.tokens = {inputs.tokens()};
-    o.routing = p.shape.routing;
-    o.seed = p.shape.seed;
-    o.iters = 1;
-    o.pool = 1;
+    const check::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
     try {
       const check::CheckReport rep = check::run_check(o);
       br.verification = rep.ok ? "passed" : "failed";
@@ -564,15 +566,7 @@ BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfi
   };
   if (p.verify) {
     const auto t0 = std::chrono::steady_clock::now();
-    check::CheckOptions o;
-    o.cfg = cfg;
-    o.backend = backend;
-    o.launch = p.launch.launch;
-    o.tokens = {inputs.tokens()};
-    o.routing = p.shape.routing;
-    o.seed = p.shape.seed;
-    o.iters = 1;
-    o.pool = 1;
+    const check::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
     std::string status = "ok", message;
     try {
       const check::CheckReport rep = check::run_check_world(o, world);  // same report on every rank

@@ -205,6 +205,15 @@ Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& ro
   return v;
 }
 
+nlohmann::json machine_json(const GpuInfo& gpu) {
+  return {{"hostname", host_name()},
+          {"gpu_name", gpu.name},
+          {"sm_count", gpu.sm_count},
+          {"gpu_count", gpu.gpu_count},
+          {"cuda_runtime", gpu.runtime_version},
+          {"cuda_driver", gpu.driver_version}};
+}
+
 Stats summarize(std::vector<double> us) {
   Stats s;
   s.samples = int(us.size());

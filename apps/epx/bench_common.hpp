@@ -13,6 +13,7 @@
 // launch cost of W ranks' calls, which is what eager mode costs an engine.
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -137,6 +138,8 @@ struct GpuInfo {
   int runtime_version = 0;
   int driver_version = 0;
 };
+// The "machine" object of the bench and serve-bench JSON.
+nlohmann::json machine_json(const GpuInfo& gpu);
 GpuInfo gpu_info(int device);
 
 // Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte

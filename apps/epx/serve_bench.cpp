@@ -694,12 +694,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
   doc["schema"] = "epx-serve-bench/1";
   doc["commit"] = git_commit();
   doc["timestamp_utc"] = utc_timestamp();
-  doc["machine"] = {{"hostname", host_name()},
-                    {"gpu_name", gpu.name},
-                    {"sm_count", gpu.sm_count},
-                    {"gpu_count", gpu.gpu_count},
-                    {"cuda_runtime", gpu.runtime_version},
-                    {"cuda_driver", gpu.driver_version}};
+  doc["machine"] = machine_json(gpu);
   doc["world"] = {{"kind", "in_process"},
                   {"ranks", w.world},
                   {"gpus_used", 1},

@@ -21,8 +21,12 @@ std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConf
                          "allgather_reducescatter, low_latency");
 }
 
-std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
-                                      LaunchConfigs launch) {
+namespace {
+
+// One process per rank (IpcWorld, NcclWorld): every backend has a make_rank for each.
+template <typename World>
+std::unique_ptr<All2All> make_process_rank(Backend backend, const EpConfig& cfg, World& world,
+                                           const LaunchConfigs& launch) {
   switch (backend) {
     case Backend::kLowLatency: return low_latency::make_rank(cfg, world, launch);
     case Backend::kNaive: return naive::make_rank(cfg, world, launch);
@@ -33,16 +37,16 @@ std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& w
                          "allgather_reducescatter, low_latency");
 }
 
+}  // namespace
+
+std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
+                                      LaunchConfigs launch) {
+  return make_process_rank(backend, cfg, world, launch);
+}
+
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch) {
-  switch (backend) {
-    case Backend::kLowLatency: return low_latency::make_rank(cfg, world, launch);
-    case Backend::kNaive: return naive::make_rank(cfg, world, launch);
-    case Backend::kAllgatherReduceScatter:
-      return allgather_reducescatter::make_rank(cfg, world, launch);
-  }
-  EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
-                         "allgather_reducescatter, low_latency");
+  return make_process_rank(backend, cfg, world, launch);
 }
 
 size_t buffer_bytes(Backend backend, const EpConfig& cfg) {

@@ -48,4 +48,9 @@ inline std::vector<std::string> gather_checked(Bootstrap& b, const char* what, c
   return all;
 }
 
+// This process's GPU for a world of one process per rank: `device`, or the calling thread's
+// current one when device < 0; made current. Returns its multiprocessor count in *num_sms.
+// UnsupportedError without a GPU (naming `what`), InputError for a device outside the visible.
+int select_world_device(int device, const char* what, int* num_sms);
+
 }  // namespace epx::transport

@@ -155,6 +155,24 @@ std::string uuid_hex(const cudaUUID_t& u) {
 
 }  // namespace
 
+namespace transport {
+
+int select_world_device(int device, const char* what, int* num_sms) {
+  require_gpu(what);
+  int dev = device;
+  if (dev < 0) EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  const int count = cuda_device_count();
+  EPX_CHECK(dev >= 0 && dev < count, InputError, "device", dev,
+            fmt::format("in [0, {}) (the GPUs visible to this process)", count));
+  EPX_CUDA_CHECK(cudaSetDevice(dev));
+  cudaDeviceProp prop{};
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  *num_sms = prop.multiProcessorCount;
+  return dev;
+}
+
+}  // namespace transport
+
 // ---- IpcWorld ---------------------------------------------------------------------------------
 
 IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles handles)
@@ -168,17 +186,10 @@ IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles 
   // that every rank hears about it.
   std::string me;
   const Step local = attempt([&] {
-    require_gpu("an IPC world");
-    int dev = device;
-    if (dev < 0) EPX_CUDA_CHECK(cudaGetDevice(&dev));
-    const int count = cuda_device_count();
-    EPX_CHECK(dev >= 0 && dev < count, InputError, "device", dev,
-              fmt::format("in [0, {}) (the GPUs visible to this process)", count));
-    EPX_CUDA_CHECK(cudaSetDevice(dev));
+    const int dev = transport::select_world_device(device, "an IPC world", &num_sms_);
+    device_ = dev;
     cudaDeviceProp prop{};
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    device_ = dev;
-    num_sms_ = prop.multiProcessorCount;
     bool fd_ok = false;
     std::string fd_why = "the bootstrap cannot pass file descriptors";
     if (handles != IpcHandles::kCudaIpc && bootstrap_->can_pass_fds()) {

@@ -114,17 +114,7 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   // 1. Local facts and NCCL itself; rank 0 draws the unique id.
   ncclUniqueId id{};
   const Step local = attempt([&] {
-    require_gpu("an NCCL world");
-    int dev = device;
-    if (dev < 0) EPX_CUDA_CHECK(cudaGetDevice(&dev));
-    const int count = cuda_device_count();
-    EPX_CHECK(dev >= 0 && dev < count, InputError, "device", dev,
-              fmt::format("in [0, {}) (the GPUs visible to this process)", count));
-    EPX_CUDA_CHECK(cudaSetDevice(dev));
-    cudaDeviceProp prop{};
-    EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    device_ = dev;
-    num_sms_ = prop.multiProcessorCount;
+    device_ = transport::select_world_device(device, "an NCCL world", &num_sms_);
     const Nccl& lib = nccl();
     EPX_CHECK(lib.version >= 22800, UnsupportedError, "NCCL version", lib.version,
               ">= 22800 (2.28: symmetric windows and the device API)");

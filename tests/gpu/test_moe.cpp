@@ -477,6 +477,33 @@ struct LayerCase {
 
 class MoeLayerCase : public testing::TestWithParam<LayerCase> {};
 
+MoeShape layer_shape(const LayerCase& c) {
+  MoeShape s{.hidden = 512,
+             .intermediate = 512,
+             .num_experts = 8,
+             .topk = 4,
+             .num_groups = 4,
+             .topk_groups = 2,
+             .routed_scaling = 2.5f,
+             .shared_intermediate = 512,
+             .scoring = c.scoring};
+  if (c.scoring == MoeScoring::kSoftmax) s.num_groups = s.topk_groups = 1;
+  return s;
+}
+
+rm::MoeShape ref_shape_of(const MoeShape& s) {
+  return rm::MoeShape{.hidden = s.hidden,
+                      .intermediate = s.intermediate,
+                      .num_experts = s.num_experts,
+                      .topk = s.topk,
+                      .num_groups = s.num_groups,
+                      .topk_groups = s.topk_groups,
+                      .routed_scaling = s.routed_scaling,
+                      .shared_intermediate = s.shared_intermediate,
+                      .scoring = s.scoring == MoeScoring::kSoftmax ? rm::Scoring::kSoftmax
+                                                                   : rm::Scoring::kSigmoidGrouped};
+}
+
 // Rank 0 has 40 tokens (3 chunks of 16), rank 1 has 5 (padded to 3 chunks, two
 // of 0 tokens). y is compared with moe_forward_routed under the GPU's own
 // routing: ||d|| / ||ref|| < 8e-2.
@@ -485,27 +512,8 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   const LayerCase c = GetParam();
   constexpr int kWorld = 2;
   const int tokens[kWorld] = {40, 5};
-  MoeShape shape{.hidden = 512,
-                 .intermediate = 512,
-                 .num_experts = 8,
-                 .topk = 4,
-                 .num_groups = 4,
-                 .topk_groups = 2,
-                 .routed_scaling = 2.5f,
-                 .shared_intermediate = 512,
-                 .scoring = c.scoring};
-  if (c.scoring == MoeScoring::kSoftmax) shape.num_groups = shape.topk_groups = 1;
-  const rm::MoeShape rshape{.hidden = shape.hidden,
-                            .intermediate = shape.intermediate,
-                            .num_experts = shape.num_experts,
-                            .topk = shape.topk,
-                            .num_groups = shape.num_groups,
-                            .topk_groups = shape.topk_groups,
-                            .routed_scaling = shape.routed_scaling,
-                            .shared_intermediate = shape.shared_intermediate,
-                            .scoring = c.scoring == MoeScoring::kSoftmax
-                                           ? rm::Scoring::kSoftmax
-                                           : rm::Scoring::kSigmoidGrouped};
+  const MoeShape shape = layer_shape(c);
+  const rm::MoeShape rshape = ref_shape_of(shape);
   EpConfig cfg;
   cfg.world_size = kWorld;
   cfg.hidden = shape.hidden;
@@ -617,32 +625,6 @@ INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerCase, testing::ValuesIn(kLayerCases),
 
 // ---- the layer captured in a CUDA graph (moe.hpp, "CUDA graph capture") -----------------------
 
-MoeShape layer_shape(const LayerCase& c) {
-  MoeShape s{.hidden = 512,
-             .intermediate = 512,
-             .num_experts = 8,
-             .topk = 4,
-             .num_groups = 4,
-             .topk_groups = 2,
-             .routed_scaling = 2.5f,
-             .shared_intermediate = 512,
-             .scoring = c.scoring};
-  if (c.scoring == MoeScoring::kSoftmax) s.num_groups = s.topk_groups = 1;
-  return s;
-}
-
-rm::MoeShape ref_shape_of(const MoeShape& s) {
-  return rm::MoeShape{.hidden = s.hidden,
-                      .intermediate = s.intermediate,
-                      .num_experts = s.num_experts,
-                      .topk = s.topk,
-                      .num_groups = s.num_groups,
-                      .topk_groups = s.topk_groups,
-                      .routed_scaling = s.routed_scaling,
-                      .shared_intermediate = s.shared_intermediate,
-                      .scoring = s.scoring == MoeScoring::kSoftmax ? rm::Scoring::kSoftmax
-                                                                   : rm::Scoring::kSigmoidGrouped};
-}
 
 // One capture per round, replayed with fresh inputs copied into the captured x.
 struct GraphRound {
