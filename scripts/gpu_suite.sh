@@ -241,6 +241,29 @@ fault_second_job() {
 fault_second_job
 rm -rf "$sockdir"
 
+# serve-bench, every backend, eager and CUDA-graph decode, on a small shape (the path, not speed).
+run serve_small_graph $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
+  --chunk-size 64 --max-batched-tokens 256 --cuda-graph --json "$logs/serve_small.json"
+
+# Several GPUs: in-process ranks spread over them, and one process per GPU over NcclWorld.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$gpus" -ge 2 ]; then
+  run multi_inproc_t128 $E --world 8 --gpus "$gpus" --tokens 128 --iters 2
+  run multi_inproc_t128_graph $E --world 8 --gpus "$gpus" --tokens 128 --graph 100 --mixed --iters 1
+  run nccl_example $L -n "$gpus" -- "$build/example_ipc_ranks" nccl
+  EN="$build/epx check --world-kind nccl"
+  for d in bf16-to-fp8 bf16 fp8; do
+    run "nccl_t128_${d}_token" $L -n "$gpus" -- $EN --tokens 128 --dtype $d --iters 2
+    run "nccl_t128_${d}_expert" $L -n "$gpus" -- $EN --tokens 128 --dtype $d --layout expert --iters 2
+  done
+  run nccl_t128_graph $L -n "$gpus" -- $EN --tokens 128 --graph 200 --mixed --iters 1
+  run nccl_t1024 $L -n "$gpus" -- $EN --tokens 1024 --iters 1
+  run nccl_bench $L -n "$gpus" -- $build/epx bench --world-kind nccl --json "$logs/nccl_bench.json"
+else
+  echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
+fi
+
 [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

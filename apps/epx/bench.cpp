@@ -460,11 +460,11 @@ bool run_bench(const BenchPlan& p) {
   require_gpu_for("epx bench");
   EpConfig base = p.shape.cfg;
   const int W = base.world_size;
-  InProcessWorld world(W);
+  InProcessWorld world(W, first_gpus(p.shape.gpus));
   const GpuInfo gpu = gpu_info(world.device_of(0));
-  fmt::print("epx bench: {} in-process ranks on {} ({} SMs, {} blocks per rank), H {}, E {}, "
-             "K {}, dtype {}, layout {}, routing {}, seed {}\n",
-             W, gpu.name, gpu.sm_count, world.sm_budget(0), base.hidden, base.num_experts,
+  fmt::print("epx bench: {} in-process ranks on {} x {} ({} SMs, {} blocks per rank), H {}, "
+             "E {}, K {}, dtype {}, layout {}, routing {}, seed {}\n",
+             W, p.shape.gpus, gpu.name, gpu.sm_count, world.sm_budget(0), base.hidden, base.num_experts,
              base.topk, to_string(base.dtype), to_string(base.layout), p.shape.routing_name,
              p.shape.seed);
   fmt::print("  backends {}, tokens/rank {}, {} timed rounds after {} warm-up, verify {}, "

@@ -29,7 +29,10 @@ namespace epx::cli {
 // ---- flags -------------------------------------------------------------------------------------
 
 void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f) {
-  c->add_option("--world", f.world, "ranks of the world (in-process: all on GPU 0)")
+  c->add_option("--world", f.world, "ranks of the world")->capture_default_str();
+  c->add_option("--gpus", f.gpus,
+                "in-process: spread the ranks round-robin over GPUs 0..N-1 (peer access between "
+                "them; each rank's SM budget is its GPU's SMs / the ranks on that GPU)")
       ->capture_default_str();
   c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
   c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
@@ -130,10 +133,18 @@ Backend parse_backend_flag(const std::string& name, const char* flag) {
   return parse_enum_flag(flag, name, kAllBackends);
 }
 
+std::vector<int> first_gpus(int n) {
+  std::vector<int> out;
+  for (int g = 0; g < n; ++g) out.push_back(g);
+  return out;
+}
+
 BenchShape validate_shape(const ShapeFlagValues& f) {
   BenchShape s;
   EpConfig& cfg = s.cfg;
   check_range("--world", f.world, 1, kMaxRanks);
+  check_range("--gpus", f.gpus, 1, f.world, "at most one GPU per rank");
+  s.gpus = f.gpus;
   cfg.dtype = parse_enum_flag("--dtype", f.dtype, kAllDtypes);
   cfg.layout = parse_enum_flag("--layout", f.layout, kAllLayouts);
   check_range("--hidden", f.hidden, 8, kMaxHidden);

@@ -43,6 +43,7 @@ namespace epx::cli {
 // Shape flags common to bench and tune; defaults are the DeepSeek-R1 shape on 8 ranks.
 struct ShapeFlagValues {
   int world = 8;
+  int gpus = 1;  // in-process: ranks round-robin over GPUs 0 .. gpus-1
   int hidden = 7168;
   int experts = 256;
   int topk = 8;
@@ -62,9 +63,12 @@ struct BenchShape {
   ref::RoutingKind routing = ref::RoutingKind::kUniform;
   std::string routing_name;
   uint64_t seed = 1;
+  int gpus = 1;
 };
 // Throws ConfigError naming the flag, the value and the bound.
 BenchShape validate_shape(const ShapeFlagValues& f);
+// GPUs 0 .. n-1: where an in-process world of --gpus n places its ranks (round-robin).
+std::vector<int> first_gpus(int n);
 
 // "a,b,c" -> items (empty items are errors naming `flag`).
 std::vector<std::string> split_list(const std::string& text, const char* flag);

@@ -29,6 +29,7 @@ namespace {
 
 struct ShapeFlags {
   int world = 8;
+  int gpus = 1;
   int hidden = 7168;
   int experts = 256;
   int topk = 8;
@@ -40,7 +41,10 @@ struct ShapeFlags {
 };
 
 void add_shape_flags(CLI::App* c, ShapeFlags& f) {
-  c->add_option("--world", f.world, "ranks (in-process, sharing the GPU)")->capture_default_str();
+  c->add_option("--world", f.world, "ranks")->capture_default_str();
+  c->add_option("--gpus", f.gpus,
+                "in-process: spread the ranks round-robin over GPUs 0..N-1 (default: all on GPU 0)")
+      ->capture_default_str();
   c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
   c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
   c->add_option("--topk", f.topk, "experts per token K")->capture_default_str();
@@ -247,8 +251,10 @@ void add_check(CLI::App& app, int& exit_code) {
   std::vector<CLI::Option*> not_moe = {c->get_option("--routing"),   c->get_option("--iters"),
                                        c->get_option("--graph"),     c->get_option("--mixed"),
                                        c->get_option("--ids64"),     c->get_option("--pool"),
-                                       c->get_option("--world-kind")};
-  c->callback([f, world_opt, moe_only, not_moe, &exit_code] {
+                                       c->get_option("--world-kind"),
+                                       c->get_option("--gpus")};
+  CLI::Option* gpus_opt = c->get_option("--gpus");
+  c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
               "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");
     if (f->moe) {
@@ -264,6 +270,8 @@ void add_check(CLI::App& app, int& exit_code) {
     EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc" || f->world_kind == "nccl",
               ConfigError, "--world-kind", "'" + f->world_kind + "'", "in-process, ipc or nccl");
     if (f->world_kind == "ipc" || f->world_kind == "nccl") {
+      EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
+                "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
       run_check_ipc_cli(*f, world_opt->count() > 0, exit_code);
       return;
     }
@@ -272,6 +280,9 @@ void add_check(CLI::App& app, int& exit_code) {
     int max_t = 0;
     for (int t : o.tokens) max_t = std::max(max_t, t);
     o.cfg = make_config(f->shape, max_t);
+    EPX_CHECK(f->shape.gpus >= 1 && f->shape.gpus <= f->shape.world, ConfigError, "--gpus",
+              f->shape.gpus, fmt::format("in [1, --world = {}]", f->shape.world));
+    o.gpus = f->shape.gpus;
     const EnvSettings env = read_env();
     o.backend = !f->backend.empty() ? parse_backend(f->backend)
                                     : env.backend.value_or(Backend::kLowLatency);

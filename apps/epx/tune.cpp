@@ -239,7 +239,7 @@ bool run_tune(const TunePlan& p) {
   require_gpu_for("epx tune");
   const EpConfig& base = p.shape.cfg;
   const int W = base.world_size;
-  InProcessWorld world(W);
+  InProcessWorld world(W, first_gpus(p.shape.gpus));
   int budget = world.sm_budget(0);
   for (int r = 1; r < W; ++r) budget = std::min(budget, world.sm_budget(r));
   std::vector<int> blocks = p.blocks;

@@ -82,7 +82,9 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (o.log) o.log(s);
   };
 
-  InProcessWorld world(W);
+  std::vector<int> devices;
+  for (int g = 0; g < o.gpus; ++g) devices.push_back(g);
+  InProcessWorld world(W, devices);
   auto group = make_all2all_group(o.backend, cfg, world, launch);
   rep.buffer_bytes = group[0]->symmetric_bytes();
 

@@ -22,6 +22,7 @@ namespace epx::check {
 
 struct CheckOptions {
   EpConfig cfg;                     // world_size = ranks of the world (in-process or IPC)
+  int gpus = 1;                     // in-process: ranks round-robin over GPUs 0 .. gpus-1
   Backend backend = Backend::kLowLatency;
   LaunchConfigs launch;
   std::vector<int> tokens;          // one count for all ranks, one per rank, or empty = random
