@@ -248,7 +248,13 @@ run serve_small_graph $build/epx serve-bench --world 8 --experts 64 --hidden 204
 
 # Several GPUs: in-process ranks spread over them, and one process per GPU over NcclWorld.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+w=1; while [ $((w * 2)) -le "$gpus" ]; do w=$((w * 2)); done; gpus=$w  # 256 experts divide evenly
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast
+if [ -z "${EPX_NCCL_LIBRARY:-}" ]; then  # the wheel's libnccl when the system has none
+  EPX_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) && export EPX_NCCL_LIBRARY
+fi
 if [ "$gpus" -ge 2 ]; then
+  echo "NcclWorld runs with EPX_NCCL_LIBRARY=${EPX_NCCL_LIBRARY:-libnccl.so.2}"
   run multi_inproc_t128 $E --world 8 --gpus "$gpus" --tokens 128 --iters 2
   run multi_inproc_t128_graph $E --world 8 --gpus "$gpus" --tokens 128 --graph 100 --mixed --iters 1
   run nccl_example $L -n "$gpus" -- "$build/example_ipc_ranks" nccl
@@ -259,7 +265,8 @@ if [ "$gpus" -ge 2 ]; then
   done
   run nccl_t128_graph $L -n "$gpus" -- $EN --tokens 128 --graph 200 --mixed --iters 1
   run nccl_t1024 $L -n "$gpus" -- $EN --tokens 1024 --iters 1
-  run nccl_bench $L -n "$gpus" -- $build/epx bench --world-kind nccl --json "$logs/nccl_bench.json"
+  run nccl_bench $L -n "$gpus" -- $build/epx bench --world-kind nccl --tokens 128 --iters 50 \
+    --warmup 5 --json "$logs/nccl_bench.json"
 else
   echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
 fi

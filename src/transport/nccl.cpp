@@ -111,6 +111,9 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   size_ = bootstrap_->size();
   EPX_CHECK(size_ >= 1 && size_ <= kMaxRanks, InputError, "bootstrap size", size_,
             fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+  // NVLink multicast stays off unless the caller decided otherwise (it can take a shared GPU out
+  // of service, and epx never needs it).
+  ::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   // 1. Local facts and NCCL itself; rank 0 draws the unique id.
   ncclUniqueId id{};
   const Step local = attempt([&] {
@@ -129,6 +132,8 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
     EPX_NCCL_CHECK(nccl().comm_init_rank(&c, size_, id, rank_));
     comm_ = c;
     const LsaTeam lsa = nccl().team_lsa(c);
+    EPX_CHECK(lsa.nRanks != 0, UnsupportedError, "NCCL LSA team size", 0,
+              "> 0 (NCCL's device runtime did not start; rerun with NCCL_DEBUG=WARN)");
     EPX_CHECK(lsa.nRanks == size_, UnsupportedError, "NCCL LSA team size", lsa.nRanks,
               fmt::format("the world size {} (every rank on one node over NVLink; inter-node "
                           "GIN transport is not implemented)",
@@ -209,6 +214,8 @@ struct NcclWindow {
   void* memory = nullptr;
   int device = 0;
   ~NcclWindow() {
+    (void)cudaSetDevice(device);
+    (void)cudaDeviceSynchronize();  // no kernel of this device still uses the window
     if (window != nullptr) (void)nccl().window_deregister(comm, window);
     if (memory != nullptr) (void)nccl().mem_free(memory);
   }
@@ -240,9 +247,14 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
     EPX_NCCL_CHECK(nccl().mem_alloc(&win->memory, rounded));
   });
   (void)gather_checked(world.bootstrap(), "ncclMemAlloc", allocated, "");
+  // NCCL_WIN_DEFAULT: the LSA mapping is all epx needs; NCCL's symmetric collectives (which may
+  // set up NVLink multicast) are never run on this buffer.
   const Step registered = attempt([&] {
     EPX_NCCL_CHECK(nccl().window_register(win->comm, win->memory, rounded, &win->window,
-                                          NCCL_WIN_COLL_SYMMETRIC));
+                                          NCCL_WIN_DEFAULT));
+    EPX_CHECK(win->window != nullptr, UnsupportedError, "NCCL window", "null",
+              "symmetric memory support (every rank on one node with direct P2P, cuMem on, "
+              "NCCL_WIN_ENABLE=1)");
   });
   (void)gather_checked(world.bootstrap(), "ncclCommWindowRegister", registered, "");
   const Step table = attempt([&] {
@@ -252,8 +264,11 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
         cudaMalloc(reinterpret_cast<void**>(&out.peers_dev_), sizeof(uint8_t*) * world.size()));
     transport::fill_lsa_peer_table(win->window, world.size(), out.peers_dev_, nullptr);
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    // This rank's own buffer through the same mapping as its peers see it (peers[rank]), so that
+    // a kernel never reaches one location through two virtual addresses.
+    EPX_CUDA_CHECK(cudaMemcpy(&out.local_, out.peers_dev_ + world.rank(), sizeof(uint8_t*),
+                              cudaMemcpyDeviceToHost));
   });
-  out.local_ = static_cast<uint8_t*>(win->memory);
   out.bytes_ = bytes;
   out.external_ = std::move(win);
   // Every rank's buffer is zeroed and its table complete before anyone's kernels touch a peer.
