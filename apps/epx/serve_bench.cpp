@@ -672,7 +672,8 @@ void print_table(const std::vector<BackendResult>& results) {
   fmt::print(
       "(graph) rows: decode-only steps within one chunk replay per-rank CUDA graphs captured "
       "per batch bucket (every rank padded to the bucket of the largest rank's batch); prefill "
-      "and mixed steps run eagerly.\n");
+      "and mixed steps run eagerly. The padding tokens are routed and computed like real ones, "
+      "so a graph step does up to the bucket's work on every rank.\n");
   for (const BackendResult& br : results) {
     if (!br.cuda_graph || br.status != "ok") continue;
     fmt::print("  {}: {} of {} steps replayed, capture + instantiation {:.2f} s\n",

@@ -130,6 +130,9 @@ class MoeLayer {
   // rank sends more than the bound (its graph, or an eager call, was made with a
   // larger one) leaves the overflowing experts' outputs unwritten: wrong results.
   // InputError outside [0, max_tokens_per_rank]. Eager forwards ignore it.
+  // Call it (0 is fine) before capturing a token-major forward: it allocates the
+  // captured path's staging buffer ([rows][H], once); a capture without it is a
+  // StateError.
   void set_capture_token_bound(int max_tokens_per_rank);
 
  private:

@@ -236,6 +236,15 @@ void Fp8Gemm::run(const Fp8GemmArgs& g, cudaStream_t stream) {
   if (g.m == 0) return;
   EPX_CHECK(g.a && g.a_scales && g.b && g.b_scales && g.d, InputError, "fp8 GEMM pointers",
             "a null pointer", "all of a, a_scales, b, b_scales, d set");
+  if (plans_.find(std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.out))) == plans_.end()) {
+    // The heuristic is not to be asked while a graph is being captured: shapes are planned (and
+    // their kernels loaded) by an eager run first, as MoeLayer's warm-up does.
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "fp8 GEMM shape",
+              shape_text(g.m, g.n, g.k, g.out) + " first seen under stream capture",
+              "a shape run eagerly once before capture");
+  }
   Plan& p = plan(g);
   p.set_scales(g);
   const float alpha = 1.0f;

@@ -284,7 +284,6 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
   if (token_major) {
     m.dev_rows = m.alloc<int32_t>(size_t(m.max_total_rows));
     m.dev_slots = m.alloc<int32_t>(size_t(cap) * k);
-    m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * h * m.out_bytes());
     m.graph_counts = m.alloc<int32_t>(size_t(local));
     m.graph_out_start = m.alloc<int32_t>(size_t(local));
     m.graph_rows = m.alloc<int32_t>(size_t(local) * cap);
@@ -498,6 +497,8 @@ void MoeLayer::Impl::captured_token_major(const DispatchResult& d, All2All& a2a,
   const int cap = d.capacity;
   EPX_CHECK(cap <= ep.capacity(), StateError, "DispatchResult.capacity", cap,
             "<= " + std::to_string(ep.capacity()));
+  EPX_CHECK(graph_out != nullptr, StateError, "captured token-major forward", "no staging buffer",
+            "MoeLayer::set_capture_token_bound() called before the capture");
   const bool bf16 = out_type == GemmOut::kBF16;
   // now graph_counts / graph_out_start / graph_rows / dev_slots as the eager path's host lists
   moe::launch_group_rows({.topk_ids = d.recv_topk_ids,
@@ -563,10 +564,15 @@ void MoeLayer::Impl::captured_expert_major(const DispatchResult& d, All2All& a2a
 }
 
 void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
-  EPX_CHECK(max_tokens_per_rank >= 0 && max_tokens_per_rank <= impl_->ep.max_tokens_per_rank,
+  Impl& m = *impl_;
+  EPX_CHECK(max_tokens_per_rank >= 0 && max_tokens_per_rank <= m.ep.max_tokens_per_rank,
             InputError, "max_tokens_per_rank", max_tokens_per_rank,
-            "in [0, max_tokens_per_rank = " + std::to_string(impl_->ep.max_tokens_per_rank) + "]");
-  impl_->capture_tokens = max_tokens_per_rank;
+            "in [0, max_tokens_per_rank = " + std::to_string(m.ep.max_tokens_per_rank) + "]");
+  m.capture_tokens = max_tokens_per_rank;
+  // The token-major captured path stages one expert's output: allocated here, outside any capture
+  // (cudaMalloc may not be captured), once and at its largest, so eager-only layers never pay it.
+  if (m.ep.layout == OutputLayout::kTokenMajor && m.graph_out == nullptr)
+    m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * m.shape.hidden * m.out_bytes());
 }
 
 void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
@@ -592,7 +598,9 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
   const size_t row_bytes = size_t(h) * 2;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool captured = capture != cudaStreamCaptureStatusNone;
+  EPX_CHECK(capture != cudaStreamCaptureStatusInvalidated, StateError, "stream capture",
+            "invalidated", "an active capture (an earlier call broke it)");
+  const bool captured = capture == cudaStreamCaptureStatusActive;
 
   for (int ci = 0; ci < chunks; ++ci) {
     const int start = std::min(num_tokens, ci * t);

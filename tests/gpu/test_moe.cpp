@@ -684,6 +684,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   }
   std::vector<std::string> errors(kWorld);
   std::vector<std::thread> threads;
+  std::barrier rounds(kWorld);  // every rank between the graph set-up steps
   std::barrier constructed(kWorld);
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
@@ -741,17 +742,24 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
           EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
           cudaGraphExec_t exec = nullptr;
           EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+          EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
+          EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+          // No rank's kernels spin while another rank instantiates, uploads or destroys a graph
+          // (calls that may wait for the whole device).
+          rounds.arrive_and_wait();
           for (int rep = 0; rep < kGraphReplays; ++rep) {
             const size_t i = size_t(index(ri, rep, r));
             eager[i] = run(x[i], n, nullptr, round.chunks);
             graph[i] = run(x[i], n, exec, round.chunks);
           }
+          rounds.arrive_and_wait();
           EPX_CUDA_CHECK(cudaGraphExecDestroy(exec));
           EPX_CUDA_CHECK(cudaGraphDestroy(g));
         }
         EPX_CUDA_CHECK(cudaStreamDestroy(stream));
       } catch (const std::exception& e) {
         errors[size_t(r)] = e.what();
+        rounds.arrive_and_drop();  // the other rank does not wait for this one any more
       }
     });
   }
