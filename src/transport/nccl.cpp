@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +39,7 @@ struct Nccl {
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&ncclCommInitRank) comm_init_rank = nullptr;
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
+  decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclMemAlloc) mem_alloc = nullptr;
   decltype(&ncclMemFree) mem_free = nullptr;
   decltype(&ncclCommWindowRegister) window_register = nullptr;
@@ -78,6 +80,7 @@ const Nccl& nccl() {
     sym(lib.get_unique_id, "ncclGetUniqueId");
     sym(lib.comm_init_rank, "ncclCommInitRank");
     sym(lib.comm_destroy, "ncclCommDestroy");
+    sym(lib.comm_abort, "ncclCommAbort");
     sym(lib.mem_alloc, "ncclMemAlloc");
     sym(lib.mem_free, "ncclMemFree");
     sym(lib.window_register, "ncclCommWindowRegister");
@@ -142,7 +145,7 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   try {
     (void)gather_checked(*bootstrap_, "NCCL communicator", comm, "");
   } catch (...) {
-    if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+    if (comm_ != nullptr) (void)nccl().comm_abort(static_cast<ncclComm_t>(comm_));
     comm_ = nullptr;
     throw;
   }
@@ -168,7 +171,14 @@ NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
 }
 
 NcclWorld::~NcclWorld() {
-  if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+  if (comm_ == nullptr) return;
+  // Unwinding from an error (a peer may be dead): abort, which does not talk to the peers;
+  // otherwise the orderly destroy.
+  if (std::uncaught_exceptions() > 0) {
+    (void)nccl().comm_abort(static_cast<ncclComm_t>(comm_));
+  } else {
+    (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+  }
 }
 
 void NcclWorld::all_gather(const void* send, void* recv, size_t bytes, void* stream) {
