@@ -370,6 +370,14 @@ struct RankStep {
   int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
 };
 
+// Largest decode batch per rank that --cuda-graph captures: the chunk, the step budget, and
+// kMaxGraphBatch, beyond which a decode step runs eagerly (a captured layer holds one body per
+// GEMM row bucket and local expert, so graphs of large batches grow to tens of thousands of nodes).
+constexpr int kMaxGraphBatch = 128;
+int largest_decode_bucket(const serve::Workload& w) {
+  return std::min({w.chunk_size, w.max_batched_tokens, kMaxGraphBatch});
+}
+
 // Decode batch buckets of --cuda-graph: 1, 2, 4, ... below `largest`, then `largest` (the
 // smaller of --chunk-size and --max-batched-tokens: one chunk).
 std::vector<int> decode_buckets(int largest) {
@@ -578,7 +586,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
       run_all();
     }
     // Decode graphs: captured per rank, then each replayed once on every rank (untimed).
-    const std::vector<int> buckets = decode_buckets(std::min(w.chunk_size, w.max_batched_tokens));
+    const std::vector<int> buckets = decode_buckets(largest_decode_bucket(w));
     if (cuda_graph) {
       const auto t_capture = std::chrono::steady_clock::now();
       threads.run([&](int r) {
@@ -730,7 +738,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
        "; with cuda_graph also the capture and one replay per bucket"},
       {"cuda_graph", p.cuda_graph},
       {"graph_buckets", p.cuda_graph
-                            ? json(decode_buckets(std::min(w.chunk_size, w.max_batched_tokens)))
+                            ? json(decode_buckets(largest_decode_bucket(w)))
                             : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
@@ -801,7 +809,7 @@ bool run_serve_bench(const ServePlan& p) {
     fmt::print(
         "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
         "replays (buckets {})\n",
-        fmt::join(decode_buckets(std::min(w.chunk_size, w.max_batched_tokens)), ","));
+        fmt::join(decode_buckets(largest_decode_bucket(w)), ","));
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              loading_note);
