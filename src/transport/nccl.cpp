@@ -5,12 +5,14 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "core/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
@@ -37,7 +39,8 @@ struct Nccl {
   decltype(&ncclGetVersion) get_version = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
-  decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+  decltype(&ncclCommInitRankConfig) comm_init_rank_config = nullptr;
+  decltype(&ncclCommGetAsyncError) async_error = nullptr;
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
   decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclMemAlloc) mem_alloc = nullptr;
@@ -78,7 +81,8 @@ const Nccl& nccl() {
     sym(lib.get_version, "ncclGetVersion");
     sym(lib.error_string, "ncclGetErrorString");
     sym(lib.get_unique_id, "ncclGetUniqueId");
-    sym(lib.comm_init_rank, "ncclCommInitRank");
+    sym(lib.comm_init_rank_config, "ncclCommInitRankConfig");
+    sym(lib.async_error, "ncclCommGetAsyncError");
     sym(lib.comm_destroy, "ncclCommDestroy");
     sym(lib.comm_abort, "ncclCommAbort");
     sym(lib.mem_alloc, "ncclMemAlloc");
@@ -104,6 +108,34 @@ void nccl_check(ncclResult_t r, const char* call) {
 }
 
 #define EPX_NCCL_CHECK(call) nccl_check((call), #call)
+
+// The communicator is non-blocking, so that no NCCL call waits without a bound: a call returns
+// ncclSuccess or ncclInProgress, and then the communicator's state is polled until it is done,
+// an error, or EPX_TIMEOUT_MS has passed (TimeoutError; the caller aborts the communicator).
+int nccl_timeout_ms() { return read_env().timeout_ms.value_or(EpConfig{}.timeout_ms); }
+
+void nccl_finish(ncclResult_t r, ncclComm_t comm, const char* call) {
+  if (r != ncclInProgress) nccl_check(r, call);
+  const int timeout_ms = nccl_timeout_ms();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    ncclResult_t state = ncclInProgress;
+    nccl_check(nccl().async_error(comm, &state), "ncclCommGetAsyncError");
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) nccl_check(state, call);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count();
+    if (ms > timeout_ms) {
+      EPX_THROW(TimeoutError, fmt::format("{}: NCCL did not finish within {} ms (EPX_TIMEOUT_MS); "
+                                          "a rank of the communicator did not take part",
+                                          call, timeout_ms));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+#define EPX_NCCL_FINISH(comm, call) nccl_finish((call), (comm), #call)
 
 }  // namespace
 
@@ -132,8 +164,11 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   // 2. The communicator (collective inside NCCL), then its LSA team must be the whole world.
   const Step comm = attempt([&] {
     ncclComm_t c = nullptr;
-    EPX_NCCL_CHECK(nccl().comm_init_rank(&c, size_, id, rank_));
-    comm_ = c;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = nccl().comm_init_rank_config(&c, size_, id, rank_, &config);
+    comm_ = c;  // set even while in progress: an error below aborts it
+    EPX_NCCL_FINISH(c, r);
     const LsaTeam lsa = nccl().team_lsa(c);
     EPX_CHECK(lsa.nRanks != 0, UnsupportedError, "NCCL LSA team size", 0,
               "> 0 (NCCL's device runtime did not start; rerun with NCCL_DEBUG=WARN)");
@@ -182,14 +217,15 @@ NcclWorld::~NcclWorld() {
 }
 
 void NcclWorld::all_gather(const void* send, void* recv, size_t bytes, void* stream) {
-  EPX_NCCL_CHECK(nccl().all_gather(send, recv, bytes, ncclUint8, static_cast<ncclComm_t>(comm_),
-                                   static_cast<cudaStream_t>(stream)));
+  auto* c = static_cast<ncclComm_t>(comm_);
+  EPX_NCCL_FINISH(c, nccl().all_gather(send, recv, bytes, ncclUint8, c,
+                                       static_cast<cudaStream_t>(stream)));
 }
 
 void NcclWorld::reduce_scatter_bf16(const void* send, void* recv, size_t count, void* stream) {
-  EPX_NCCL_CHECK(nccl().reduce_scatter(send, recv, count, ncclBfloat16, ncclSum,
-                                       static_cast<ncclComm_t>(comm_),
-                                       static_cast<cudaStream_t>(stream)));
+  auto* c = static_cast<ncclComm_t>(comm_);
+  EPX_NCCL_FINISH(c, nccl().reduce_scatter(send, recv, count, ncclBfloat16, ncclSum, c,
+                                           static_cast<cudaStream_t>(stream)));
 }
 
 void NcclWorld::all_to_all(const void* send, const size_t* send_offsets, const size_t* send_bytes,
@@ -200,17 +236,18 @@ void NcclWorld::all_to_all(const void* send, const size_t* send_offsets, const s
   auto* st = static_cast<cudaStream_t>(stream);
   EPX_NCCL_CHECK(lib.group_start());
   ncclResult_t first = ncclSuccess;
-  for (int r = 0; r < size_ && first == ncclSuccess; ++r) {
+  auto ok = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
+  for (int r = 0; r < size_ && ok(first); ++r) {
     if (send_bytes[r] > 0)
       first = lib.send(static_cast<const uint8_t*>(send) + send_offsets[r], send_bytes[r],
                        ncclUint8, r, c, st);
-    if (first == ncclSuccess && recv_bytes[r] > 0)
+    if (ok(first) && recv_bytes[r] > 0)
       first = lib.recv(static_cast<uint8_t*>(recv) + recv_offsets[r], recv_bytes[r], ncclUint8, r,
                        c, st);
   }
   const ncclResult_t end = lib.group_end();  // always closes the group
-  EPX_NCCL_CHECK(first);
-  EPX_NCCL_CHECK(end);
+  if (first != ncclInProgress) EPX_NCCL_CHECK(first);
+  EPX_NCCL_FINISH(c, end);
 }
 
 // ---- symmetric memory ---------------------------------------------------------------------------
@@ -226,7 +263,12 @@ struct NcclWindow {
   ~NcclWindow() {
     (void)cudaSetDevice(device);
     (void)cudaDeviceSynchronize();  // no kernel of this device still uses the window
-    if (window != nullptr) (void)nccl().window_deregister(comm, window);
+    if (window != nullptr) {
+      try {  // a non-blocking communicator: wait (bounded) before the memory goes
+        nccl_finish(nccl().window_deregister(comm, window), comm, "ncclCommWindowDeregister");
+      } catch (...) {
+      }
+    }
     if (memory != nullptr) (void)nccl().mem_free(memory);
   }
 };
@@ -260,8 +302,8 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
   // NCCL_WIN_DEFAULT: the LSA mapping is all epx needs; NCCL's symmetric collectives (which may
   // set up NVLink multicast) are never run on this buffer.
   const Step registered = attempt([&] {
-    EPX_NCCL_CHECK(nccl().window_register(win->comm, win->memory, rounded, &win->window,
-                                          NCCL_WIN_DEFAULT));
+    EPX_NCCL_FINISH(win->comm, nccl().window_register(win->comm, win->memory, rounded,
+                                                      &win->window, NCCL_WIN_DEFAULT));
     EPX_CHECK(win->window != nullptr, UnsupportedError, "NCCL window", "null",
               "symmetric memory support (every rank on one node with direct P2P, cuMem on, "
               "NCCL_WIN_ENABLE=1)");
