@@ -8,30 +8,13 @@
 
 namespace epx {
 
-std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
-                                                         const InProcessWorld& world,
-                                                         LaunchConfigs launch) {
-  switch (backend) {
-    case Backend::kLowLatency: return low_latency::make_group(cfg, world, launch);
-    case Backend::kNaive: return naive::make_group(cfg, world, launch);
-    case Backend::kAllgatherReduceScatter:
-      return allgather_reducescatter::make_group(cfg, world, launch);
-  }
-  EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
-                         "allgather_reducescatter, low_latency");
-}
-
 namespace {
 
-// One process per rank (IpcWorld, NcclWorld): every backend has a make_rank for each.
-template <typename World>
-std::unique_ptr<All2All> make_process_rank(Backend backend, const EpConfig& cfg, World& world,
-                                           const LaunchConfigs& launch) {
+const peer::Algorithm& algorithm_of(Backend backend) {
   switch (backend) {
-    case Backend::kLowLatency: return low_latency::make_rank(cfg, world, launch);
-    case Backend::kNaive: return naive::make_rank(cfg, world, launch);
-    case Backend::kAllgatherReduceScatter:
-      return allgather_reducescatter::make_rank(cfg, world, launch);
+    case Backend::kLowLatency: return low_latency::algorithm();
+    case Backend::kNaive: return naive::algorithm();
+    case Backend::kAllgatherReduceScatter: return allgather_reducescatter::algorithm();
   }
   EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
                          "allgather_reducescatter, low_latency");
@@ -39,25 +22,28 @@ std::unique_ptr<All2All> make_process_rank(Backend backend, const EpConfig& cfg,
 
 }  // namespace
 
+std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
+                                                         const InProcessWorld& world,
+                                                         LaunchConfigs launch) {
+  return peer::make_in_process_group(cfg, world, launch, algorithm_of(backend));
+}
+
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
                                       LaunchConfigs launch) {
-  return make_process_rank(backend, cfg, world, launch);
+  return peer::make_ipc_rank(cfg, world, launch, algorithm_of(backend));
 }
 
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch) {
-  return make_process_rank(backend, cfg, world, launch);
+  return peer::make_nccl_rank(cfg, world, launch, algorithm_of(backend));
 }
 
 size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
-  switch (backend) {
-    case Backend::kLowLatency: return low_latency::buffer_bytes(cfg);
-    case Backend::kNaive: return naive::buffer_bytes(cfg);
-    case Backend::kAllgatherReduceScatter: return allgather_reducescatter::buffer_bytes(cfg);
-  }
-  return 0;
+  return peer::buffer_bytes(cfg, algorithm_of(backend));
 }
 
-size_t low_latency_buffer_bytes(const EpConfig& cfg) { return low_latency::buffer_bytes(cfg); }
+size_t low_latency_buffer_bytes(const EpConfig& cfg) {
+  return peer::buffer_bytes(cfg, low_latency::algorithm());
+}
 
 }  // namespace epx

@@ -1,19 +1,8 @@
 #pragma once
-#include <memory>
-#include <vector>
+// The allgather_reducescatter backend: its algorithm over the shared peer kernels (src/backends/common), built for
+// every world by src/backends/all2all.cpp.
+#include "backends/common/peer_all2all.hpp"
 
-#include "epx/all2all.hpp"
-
-namespace epx {
-class InProcessWorld;
-class IpcWorld;
-class NcclWorld;
-namespace allgather_reducescatter {
-std::vector<std::unique_ptr<All2All>> make_group(const EpConfig& cfg, const InProcessWorld& world,
-                                                 const LaunchConfigs& launch);
-// This process's rank of an IpcWorld; collective over the world (peer::make_ipc_rank).
-std::unique_ptr<All2All> make_rank(const EpConfig& cfg, IpcWorld& world, const LaunchConfigs& launch);
-std::unique_ptr<All2All> make_rank(const EpConfig& cfg, NcclWorld& world, const LaunchConfigs& launch);
-size_t buffer_bytes(const EpConfig& cfg);
-}  // namespace allgather_reducescatter
-}  // namespace epx
+namespace epx::allgather_reducescatter {
+const peer::Algorithm& algorithm();
+}  // namespace epx::allgather_reducescatter
