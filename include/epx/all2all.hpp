@@ -86,8 +86,9 @@ class All2All {
   //   expert-major: expert outputs [E/W, capacity, H] bf16, row-aligned with expert_x.
   virtual void* combine_buffer() = 0;
 
-  // Enqueues combine: y[N, H] bf16 (N = the last dispatch's num_tokens). `expert_out` is the
-  // token-major partials or the expert-major outputs; combine_buffer() avoids a copy.
+  // Enqueues combine: y[N, H] bf16 (N = the last dispatch's num_tokens; when N = 0, y is not
+  // written and may be any pointer, null included). `expert_out` is the token-major partials or
+  // the expert-major outputs; combine_buffer() avoids a copy.
   virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
 
   // Throws the recorded device error, if any (never synchronises).

@@ -315,6 +315,34 @@ TEST(LowLatency, RepeatedExpertInTokenIsReported) {
   }
 }
 
+// A rank without tokens may pass any y to combine (a chunked forward's empty chunk passes null or
+// one past the end of its buffer); with tokens, y is still checked.
+TEST(LowLatency, CombineOfNoTokensTakesAnyY) {
+  REQUIRE_GPU();
+  Group g(small_config(), 1);
+  DispatchInput empty;
+  g.a2a[0]->dispatch(empty, g.streams[0]);
+  EXPECT_NO_THROW(g.a2a[0]->combine(g.a2a[0]->combine_buffer(), nullptr, g.streams[0]));
+  EXPECT_NO_THROW(g.a2a[0]->synchronize(g.streams[0]));
+  const int N = 2, K = 4, H = 2048;
+  std::vector<uint16_t> x(size_t(N) * H, 0x3f80);
+  std::vector<float> w(N * K, 0.25f);
+  std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7};
+  DispatchInput in;
+  in.num_tokens = N;
+  in.x = g.upload(x);
+  in.topk_ids = g.upload(ids);
+  in.topk_weights = g.upload(w);
+  g.a2a[0]->dispatch(in, g.streams[0]);
+  try {
+    g.a2a[0]->combine(g.a2a[0]->combine_buffer(), nullptr, g.streams[0]);
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("y = nullptr"), std::string::npos) << e.what();
+  }
+  g.a2a[0]->synchronize(g.streams[0]);
+}
+
 TEST(LowLatency, MissingRankTimesOutNamingIt) {
   REQUIRE_GPU();
   Group g(small_config(), 4);
