@@ -341,7 +341,8 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   parallel_for(f.world + 1, [&](int i) {
     if (i < f.world) {
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(i)));
-      layers[size_t(i)] = std::make_unique<MoeLayer>(shape, f.seed, group[size_t(i)]->config());
+      layers[size_t(i)] = std::make_unique<MoeLayer>(shape, f.seed, group[size_t(i)]->config(),
+                                                     world.sm_budget(i));
     } else {
       EPX_CUDA_CHECK(cudaSetDevice(world1.device_of(0)));
       layer1 = std::make_unique<MoeLayer>(shape, f.seed, group1[0]->config());

@@ -99,7 +99,11 @@ class MoeLayer {
   // DeepSeek-R1 shape: host generation is single-threaded), creates the
   // cuBLASLt handle and loads the layer's kernels (see all2all.hpp on lazy
   // loading).
-  MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep);
+  // `gemm_sms`: the multiprocessors the layer's GEMMs may count on. Ranks that share a GPU pass
+  // their world's sm_budget(): a peer's dispatch or combine blocks spin on the SMs it holds until
+  // this rank arrives, so a GEMM planned for the whole device could wait for blocks that never
+  // become resident. 0 (one GPU per rank): the whole device. InputError when negative.
+  MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int gemm_sms = 0);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;

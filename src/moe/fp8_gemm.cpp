@@ -113,8 +113,10 @@ struct Fp8Gemm::Plan {
   }
 };
 
-Fp8Gemm::Fp8Gemm(Fp8ScaleLayouts layouts, size_t workspace_bytes)
-    : layouts_(layouts), workspace_bytes_(workspace_bytes) {
+Fp8Gemm::Fp8Gemm(Fp8ScaleLayouts layouts, size_t workspace_bytes, int sm_count_target)
+    : layouts_(layouts), workspace_bytes_(workspace_bytes), sm_count_target_(sm_count_target) {
+  EPX_CHECK(sm_count_target >= 0, InputError, "sm_count_target", sm_count_target,
+            ">= 0 (0 = the whole device)");
   cublasLtHandle_t h = nullptr;
   EPX_CUBLASLT_CHECK(cublasLtCreate(&h));
   handle_ = h;
@@ -167,18 +169,36 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
   EPX_CUBLASLT_CHECK(
       cublasLtMatrixLayoutCreate(&p->d, d_type, uint64_t(rows_a), uint64_t(rows_b), p->ld_d));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  EPX_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = workspace_bytes_;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (sm_count_target_ > 0) {
+    const int32_t sms = sm_count_target_;
+    EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(
+        p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(lt(handle_), p->desc, p->a, p->b, p->d, p->d, pref, 1,
-                                        &result, &found);
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  // With an SM target, first without split-K reduction (see the header), then with any.
+  for (int attempt = sm_count_target_ > 0 ? 0 : 1; attempt < 2 && found == 0; ++attempt) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    EPX_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = workspace_bytes_;
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                              sizeof(ws));
+    if (st == CUBLAS_STATUS_SUCCESS && attempt == 0) {
+      const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                &none, sizeof(none));
+    }
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      st = cublasLtMatmulAlgoGetHeuristic(lt(handle_), p->desc, p->a, p->b, p->d, p->d, pref, 1,
+                                          &result, &found);
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (attempt == 0 && st != CUBLAS_STATUS_SUCCESS) {  // the restricted ask failed: ask again
+      st = CUBLAS_STATUS_SUCCESS;
+      found = 0;
+    }
   }
-  cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     if (why != nullptr) {
       *why += std::string(*why == "" ? "" : "; ") + to_string(order) +

@@ -106,8 +106,13 @@ struct Fp8GemmArgs {
 
 class Fp8Gemm {
  public:
+  // sm_count_target > 0: the multiprocessors this GEMM may count on while kernels of other streams
+  // hold the rest (ranks sharing a GPU, whose dispatch/combine blocks spin until this rank
+  // arrives). cuBLASLt then plans for that many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) and,
+  // where it offers one, picks an algorithm without split-K reduction, whose blocks could wait on
+  // blocks that cannot be resident. 0: the whole device.
   explicit Fp8Gemm(Fp8ScaleLayouts layouts = Fp8ScaleLayouts::from_env(),
-                   size_t workspace_bytes = size_t(32) << 20);
+                   size_t workspace_bytes = size_t(32) << 20, int sm_count_target = 0);
   ~Fp8Gemm();
   Fp8Gemm(const Fp8Gemm&) = delete;
   Fp8Gemm& operator=(const Fp8Gemm&) = delete;
@@ -135,6 +140,7 @@ class Fp8Gemm {
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  int sm_count_target_ = 0;
   void* scratch_ = nullptr;  // kActsFirst: the column-major D before its transpose
   size_t scratch_bytes_ = 0;
   std::map<std::tuple<int, int, int, int>, std::unique_ptr<Plan>> plans_;

@@ -90,7 +90,9 @@ struct MoeLayer::Impl {
   int32_t* graph_out_start = nullptr;  // token-major: [local] first row in out_all
   int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
 
-  Impl(const MoeShape& s, const EpConfig& e) : shape(s), ref_shape(to_ref(s)), ep(e) {}
+  Impl(const MoeShape& s, const EpConfig& e, int gemm_sms)
+      : shape(s), ref_shape(to_ref(s)), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(),
+                                                    size_t(32) << 20, gemm_sms) {}
   ~Impl() {
     if (side) cudaStreamDestroy(side);
     for (void* p : allocations) cudaFree(p);
@@ -201,8 +203,8 @@ struct MoeLayer::Impl {
   void captured_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
 };
 
-MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep)
-    : impl_(std::make_unique<Impl>(shape, ep)) {
+MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int gemm_sms)
+    : impl_(std::make_unique<Impl>(shape, ep, gemm_sms)) {
   Impl& m = *impl_;
   m.ref_shape.validate();
   ep.validate();
@@ -609,7 +611,7 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
               "tokens of a captured chunk", n,
               "<= set_capture_token_bound() = " + std::to_string(m.capture_tokens));
     const void* xc = static_cast<const uint8_t*>(x) + size_t(start) * row_bytes;
-    void* yc = static_cast<uint8_t*>(y) + size_t(start) * row_bytes;
+    void* yc = n > 0 ? static_cast<uint8_t*>(y) + size_t(start) * row_bytes : nullptr;
     int32_t* ids = routing ? routing->topk_ids + size_t(start) * k : m.route_ids;
     float* w = routing ? routing->topk_weights + size_t(start) * k : m.route_w;
     moe::launch_router({.x = static_cast<const uint16_t*>(xc),
