@@ -280,7 +280,9 @@ class RankThreads {
   RankThreads(const RankThreads&) = delete;
   RankThreads& operator=(const RankThreads&) = delete;
 
-  // Rethrows the first exception by rank, after every rank has finished.
+  // After every rank has finished, rethrows the cause of a failure: the first rank's error that
+  // is not a consequence of another rank's (a peer's TimeoutError, PeerError or StateError names
+  // the rank that stopped, not why it stopped), else the first error by rank.
   void run(const std::function<void(int)>& fn) {
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -292,13 +294,36 @@ class RankThreads {
     std::unique_lock<std::mutex> lock(m_);
     done_.wait(lock, [&] { return pending_ == 0; });
     fn_ = nullptr;
-    for (auto& e : errors_) {
-      if (e) {
-        std::exception_ptr first = e;
-        for (auto& x : errors_) x = nullptr;
-        std::rethrow_exception(first);
+    std::exception_ptr first, cause;
+    int failed = 0;
+    for (auto& e : errors_) failed += e != nullptr;
+    for (size_t r = 0; r < errors_.size(); ++r) {
+      const std::exception_ptr e = errors_[r];
+      if (!e) continue;
+      if (!first) first = e;
+      std::string what;
+      try {
+        std::rethrow_exception(e);
+      } catch (const TimeoutError& x) {
+        what = x.what();
+      } catch (const PeerError& x) {
+        what = x.what();
+      } catch (const StateError& x) {
+        what = x.what();
+      } catch (const std::exception& x) {
+        what = x.what();
+        if (!cause) cause = e;
+      } catch (...) {
+        what = "unknown exception";
+        if (!cause) cause = e;
       }
+      // Every rank's error when several fail: the wait graph they draw names the rank that
+      // stopped and the call it stopped in.
+      if (failed > 1) fmt::print(stderr, "  rank {}: {}\n", r, what);
     }
+    for (auto& x : errors_) x = nullptr;
+    if (cause) std::rethrow_exception(cause);
+    if (first) std::rethrow_exception(first);
   }
 
  private:
@@ -508,7 +533,7 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
       ep.rank = r;
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
       ranks[size_t(r)]->layers[size_t(l)] =
-          std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep);
+          std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep, world.sm_budget(r));
     });
   };
   const int dev = world.device_of(0);
@@ -769,7 +794,8 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
   return doc;
 }
 
-bool run_serve_bench(const ServePlan& p) {
+bool run_serve_bench(const ServePlan& plan) {
+  ServePlan p = plan;
   const auto t_start = std::chrono::steady_clock::now();
   // Before any CUDA call (moe.hpp: cuBLASLt loads its kernels lazily, and a lazy load waits for
   // the other ranks' spinning kernels).
@@ -788,6 +814,15 @@ bool run_serve_bench(const ServePlan& p) {
   const int W = w.world;
   InProcessWorld world(W);
   const GpuInfo gpu = gpu_info(world.device_of(0));
+  if (p.launch.origin == "backend defaults" && world.ranks_on_device(world.device_of(0)) > 1) {
+    // Ranks that share a GPU run their GEMMs between their own dispatch and combine while the
+    // others' blocks spin; at 8 ranks, 16 blocks per op (8 x 16 = 128 of 132 SMs) hung there,
+    // 8 did not (docs/perf-notes.md). Half the SM budget until the cause is found.
+    const int blocks = std::max(1, world.sm_budget(0) / 2);
+    p.launch.launch.dispatch.num_blocks = p.launch.launch.combine.num_blocks = blocks;
+    p.launch.origin = fmt::format(
+        "{} blocks per op (half the SM budget; EPX_CONFIG_PATH overrides), backend warps", blocks);
+  }
   fmt::print(
       "epx serve-bench: {} in-process ranks on {} ({} SMs, {} blocks per rank), "
       "backends {}, commit {}\n",
