@@ -5,6 +5,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -211,6 +212,28 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
     return nullptr;
   }
   p->algo = result.algo;
+  if (const char* v = std::getenv("EPX_GEMM_LOG"); v != nullptr && std::string(v) == "1") {
+    // What cuBLASLt chose, for diagnosing GEMMs that run beside spinning kernels (split-K and
+    // cluster shapes need several blocks resident together).
+    auto attr = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
+      uint32_t value = 0;
+      size_t written = 0;
+      return cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, &value, sizeof(value),
+                                                  &written) == CUBLAS_STATUS_SUCCESS
+                 ? std::to_string(value)
+                 : std::string("?");
+    };
+    std::fprintf(stderr,
+                 "epx fp8 GEMM plan: m %d n %d k %d %s, sm target %d: algo %s tile %s splitk %s "
+                 "reduction %s stages %s cluster %s, workspace %zu B, waves %.2f\n",
+                 m, n, k, to_string(order), sm_count_target_, attr(CUBLASLT_ALGO_CONFIG_ID).c_str(),
+                 attr(CUBLASLT_ALGO_CONFIG_TILE_ID).c_str(),
+                 attr(CUBLASLT_ALGO_CONFIG_SPLITK_NUM).c_str(),
+                 attr(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME).c_str(),
+                 attr(CUBLASLT_ALGO_CONFIG_STAGES_ID).c_str(),
+                 attr(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID).c_str(), result.workspaceSize,
+                 double(result.wavesCount));
+  }
   return p;
 }
 

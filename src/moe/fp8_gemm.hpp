@@ -40,6 +40,9 @@
 // tests/gpu/test_moe.cpp (MoeFp8Gemm.ScaleLayoutProbe) runs all four combinations against
 // moe_ref's fp8_gemm_nt and prints which one matches.
 //
+// EPX_GEMM_LOG=1 prints each plan cuBLASLt chose (algorithm, tile, split-K, reduction scheme,
+// stages, cluster shape) to stderr when it is first made.
+//
 // Threading: one Fp8Gemm per rank; not thread-safe. Host-only; calls are asynchronous on
 // `stream`. The workspace and handle are created once; a matmul descriptor and the heuristic's
 // algorithm are cached per (M, N, K, out dtype).
