@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# serve-bench at 8 in-process ranks on one GPU, small shape, under several launch shapes: which
+# ones finish, every rank's error for those that do not, and the cuBLASLt algorithms chosen
+# (EPX_GEMM_LOG=1). Logs to $OUT (or serve-diag/). Usage: scripts/serve_diag.sh [build-dir]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export CUDA_MODULE_LOADING=EAGER EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-3000}
+build=${1:-build}
+out=${OUT:-serve-diag}
+mkdir -p "$out"
+S="--world 8 --experts 64 --hidden 2048 --intermediate 512 --shared-intermediate 512"
+S="$S --num-prompts 16 --isl 128 --osl 8 --chunk-size 64 --max-batched-tokens 256"
+one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]
+  local name=$1 launch=$2; shift 2
+  local cfg=()
+  if [ "$launch" != default ]; then
+    echo "$launch" >"$out/$name.launch.json"
+    cfg=(EPX_CONFIG_PATH="$out/$name.launch.json")
+  fi
+  echo "=== $name (launch: $launch)"
+  env "${cfg[@]}" EPX_GEMM_LOG=1 timeout 90 "$build/epx" serve-bench $S "$@" >"$out/$name.log" 2>&1
+  echo "rc $?"
+  grep -E "^  rank [0-9]+:|error|^(naive|allgather|low_latency)" "$out/$name.log" | head -20
+  grep -E "epx fp8 GEMM plan" "$out/$name.log" | sort -u | head -12
+}
+one b16w32 '{"global": {"num_blocks": 16, "warps_per_block": 32}}' --backends low_latency
+one b8w16 '{"global": {"num_blocks": 8, "warps_per_block": 16}}' --backends low_latency
+one default default --cuda-graph
