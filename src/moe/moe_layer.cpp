@@ -14,6 +14,7 @@
 #include "epx/moe.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
+#include "moe/ref_shape.hpp"
 #include "moe/row_buckets.hpp"
 #include "reference/moe_ref.hpp"
 
@@ -21,20 +22,6 @@ namespace epx {
 namespace {
 
 using moe::GemmOut;
-
-ref::moe::MoeShape to_ref(const MoeShape& s) {
-  return ref::moe::MoeShape{.hidden = s.hidden,
-                            .intermediate = s.intermediate,
-                            .num_experts = s.num_experts,
-                            .topk = s.topk,
-                            .num_groups = s.num_groups,
-                            .topk_groups = s.topk_groups,
-                            .routed_scaling = s.routed_scaling,
-                            .shared_intermediate = s.shared_intermediate,
-                            .scoring = s.scoring == MoeScoring::kSoftmax
-                                           ? ref::moe::Scoring::kSoftmax
-                                           : ref::moe::Scoring::kSigmoidGrouped};
-}
 
 // One fp8 weight matrix on the device: codes [rows][cols] and scales in the
 // GEMM's order.
@@ -91,7 +78,7 @@ struct MoeLayer::Impl {
   int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
 
   Impl(const MoeShape& s, const EpConfig& e, int gemm_sms)
-      : shape(s), ref_shape(to_ref(s)), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(),
+      : shape(s), ref_shape(moe::to_ref(s)), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(),
                                                     size_t(32) << 20, gemm_sms) {}
   ~Impl() {
     if (side) cudaStreamDestroy(side);

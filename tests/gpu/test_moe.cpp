@@ -25,6 +25,7 @@
 #include "epx/world.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
+#include "moe/ref_shape.hpp"
 #include "reference/moe_ref.hpp"
 #include "reference/reference.hpp"
 
@@ -491,19 +492,6 @@ MoeShape layer_shape(const LayerCase& c) {
   return s;
 }
 
-rm::MoeShape ref_shape_of(const MoeShape& s) {
-  return rm::MoeShape{.hidden = s.hidden,
-                      .intermediate = s.intermediate,
-                      .num_experts = s.num_experts,
-                      .topk = s.topk,
-                      .num_groups = s.num_groups,
-                      .topk_groups = s.topk_groups,
-                      .routed_scaling = s.routed_scaling,
-                      .shared_intermediate = s.shared_intermediate,
-                      .scoring = s.scoring == MoeScoring::kSoftmax ? rm::Scoring::kSoftmax
-                                                                   : rm::Scoring::kSigmoidGrouped};
-}
-
 // Rank 0 has 40 tokens (3 chunks of 16), rank 1 has 5 (padded to 3 chunks, two
 // of 0 tokens). y is compared with moe_forward_routed under the GPU's own
 // routing: ||d|| / ||ref|| < 8e-2.
@@ -513,7 +501,7 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   constexpr int kWorld = 2;
   const int tokens[kWorld] = {40, 5};
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = ref_shape_of(shape);
+  const rm::MoeShape rshape = moe::to_ref(shape);
   EpConfig cfg;
   cfg.world_size = kWorld;
   cfg.hidden = shape.hidden;
@@ -659,7 +647,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   const LayerCase c = GetParam();
   constexpr int kWorld = 2;
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = ref_shape_of(shape);
+  const rm::MoeShape rshape = moe::to_ref(shape);
   const int h = shape.hidden, k = shape.topk;
   EpConfig cfg;
   cfg.world_size = kWorld;
