@@ -53,4 +53,8 @@ inline std::vector<std::string> gather_checked(Bootstrap& b, const char* what, c
 // UnsupportedError without a GPU (naming `what`), InputError for a device outside the visible.
 int select_world_device(int device, const char* what, int* num_sms);
 
+// The rank and size a process world takes from its bootstrap: InputError for a null bootstrap or
+// a size outside [1, kMaxRanks].
+void bootstrap_rank_size(const Bootstrap* bootstrap, int* rank, int* size);
+
 }  // namespace epx::transport

@@ -171,17 +171,21 @@ int select_world_device(int device, const char* what, int* num_sms) {
   return dev;
 }
 
+void bootstrap_rank_size(const Bootstrap* bootstrap, int* rank, int* size) {
+  EPX_CHECK(bootstrap != nullptr, InputError, "bootstrap", "nullptr", "a Bootstrap");
+  *rank = bootstrap->rank();
+  *size = bootstrap->size();
+  EPX_CHECK(*size >= 1 && *size <= kMaxRanks, InputError, "bootstrap size", *size,
+            fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+}
+
 }  // namespace transport
 
 // ---- IpcWorld ---------------------------------------------------------------------------------
 
 IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles handles)
     : bootstrap_(std::move(bootstrap)) {
-  EPX_CHECK(bootstrap_ != nullptr, InputError, "bootstrap", "nullptr", "a Bootstrap");
-  rank_ = bootstrap_->rank();
-  size_ = bootstrap_->size();
-  EPX_CHECK(size_ >= 1 && size_ <= kMaxRanks, InputError, "bootstrap size", size_,
-            fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+  transport::bootstrap_rank_size(bootstrap_.get(), &rank_, &size_);
   // Local facts first; a rank that fails here still takes part in the all-gather below, so
   // that every rank hears about it.
   std::string me;

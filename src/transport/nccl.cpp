@@ -141,11 +141,7 @@ void nccl_finish(ncclResult_t r, ncclComm_t comm, const char* call) {
 
 NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
     : bootstrap_(std::move(bootstrap)) {
-  EPX_CHECK(bootstrap_ != nullptr, InputError, "bootstrap", "nullptr", "a Bootstrap");
-  rank_ = bootstrap_->rank();
-  size_ = bootstrap_->size();
-  EPX_CHECK(size_ >= 1 && size_ <= kMaxRanks, InputError, "bootstrap size", size_,
-            fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
+  transport::bootstrap_rank_size(bootstrap_.get(), &rank_, &size_);
   // NVLink multicast stays off unless the caller decided otherwise (it can take a shared GPU out
   // of service, and epx never needs it).
   ::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
