@@ -21,9 +21,12 @@ one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]
   echo "=== $name (launch: $launch)"
   env "${cfg[@]}" EPX_GEMM_LOG=1 timeout 90 "$build/epx" serve-bench $S "$@" >"$out/$name.log" 2>&1
   echo "rc $?"
-  grep -E "^  rank [0-9]+:|error|^(naive|allgather|low_latency)" "$out/$name.log" | head -20
+  grep -E "^  rank [0-9]+:|error|launch shapes|^(naive|allgather|low_latency)" "$out/$name.log" | head -20
   grep -E "epx fp8 GEMM plan" "$out/$name.log" | sort -u | head -12
 }
-one b16w32 '{"global": {"num_blocks": 16, "warps_per_block": 32}}' --backends low_latency
+B16='{"global": {"num_blocks": 16, "warps_per_block": 32}}'
+one b16w32 "$B16" --backends low_latency
+# The control: 8 hardware work queues (CUDA's default) instead of serve-bench's 32.
+CUDA_DEVICE_MAX_CONNECTIONS=8 one b16w32_q8 "$B16" --backends low_latency
 one b8w16 '{"global": {"num_blocks": 8, "warps_per_block": 16}}' --backends low_latency
 one default default --cuda-graph

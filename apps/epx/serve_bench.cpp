@@ -809,6 +809,15 @@ bool run_serve_bench(const ServePlan& plan) {
                                    ? ""
                                    : "; WARNING: not EAGER, a lazy kernel load may deadlock");
   }
+  // One hardware work queue per rank stream: with the default 8 queues, ranks beyond 8 (and the
+  // layers' own streams) share queues, and a rank's kernel can wait in line behind another
+  // rank's kernel that spins on it. 32 is the most CUDA offers.
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (connections == nullptr) ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  loading_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}",
+                              connections == nullptr ? "32 (set by epx serve-bench)"
+                                                     : fmt::format("{} (from the environment)",
+                                                                   connections));
   require_gpu_for("epx serve-bench");
   const serve::Workload& w = p.workload;
   const int W = w.world;
