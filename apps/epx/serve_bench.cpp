@@ -678,10 +678,10 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
 // ---- output ------------------------------------------------------------------------------------
 
 void print_table(const std::vector<BackendResult>& results) {
-  fmt::print("\n{:<24} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend",
+  fmt::print("\n{:<31} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend",
              "ITL mean", "P25", "P50", "P75", "TTFT mean", "TTFT P50", "out tok/s", "steps",
              "total");
-  fmt::print("{:<24} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", "ms", "ms",
+  fmt::print("{:<31} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", "ms", "ms",
              "ms", "ms", "ms", "ms", "", "", "s");
   bool any_graph = false;
   for (const BackendResult& br : results) {
@@ -689,11 +689,11 @@ void print_table(const std::vector<BackendResult>& results) {
         fmt::format("{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "");
     any_graph |= br.cuda_graph;
     if (br.status != "ok") {
-      fmt::print("{:<24} {}: {}\n", name, br.status, one_line(br.message, 100));
+      fmt::print("{:<31} {}: {}\n", name, br.status, one_line(br.message, 100));
       continue;
     }
     const serve::LatencyReport& l = br.latency;
-    fmt::print("{:<24} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
+    fmt::print("{:<31} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
                name, 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50, 1e3 * l.itl_s.p75,
                1e3 * l.ttft_s.mean, 1e3 * l.ttft_s.p50, l.output_tokens_per_s, br.steps, l.end_s);
   }
