@@ -215,11 +215,19 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
   if (const char* v = std::getenv("EPX_GEMM_LOG"); v != nullptr && std::string(v) == "1") {
     // What cuBLASLt chose, for diagnosing GEMMs that run beside spinning kernels (split-K and
     // cluster shapes need several blocks resident together).
+    // Each attribute has its own width (the cluster shape is 16 bits): ask with the width
+    // cuBLASLt reports.
     auto attr = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
-      uint32_t value = 0;
+      size_t size = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, nullptr, 0, &size) !=
+              CUBLAS_STATUS_SUCCESS ||
+          size == 0 || size > sizeof(uint64_t)) {
+        return std::string("?");
+      }
+      uint64_t value = 0;  // little-endian: the low `size` bytes hold the value
       size_t written = 0;
-      return cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, &value, sizeof(value),
-                                                  &written) == CUBLAS_STATUS_SUCCESS
+      return cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, &value, size, &written) ==
+                     CUBLAS_STATUS_SUCCESS
                  ? std::to_string(value)
                  : std::string("?");
     };
