@@ -678,10 +678,11 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
 // ---- output ------------------------------------------------------------------------------------
 
 void print_table(const std::vector<BackendResult>& results) {
-  fmt::print("\n{:<31} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend",
+  constexpr int kName = 31;  // "allgather_reducescatter (graph)"
+  fmt::print("\n{:<{}} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend", kName,
              "ITL mean", "P25", "P50", "P75", "TTFT mean", "TTFT P50", "out tok/s", "steps",
              "total");
-  fmt::print("{:<31} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", "ms", "ms",
+  fmt::print("{:<{}} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "", kName, "ms", "ms",
              "ms", "ms", "ms", "ms", "", "", "s");
   bool any_graph = false;
   for (const BackendResult& br : results) {
@@ -689,12 +690,12 @@ void print_table(const std::vector<BackendResult>& results) {
         fmt::format("{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "");
     any_graph |= br.cuda_graph;
     if (br.status != "ok") {
-      fmt::print("{:<31} {}: {}\n", name, br.status, one_line(br.message, 100));
+      fmt::print("{:<{}} {}: {}\n", name, kName, br.status, one_line(br.message, 100));
       continue;
     }
     const serve::LatencyReport& l = br.latency;
-    fmt::print("{:<31} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
-               name, 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50, 1e3 * l.itl_s.p75,
+    fmt::print("{:<{}} {:9.2f} {:8.2f} {:8.2f} {:8.2f} {:10.1f} {:9.1f} {:10.0f} {:6} {:8.2f}\n",
+               name, kName, 1e3 * l.itl_s.mean, 1e3 * l.itl_s.p25, 1e3 * l.itl_s.p50, 1e3 * l.itl_s.p75,
                1e3 * l.ttft_s.mean, 1e3 * l.ttft_s.p50, l.output_tokens_per_s, br.steps, l.end_s);
   }
   fmt::print(
@@ -800,21 +801,22 @@ bool run_serve_bench(const ServePlan& plan) {
   // Before any CUDA call (moe.hpp: cuBLASLt loads its kernels lazily, and a lazy load waits for
   // the other ranks' spinning kernels).
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  std::string loading_note = "CUDA_MODULE_LOADING=EAGER (set by epx serve-bench)";
+  std::string env_note = "CUDA_MODULE_LOADING=EAGER (set by epx serve-bench)";
   if (loading == nullptr) {
     ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   } else {
-    loading_note = fmt::format("CUDA_MODULE_LOADING={} (from the environment){}", loading,
+    env_note = fmt::format("CUDA_MODULE_LOADING={} (from the environment){}", loading,
                                std::string(loading) == "EAGER"
                                    ? ""
                                    : "; WARNING: not EAGER, a lazy kernel load may deadlock");
   }
-  // One hardware work queue per rank stream: with the default 8 queues, ranks beyond 8 (and the
-  // layers' own streams) share queues, and a rank's kernel can wait in line behind another
-  // rank's kernel that spins on it. 32 is the most CUDA offers.
+  // One hardware work queue per rank stream where CUDA allows (32 at most): with the default 8,
+  // ranks beyond 8 share queues, and a kernel queued behind another rank's spinning kernel may
+  // wait for it. (Not the cause of the 16-blocks-per-op stop at 8 ranks: that stops with 8 and
+  // with 32 queues, docs/perf-notes.md.)
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (connections == nullptr) ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-  loading_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}",
+  env_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}",
                               connections == nullptr ? "32 (set by epx serve-bench)"
                                                      : fmt::format("{} (from the environment)",
                                                                    connections));
@@ -856,7 +858,7 @@ bool run_serve_bench(const ServePlan& plan) {
         fmt::join(decode_buckets(largest_decode_bucket(w)), ","));
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
-             loading_note);
+             env_note);
   std::fflush(stdout);
   if (!p.json_path.empty()) {  // fail now, not after the run
     std::ofstream probe(p.json_path);
