@@ -175,7 +175,11 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
     EPX_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(
         p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  // With an SM target, several candidates are asked for so that one without a thread-block
+  // cluster can be preferred (below).
+  constexpr int kCandidates = 16;
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+  const int asked = sm_count_target_ > 0 ? kCandidates : 1;
   int found = 0;
   cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
   // With an SM target, first without split-K reduction (see the header), then with any.
@@ -191,8 +195,8 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
                                                 &none, sizeof(none));
     }
     if (st == CUBLAS_STATUS_SUCCESS) {
-      st = cublasLtMatmulAlgoGetHeuristic(lt(handle_), p->desc, p->a, p->b, p->d, p->d, pref, 1,
-                                          &result, &found);
+      st = cublasLtMatmulAlgoGetHeuristic(lt(handle_), p->desc, p->a, p->b, p->d, p->d, pref,
+                                          asked, results, &found);
     }
     cublasLtMatmulPreferenceDestroy(pref);
     if (attempt == 0 && st != CUBLAS_STATUS_SUCCESS) {  // the restricted ask failed: ask again
@@ -210,6 +214,45 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
                                            : std::string("no algorithm"));
     }
     return nullptr;
+  }
+  // A cluster of N blocks launches only when N SMs of one GPC are free at once; beside spinning
+  // kernels of other ranks that can wait for a whole timeout. With an SM target, take the
+  // heuristic's best candidate of cluster shape 1x1x1 where there is one.
+  int pick = 0;
+  if (sm_count_target_ > 0) {
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      uint16_t cluster = 0;
+      size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo,
+                                               CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
+                                               sizeof(cluster), &written) == CUBLAS_STATUS_SUCCESS &&
+          cluster == CUBLASLT_CLUSTER_SHAPE_1x1x1) {
+        pick = i;
+        break;
+      }
+    }
+  }
+  cublasLtMatmulHeuristicResult_t result = results[pick];
+  if (sm_count_target_ > 0) {
+    // None offered: ask for the chosen algorithm with a 1x1x1 cluster, kept where cuBLASLt accepts
+    // it within the workspace.
+    uint16_t cluster = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                                             &cluster, sizeof(cluster), &written) ==
+            CUBLAS_STATUS_SUCCESS &&
+        cluster != CUBLASLT_CLUSTER_SHAPE_1x1x1) {
+      cublasLtMatmulHeuristicResult_t flat = result;
+      const uint16_t one = CUBLASLT_CLUSTER_SHAPE_1x1x1;
+      if (cublasLtMatmulAlgoConfigSetAttribute(&flat.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                                               &one, sizeof(one)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(lt(handle_), p->desc, p->a, p->b, p->d, p->d, &flat.algo,
+                                  &flat) == CUBLAS_STATUS_SUCCESS &&
+          flat.workspaceSize <= workspace_bytes_) {
+        result = flat;
+      }
+    }
   }
   p->algo = result.algo;
   if (const char* v = std::getenv("EPX_GEMM_LOG"); v != nullptr && std::string(v) == "1") {
@@ -233,13 +276,15 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
     };
     std::fprintf(stderr,
                  "epx fp8 GEMM plan: m %d n %d k %d %s, sm target %d: algo %s tile %s splitk %s "
-                 "reduction %s stages %s cluster %s, workspace %zu B, waves %.2f\n",
+                 "reduction %s stages %s cluster %s (candidate %d of %d), workspace %zu B, "
+                 "waves %.2f\n",
                  m, n, k, to_string(order), sm_count_target_, attr(CUBLASLT_ALGO_CONFIG_ID).c_str(),
                  attr(CUBLASLT_ALGO_CONFIG_TILE_ID).c_str(),
                  attr(CUBLASLT_ALGO_CONFIG_SPLITK_NUM).c_str(),
                  attr(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME).c_str(),
                  attr(CUBLASLT_ALGO_CONFIG_STAGES_ID).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID).c_str(), result.workspaceSize,
+                 attr(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID).c_str(), pick + 1, found,
+                 result.workspaceSize,
                  double(result.wavesCount));
   }
   return p;

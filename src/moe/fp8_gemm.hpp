@@ -113,7 +113,8 @@ class Fp8Gemm {
   // hold the rest (ranks sharing a GPU, whose dispatch/combine blocks spin until this rank
   // arrives). cuBLASLt then plans for that many SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) and,
   // where it offers one, picks an algorithm without split-K reduction, whose blocks could wait on
-  // blocks that cannot be resident. 0: the whole device.
+  // blocks that cannot be resident, and the best candidate without a thread-block cluster (a
+  // cluster needs several SMs of one GPC free at once). 0: the whole device.
   explicit Fp8Gemm(Fp8ScaleLayouts layouts = Fp8ScaleLayouts::from_env(),
                    size_t workspace_bytes = size_t(32) << 20, int sm_count_target = 0);
   ~Fp8Gemm();
