@@ -362,6 +362,7 @@ class RankThreads {
 
 // One rank's device state: stream, activations, MoE layers, decode graphs.
 struct Rank {
+  int index = 0;
   int device = 0;
   cudaStream_t stream = nullptr;
   void* x = nullptr;        // [2 * max_batched_tokens][H] bf16: input rows, a window per step
@@ -419,6 +420,9 @@ int decode_bucket(const std::vector<int>& buckets, int tokens) {
   return 0;
 }
 
+// A host call that takes longer than this while enqueueing a step is reported (stderr).
+constexpr double kSlowEnqueueMs = 100.0;
+
 // One rank's part of one engine step: every MoE layer on the rank's tokens, then the stream
 // drained (and the All2All's device status polled). A decode graph step copies the rank's tokens
 // into the graph's input (rows beyond them are dummy tokens: whatever the buffer holds, routed
@@ -427,11 +431,22 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
   const void* x = static_cast<const uint8_t*>(rank.x) + step.first_row * row_bytes;
   if (step.graph_bucket > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
     if (step.tokens > 0) {
       EPX_CUDA_CHECK(cudaMemcpyAsync(rank.x_graph, x, size_t(step.tokens) * row_bytes,
                                      cudaMemcpyDeviceToDevice, rank.stream));
     }
+    const auto t1 = std::chrono::steady_clock::now();
     EPX_CUDA_CHECK(cudaGraphLaunch(rank.graphs.at(step.graph_bucket), rank.stream));
+    // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
+    const auto t2 = std::chrono::steady_clock::now();
+    const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    const double launch_ms = std::chrono::duration<double, std::milli>(t2 - t1).count();
+    if (copy_ms + launch_ms > kSlowEnqueueMs) {
+      fmt::print(stderr, "  rank {}: enqueueing the bucket-{} graph blocked the host {:.0f} ms "
+                 "(input copy {:.0f} ms, cudaGraphLaunch {:.0f} ms)\n",
+                 rank.index, step.graph_bucket, copy_ms + launch_ms, copy_ms, launch_ms);
+    }
     a2a.synchronize(rank.stream);
     return;
   }
@@ -874,6 +889,7 @@ bool run_serve_bench(const ServePlan& plan) {
   const int pool_rows = 2 * w.max_batched_tokens;
   parallel_for(W, W, [&](int r) {
     Rank& rk = *ranks[size_t(r)];
+    rk.index = r;
     rk.device = world.device_of(r);
     EPX_CUDA_CHECK(cudaSetDevice(rk.device));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking));
