@@ -827,8 +827,8 @@ bool run_serve_bench(const ServePlan& plan) {
   }
   // One hardware work queue per rank stream where CUDA allows (32 at most): with the default 8,
   // ranks beyond 8 share queues, and a kernel queued behind another rank's spinning kernel may
-  // wait for it (see the stream creation below). (The 16-blocks-per-op stop at 8 ranks was not
-  // this but a GEMM's thread-block cluster: docs/perf-notes.md.)
+  // wait for it. (Not the cause of the 16-blocks-per-op stop at 8 ranks: that stops with 8 and
+  // with 32 queues, docs/perf-notes.md.)
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (connections == nullptr) ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   env_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}",
@@ -887,21 +887,12 @@ bool run_serve_bench(const ServePlan& plan) {
   for (int r = 0; r < W; ++r) ranks.push_back(std::make_unique<Rank>());
   const size_t row_bytes = size_t(p.shape.hidden) * 2;
   const int pool_rows = 2 * w.max_batched_tokens;
-  // The ranks' streams first, one after another with no other stream created in between: CUDA
-  // maps streams to the device's hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS) in turn, so
-  // up to that many ranks get a queue each. Two ranks in one queue deadlock once a rank queues
-  // work behind its dispatch (a graph replay queues the whole step): the queue stalls on that
-  // work, and the other rank's dispatch behind it never starts.
-  for (int r = 0; r < W; ++r) {
+  parallel_for(W, W, [&](int r) {
     Rank& rk = *ranks[size_t(r)];
     rk.index = r;
     rk.device = world.device_of(r);
     EPX_CUDA_CHECK(cudaSetDevice(rk.device));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rk.stream, cudaStreamNonBlocking));
-  }
-  parallel_for(W, W, [&](int r) {
-    Rank& rk = *ranks[size_t(r)];
-    EPX_CUDA_CHECK(cudaSetDevice(rk.device));
     EPX_CUDA_CHECK(cudaMalloc(&rk.x, size_t(pool_rows) * row_bytes));
     EPX_CUDA_CHECK(cudaMalloc(&rk.y, size_t(w.max_batched_tokens) * row_bytes));
     if (p.cuda_graph) {

@@ -23,19 +23,16 @@
 // from the host, and the graph replays with whatever the inputs then hold:
 //   router, shared expert, quantisation, dispatch, combine: captured as eager;
 //   expert stage: the row counts stay on the device. Token-major rows are grouped
-//   by local expert by one kernel (same lists and order as the eager path). One
-//   conditional SWITCH node (CUDA 12.8+) per chunk: its body i runs, for every
-//   local expert, quantise + GEMM w1 + GEMM w3 + SiLU-quantise + GEMM w2 (+ a copy
-//   of the rows into place) at M = the i-th row bucket (row_buckets.hpp); a small
-//   kernel picks the body of the largest expert's count (body 0: no rows at all,
-//   nothing runs). Rows beyond an expert's count are zeros, so a replay gives the
-//   eager forward's results up to the GEMMs' choice of algorithm at another M.
-// Cost: every local expert's GEMMs run at the largest expert's bucket (eagerly
-// each runs at its own, and an expert without rows not at all): right for decode
-// batches, whose experts are nearly all reached anyway; one conditional node per
-// expert instead cost the device scheduler more (docs/perf-notes.md). The graph
-// holds local experts x buckets x 6-9 nodes per chunk, buckets = the distinct
-// padded_rows values up to the most rows an expert can receive (world_size x tokens per rank, at most the
+//   by local expert by one kernel (same lists and order as the eager path). Each
+//   local expert gets a conditional SWITCH node (CUDA 12.8+) whose body i runs
+//   its quantise + GEMM w1 + GEMM w3 + SiLU-quantise + GEMM w2 (+ a copy of the
+//   rows into place) at M = the i-th row bucket (row_buckets.hpp); a small kernel
+//   picks each expert's body from its count (body 0: no rows, nothing runs).
+//   The GEMMs run at the same M as eagerly (padded_rows(count)), so a replay
+//   gives the eager forward's results.
+// Cost: the GEMMs are those of the eager path; the graph holds local experts x
+// buckets x 6-9 nodes per chunk, buckets = the distinct padded_rows values up to
+// the most rows an expert can receive (world_size x tokens per rank, at most the
 // capacity: 28 buckets at 1024 rows), so capture and instantiation take ~ms per
 // layer and the executable graph some MB. set_capture_token_bound() shrinks it.
 // Rules: capture every rank's forward (each on its own stream, the same number of

@@ -302,13 +302,8 @@ __global__ void __launch_bounds__(kGroupWarps * 32) group_rows_kernel(const Grou
 }
 
 __global__ void set_expert_switches_kernel(const ExpertSwitchParams p) {
-  const int i = threadIdx.x;
-  if (i >= p.num_switches) return;
-  const int e0 = i * p.experts_per_switch;
-  const int e1 = min(e0 + p.experts_per_switch, p.num_experts);
-  int most = 0;
-  for (int e = e0; e < e1; ++e) most = max(most, p.counts[e]);
-  cudaGraphSetConditional(p.handles[i], row_bucket_index(most));
+  const int e = threadIdx.x;
+  if (e < p.num_experts) cudaGraphSetConditional(p.handles[e], row_bucket_index(p.counts[e]));
 }
 
 int warp_grid(int warps) {
@@ -391,17 +386,10 @@ void launch_group_rows(const GroupRowsParams& p, cudaStream_t stream) {
 }
 
 void launch_set_expert_switches(const ExpertSwitchParams& p, cudaStream_t stream) {
-  EPX_CHECK(p.num_switches >= 0 && p.num_switches <= kSwitchHandlesPerLaunch, InputError,
-            "num_switches", p.num_switches,
+  EPX_CHECK(p.num_experts >= 0 && p.num_experts <= kSwitchHandlesPerLaunch, InputError,
+            "num_experts", p.num_experts,
             "in [0, " + std::to_string(kSwitchHandlesPerLaunch) + "]");
-  EPX_CHECK(p.experts_per_switch >= 1, InputError, "experts_per_switch", p.experts_per_switch,
-            ">= 1");
-  EPX_CHECK(p.num_experts >= 0 &&
-                p.num_experts <= static_cast<long long>(p.num_switches) * p.experts_per_switch,
-            InputError, "num_experts", p.num_experts,
-            "<= num_switches * experts_per_switch = " +
-                std::to_string(static_cast<long long>(p.num_switches) * p.experts_per_switch));
-  if (p.num_switches == 0) return;
+  if (p.num_experts == 0) return;
   set_expert_switches_kernel<<<1, kSwitchHandlesPerLaunch, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }

@@ -143,18 +143,14 @@ struct GroupRowsParams {
 };
 void launch_group_rows(const GroupRowsParams& p, cudaStream_t stream);
 
-// For each SWITCH i < num_switches, over the experts of its group [i * experts_per_switch,
-// min((i + 1) * experts_per_switch, num_experts)): cudaGraphSetConditional(handles[i],
-// row_bucket_index(the group's largest counts[e])) (0 when every count is <= 0; an index beyond
-// the SWITCH node's bodies, i.e. a count above the bound the bodies were captured for, runs no
-// body). Device side of MoeLayer's captured expert stage; must be launched inside the graph that
-// owns the handles.
+// For each local expert e < num_experts: cudaGraphSetConditional(handles[e],
+// row_bucket_index(counts[e])) (0 when counts[e] <= 0; an index beyond the SWITCH node's bodies,
+// i.e. counts[e] above the bound the bodies were captured for, runs no body). Device side of
+// MoeLayer's captured expert stage; must be launched inside the graph that owns the handles.
 inline constexpr int kSwitchHandlesPerLaunch = 128;
 struct ExpertSwitchParams {
-  const int32_t* counts = nullptr;  // [num_experts]
-  int num_experts = 0;
-  int experts_per_switch = 1;
-  int num_switches = 0;  // <= kSwitchHandlesPerLaunch
+  const int32_t* counts = nullptr;
+  int num_experts = 0;  // <= kSwitchHandlesPerLaunch
   cudaGraphConditionalHandle handles[kSwitchHandlesPerLaunch] = {};
 };
 void launch_set_expert_switches(const ExpertSwitchParams& p, cudaStream_t stream);

@@ -429,54 +429,53 @@ void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, All2All& a2a,
 void MoeLayer::Impl::add_expert_switches(const int32_t* counts, cudaStream_t stream,
                                          const ExpertBody& body) {
   const int local = ep.num_local_experts();
-  if (local == 0) return;
   const int bound = capture_tokens > 0 ? capture_tokens : ep.max_tokens_per_rank;
-  // Body i (i >= 1) runs every local expert at buckets[i - 1] rows, the bucket of the largest
-  // expert's rows; body 0 (no rows anywhere) is empty. One SWITCH node for all local experts, not
-  // one per expert: each conditional node costs the device scheduler microseconds, and ranks
-  // sharing a GPU pay them in series (measured on an H200: one node per expert made a decode
-  // graph step slower than the eager step). The price: an expert with fewer rows than the
-  // largest, or none, computes at the largest's bucket (zero rows; the weights are read anyway
-  // by the experts a decode batch reaches).
+  // Body i (i >= 1) runs at buckets[i - 1] rows; body 0 (no rows) is empty.
   const std::vector<int> buckets =
       moe::padded_row_buckets(moe::max_expert_rows(ep.world_size, bound, ep.capacity()));
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  cudaGraph_t graph = nullptr;
-  EPX_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
-  moe::ExpertSwitchParams sw{
-      .counts = counts, .num_experts = local, .experts_per_switch = local, .num_switches = 1};
-  EPX_CUDA_CHECK(
-      cudaGraphConditionalHandleCreate(&sw.handles[0], graph, 0, cudaGraphCondAssignDefault));
-  moe::launch_set_expert_switches(sw, stream);
-  const cudaGraphNode_t* deps = nullptr;
-  const cudaGraphEdgeData* edges = nullptr;
-  size_t num_deps = 0;
-  EPX_CUDA_CHECK(
-      cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, &edges, &num_deps));
-  cudaGraphNodeParams node_params{};
-  node_params.type = cudaGraphNodeTypeConditional;
-  node_params.conditional.handle = sw.handles[0];
-  node_params.conditional.type = cudaGraphCondTypeSwitch;
-  node_params.conditional.size = static_cast<unsigned>(buckets.size() + 1);
-  cudaGraphNode_t node = nullptr;
-  EPX_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, num_deps, &node_params));
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    cudaGraph_t body_graph = node_params.conditional.phGraph_out[b + 1];
-    EPX_CUDA_CHECK(cudaStreamBeginCaptureToGraph(side, body_graph, nullptr, nullptr, 0,
-                                                 cudaStreamCaptureModeThreadLocal));
-    try {
-      // In series on one stream: the experts share the scratch.
-      for (int e = 0; e < local; ++e) body(e, buckets[b], side);
-    } catch (...) {
-      cudaGraph_t ended = nullptr;
-      (void)cudaStreamEndCapture(side, &ended);
-      throw;
+  for (int e0 = 0; e0 < local; e0 += moe::kSwitchHandlesPerLaunch) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    EPX_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
+    moe::ExpertSwitchParams sw{.counts = counts + e0,
+                               .num_experts = std::min(local - e0, moe::kSwitchHandlesPerLaunch)};
+    for (int i = 0; i < sw.num_experts; ++i) {
+      EPX_CUDA_CHECK(
+          cudaGraphConditionalHandleCreate(&sw.handles[i], graph, 0, cudaGraphCondAssignDefault));
     }
-    cudaGraph_t ended = nullptr;
-    EPX_CUDA_CHECK(cudaStreamEndCapture(side, &ended));
+    moe::launch_set_expert_switches(sw, stream);
+    // One SWITCH node per expert, each after the previous one (they share the scratch).
+    for (int i = 0; i < sw.num_experts; ++i) {
+      const cudaGraphNode_t* deps = nullptr;
+      const cudaGraphEdgeData* edges = nullptr;
+      size_t num_deps = 0;
+      EPX_CUDA_CHECK(
+          cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, &edges, &num_deps));
+      cudaGraphNodeParams node_params{};
+      node_params.type = cudaGraphNodeTypeConditional;
+      node_params.conditional.handle = sw.handles[i];
+      node_params.conditional.type = cudaGraphCondTypeSwitch;
+      node_params.conditional.size = static_cast<unsigned>(buckets.size() + 1);
+      cudaGraphNode_t node = nullptr;
+      EPX_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, num_deps, &node_params));
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        cudaGraph_t body_graph = node_params.conditional.phGraph_out[b + 1];
+        EPX_CUDA_CHECK(cudaStreamBeginCaptureToGraph(side, body_graph, nullptr, nullptr, 0,
+                                                     cudaStreamCaptureModeThreadLocal));
+        try {
+          body(e0 + i, buckets[b], side);
+        } catch (...) {
+          cudaGraph_t ended = nullptr;
+          (void)cudaStreamEndCapture(side, &ended);
+          throw;
+        }
+        cudaGraph_t ended = nullptr;
+        EPX_CUDA_CHECK(cudaStreamEndCapture(side, &ended));
+      }
+      EPX_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
+                                                         cudaStreamSetCaptureDependencies));
+    }
   }
-  EPX_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
-                                                     cudaStreamSetCaptureDependencies));
 }
 
 void MoeLayer::Impl::captured_token_major(const DispatchResult& d, All2All& a2a,
@@ -638,7 +637,7 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
     const DispatchResult d = a2a.dispatch(in, stream);
     const bool token_major = m.ep.layout == OutputLayout::kTokenMajor;
     if (captured) {
-      // Counts stay on the device: one SWITCH node picks the experts' GEMM row bucket.
+      // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
       if (token_major) {
         m.captured_token_major(d, a2a, stream);
       } else {
