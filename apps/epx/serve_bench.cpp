@@ -842,8 +842,10 @@ bool run_serve_bench(const ServePlan& plan) {
   const GpuInfo gpu = gpu_info(world.device_of(0));
   if (p.launch.origin == "backend defaults" && world.ranks_on_device(world.device_of(0)) > 1) {
     // Ranks that share a GPU run their GEMMs between their own dispatch and combine while the
-    // others' blocks spin; at 8 ranks, 16 blocks per op (8 x 16 = 128 of 132 SMs) hung there,
-    // 8 did not (docs/perf-notes.md). Half the SM budget until the cause is found.
+    // others' blocks spin. At 8 ranks, 16 blocks per op (8 x 16 = 128 of 132 SMs) used to stop
+    // there: the GEMMs' 4-block clusters, gone since fp8_gemm plans without one (16 blocks then
+    // passed the small shape three times, docs/perf-notes.md). Half the SM budget stays the
+    // default until the full budget has been measured on the R1 shape.
     const int blocks = std::max(1, world.sm_budget(0) / 2);
     p.launch.launch.dispatch.num_blocks = p.launch.launch.combine.num_blocks = blocks;
     p.launch.origin = fmt::format(
