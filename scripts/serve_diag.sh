@@ -26,7 +26,5 @@ one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]
 }
 B16='{"global": {"num_blocks": 16, "warps_per_block": 32}}'
 one b16w32 "$B16" --backends low_latency
-# The control: 8 hardware work queues (CUDA's default) instead of serve-bench's 32.
-CUDA_DEVICE_MAX_CONNECTIONS=8 one b16w32_q8 "$B16" --backends low_latency
 one b8w16 '{"global": {"num_blocks": 8, "warps_per_block": 16}}' --backends low_latency
 one default default --cuda-graph
