@@ -217,41 +217,35 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
   }
   // A cluster of N blocks launches only when N SMs of one GPC are free at once; beside spinning
   // kernels of other ranks that can wait for a whole timeout. With an SM target, take the
-  // heuristic's best candidate of cluster shape 1x1x1 where there is one.
-  int pick = 0;
-  if (sm_count_target_ > 0) {
-    for (int i = 0; i < found; ++i) {
-      if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-      uint16_t cluster = 0;
-      size_t written = 0;
-      if (cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo,
-                                               CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
-                                               sizeof(cluster), &written) == CUBLAS_STATUS_SUCCESS &&
-          cluster == CUBLASLT_CLUSTER_SHAPE_1x1x1) {
-        pick = i;
-        break;
-      }
-    }
-  }
-  cublasLtMatmulHeuristicResult_t result = results[pick];
-  if (sm_count_target_ > 0) {
-    // None offered: ask for the chosen algorithm with a 1x1x1 cluster, kept where cuBLASLt accepts
-    // it within the workspace.
+  // heuristic's best candidate of cluster shape 1x1x1, else ask for the best one with that
+  // shape, kept where cuBLASLt accepts it within the workspace.
+  const auto flat = [](const cublasLtMatmulAlgo_t& algo) {
     uint16_t cluster = 0;
     size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&result.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
-                                             &cluster, sizeof(cluster), &written) ==
+    return cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                                                &cluster, sizeof(cluster),
+                                                &written) == CUBLAS_STATUS_SUCCESS &&
+           cluster == CUBLASLT_CLUSTER_SHAPE_1x1x1;
+  };
+  int pick = 0;
+  if (sm_count_target_ > 0) {
+    while (pick < found &&
+           !(results[pick].state == CUBLAS_STATUS_SUCCESS && flat(results[pick].algo)))
+      ++pick;
+    if (pick == found) pick = 0;
+  }
+  cublasLtMatmulHeuristicResult_t result = results[pick];
+  if (sm_count_target_ > 0 && !flat(result.algo)) {
+    cublasLtMatmulAlgo_t algo = result.algo;
+    cublasLtMatmulHeuristicResult_t checked{};
+    const uint16_t one = CUBLASLT_CLUSTER_SHAPE_1x1x1;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &one,
+                                             sizeof(one)) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatmulAlgoCheck(lt(handle_), p->desc, p->a, p->b, p->d, p->d, &algo, &checked) ==
             CUBLAS_STATUS_SUCCESS &&
-        cluster != CUBLASLT_CLUSTER_SHAPE_1x1x1) {
-      cublasLtMatmulHeuristicResult_t flat = result;
-      const uint16_t one = CUBLASLT_CLUSTER_SHAPE_1x1x1;
-      if (cublasLtMatmulAlgoConfigSetAttribute(&flat.algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
-                                               &one, sizeof(one)) == CUBLAS_STATUS_SUCCESS &&
-          cublasLtMatmulAlgoCheck(lt(handle_), p->desc, p->a, p->b, p->d, p->d, &flat.algo,
-                                  &flat) == CUBLAS_STATUS_SUCCESS &&
-          flat.workspaceSize <= workspace_bytes_) {
-        result = flat;
-      }
+        checked.workspaceSize <= workspace_bytes_) {
+      result = checked;
+      result.algo = algo;
     }
   }
   p->algo = result.algo;
