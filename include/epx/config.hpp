@@ -97,6 +97,10 @@ struct EnvSettings {
 EnvSettings read_env();
 EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* config_path);
 
+// Hardware work queues per GPU from the value of CUDA_DEVICE_MAX_CONNECTIONS (nullptr: unset,
+// CUDA's default 8). ConfigError names the variable, the value and the range 1..32.
+int hardware_queues_per_gpu(const char* max_connections);
+
 Backend parse_backend(const std::string& name);  // throws ConfigError listing the valid names
 const char* to_string(Backend b);
 const char* to_string(DispatchDtype d);

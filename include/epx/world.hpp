@@ -15,7 +15,13 @@ namespace epx {
 // their blocks are resident together, so each rank may launch at most sm_budget(r) blocks per
 // kernel (the GPU's multiprocessors divided by the ranks placed on it).
 //
-// Throws UnsupportedError when no GPU is visible, InputError for a bad rank count or device.
+// Each rank's stream needs a hardware work queue of its own: a kernel queued behind another
+// rank's spinning kernel would wait for it. CUDA gives a process CUDA_DEVICE_MAX_CONNECTIONS
+// queues per GPU (default 8, at most 32), fixed when its first CUDA call creates the context, so
+// a process that places more ranks on one GPU must set it first (the `epx` CLI sets 32).
+//
+// Throws UnsupportedError when no GPU is visible, InputError for a bad rank count or device,
+// ConfigError when more ranks share a GPU than CUDA_DEVICE_MAX_CONNECTIONS allows.
 class InProcessWorld {
  public:
   explicit InProcessWorld(int num_ranks, std::vector<int> devices = {});

@@ -93,6 +93,19 @@ const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
 const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
 
+int hardware_queues_per_gpu(const char* max_connections) {
+  if (max_connections == nullptr) return 8;
+  const std::string_view t = max_connections;
+  const bool digits = !t.empty() && t.size() <= 3 &&
+                      std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const int v = digits ? std::atoi(max_connections) : -1;
+  if (v < 1 || v > 32) {
+    EPX_THROW(ConfigError,
+              fmt::format("CUDA_DEVICE_MAX_CONNECTIONS = \"{}\", expected an integer in 1..32", t));
+  }
+  return v;
+}
+
 Backend parse_backend(const std::string& name) {
   return parse_named(kBackendNames, "backend", name);
 }

@@ -1,5 +1,8 @@
 #include <algorithm>
+#include <cstdlib>
 #include <string>
+
+#include <fmt/format.h>
 
 #include "core/cuda_check.hpp"
 #include "epx/config.hpp"
@@ -22,6 +25,17 @@ InProcessWorld::InProcessWorld(int num_ranks, std::vector<int> devices)
     cudaDeviceProp prop{};
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
     sms_.push_back(prop.multiProcessorCount);
+  }
+  const int queues = hardware_queues_per_gpu(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
+  for (int d : devices_) {
+    const int n = ranks_on_device(d);
+    if (n > queues) {
+      EPX_THROW(ConfigError,
+                fmt::format("{} ranks on GPU {}, expected at most CUDA_DEVICE_MAX_CONNECTIONS = {} "
+                            "(one hardware work queue per rank; set CUDA_DEVICE_MAX_CONNECTIONS={} "
+                            "or more, up to 32, before the process's first CUDA call)",
+                            n, d, queues, std::min(32, n)));
+    }
   }
   // Peer access between every pair of distinct devices used by the world.
   for (size_t i = 0; i < devices_.size(); ++i) {

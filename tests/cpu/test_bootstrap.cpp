@@ -38,6 +38,7 @@
 #include "epx/bootstrap.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
+#include "epx/world.hpp"
 
 #ifndef EPX_CLI_PATH
 #error "EPX_CLI_PATH (the epx binary) must be defined by the build"
@@ -313,6 +314,18 @@ TEST(BootstrapOptions, MessagesNameVariableValueAndBound) {
   EXPECT_TRUE(throws_config_error(parse("0", "2", long_path.c_str()),
                                   {"EPX_BOOTSTRAP", "115 bytes", "at most 107"}));
   EXPECT_TRUE(throws_config_error(parse("0", "2", "@x", "soon"), {"EPX_TIMEOUT_MS = \"soon\""}));
+}
+
+TEST(HardwareQueues, ParsesCudaDeviceMaxConnections) {
+  EXPECT_EQ(hardware_queues_per_gpu(nullptr), 8);  // CUDA's default
+  EXPECT_EQ(hardware_queues_per_gpu("1"), 1);
+  EXPECT_EQ(hardware_queues_per_gpu("32"), 32);
+  for (const char* bad : {"0", "33", "", "8x", "-4", "1000"}) {
+    EXPECT_TRUE(throws_config_error([bad] { (void)hardware_queues_per_gpu(bad); },
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS = \"" + std::string(bad) + "\"",
+                                     "1..32"}))
+        << bad;
+  }
 }
 
 TEST(BootstrapOptions, ValidateNamesTheField) {

@@ -3,6 +3,8 @@
 // reference: dispatch exactly, combine bit for bit.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include <chrono>
 #include <string>
 #include <thread>
@@ -414,6 +416,35 @@ TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("dispatch.num_blocks"), std::string::npos) << e.what();
   }
+}
+
+// More ranks on one GPU than hardware work queues: a clear error before any rank can wait on a
+// peer queued behind it (CUDA itself keeps the value its context was created with).
+TEST(InProcessWorld, MoreRanksThanHardwareQueuesIsAConfigError) {
+  REQUIRE_GPU();
+  const char* was = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string saved = was ? was : "";
+  ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2", 1);
+  std::string what;
+  try {
+    InProcessWorld world(3);
+  } catch (const ConfigError& e) {
+    what = e.what();
+  }
+  bool two_fit = true;
+  try {
+    InProcessWorld world(2);
+  } catch (const ConfigError&) {
+    two_fit = false;
+  }
+  if (was) {
+    ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", saved.c_str(), 1);
+  } else {
+    ::unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  }
+  EXPECT_NE(what.find("3 ranks on GPU 0"), std::string::npos) << what;
+  EXPECT_NE(what.find("CUDA_DEVICE_MAX_CONNECTIONS = 2"), std::string::npos) << what;
+  EXPECT_TRUE(two_fit);
 }
 
 TEST(Baselines, ExpertMajorIsAConfigError) {
