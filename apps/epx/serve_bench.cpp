@@ -9,8 +9,8 @@
 // same chunk count on every rank; the step's wall time runs from the release of all ranks'
 // threads until every thread has drained its stream and joined. Output tokens are stamped with the
 // end of their step. With --cuda-graph each backend runs a second time with its decode-only steps
-// replayed as per-rank CUDA graphs (per batch bucket, MoeLayer's captured path, cut after each
-// expert stage). Only the MoE layers are simulated (no attention, no dense layers), and every layer reads the step's input
+// replayed as per-rank CUDA graphs (one per batch bucket, MoeLayer's captured path). Only the MoE
+// layers are simulated (no attention, no dense layers), and every layer reads the step's input
 // activations (there is no residual stream).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -369,15 +369,12 @@ struct Rank {
   void* y = nullptr;        // [max_batched_tokens][H] bf16: every layer's output
   void* x_graph = nullptr;  // [largest decode bucket][H] bf16: the decode graphs' input
   std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
-  // decode bucket -> every layer's forward, as graphs cut after each expert stage (MoeLayer::
-  // set_capture_cut), replayed in order
-  std::map<int, std::vector<cudaGraphExec_t>> graphs;
+  std::map<int, cudaGraphExec_t> graphs;          // decode bucket -> every layer's forward
   Rank() = default;
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
   void destroy_graphs() noexcept {
-    for (auto& [bucket, execs] : graphs)
-      for (cudaGraphExec_t exec : execs) (void)cudaGraphExecDestroy(exec);
+    for (auto& [bucket, exec] : graphs) (void)cudaGraphExecDestroy(exec);
     graphs.clear();
   }
   ~Rank() {
@@ -440,8 +437,7 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
                                      cudaMemcpyDeviceToDevice, rank.stream));
     }
     const auto t1 = std::chrono::steady_clock::now();
-    for (cudaGraphExec_t exec : rank.graphs.at(step.graph_bucket))
-      EPX_CUDA_CHECK(cudaGraphLaunch(exec, rank.stream));
+    EPX_CUDA_CHECK(cudaGraphLaunch(rank.graphs.at(step.graph_bucket), rank.stream));
     // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
     const auto t2 = std::chrono::steady_clock::now();
     const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
@@ -461,60 +457,34 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
   a2a.synchronize(rank.stream);
 }
 
-// Captures this rank's decode graphs per bucket: every layer's forward of `bucket` tokens of
-// x_graph in one chunk (capture only records: no rank waits for another), cut after each layer's
-// expert stage, so that every spinning dispatch or combine kernel comes before the conditional
-// nodes of its graph (with one graph per step, 20 and more ranks on one GPU stopped).
+// Captures this rank's decode graphs, one per bucket: every layer's forward of `bucket` tokens of
+// x_graph in one chunk (capture only records: no rank waits for another).
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
                            const std::vector<int>& buckets) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
-  std::vector<cudaGraphExec_t>* execs = nullptr;
-  // Ends the capture of `rank.stream` and adds its graph to *execs.
-  auto finish = [&](cudaStream_t s) {
-    cudaGraph_t g = nullptr;
-    EPX_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-    (void)cudaGraphDestroy(g);
-    EPX_CUDA_CHECK(err);
-    execs->push_back(exec);
-    EPX_CUDA_CHECK(cudaGraphUpload(exec, s));
-  };
-  auto begin = [](cudaStream_t s) {
-    EPX_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  };
-  for (auto& layer : rank.layers) {
-    layer->set_capture_cut([&](cudaStream_t s) {
-      finish(s);
-      begin(s);
-    });
-  }
   for (int b : buckets) {
     for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
-    execs = &rank.graphs[b];
-    begin(rank.stream);
+    cudaGraph_t g = nullptr;
+    EPX_CUDA_CHECK(cudaStreamBeginCapture(rank.stream, cudaStreamCaptureModeThreadLocal));
     try {
       for (int l = 0; l < num_layers; ++l) {
         MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
         layer.forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
       }
-      finish(rank.stream);
     } catch (...) {
-      cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-      if (cudaStreamIsCapturing(rank.stream, &st) == cudaSuccess &&
-          st != cudaStreamCaptureStatusNone) {
-        cudaGraph_t g = nullptr;
-        (void)cudaStreamEndCapture(rank.stream, &g);
-        if (g) (void)cudaGraphDestroy(g);
-      }
-      for (auto& layer : rank.layers) layer->set_capture_cut({});
+      (void)cudaStreamEndCapture(rank.stream, &g);
+      if (g) (void)cudaGraphDestroy(g);
       throw;
     }
+    EPX_CUDA_CHECK(cudaStreamEndCapture(rank.stream, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+    (void)cudaGraphDestroy(g);
+    EPX_CUDA_CHECK(err);
+    rank.graphs[b] = exec;
+    EPX_CUDA_CHECK(cudaGraphUpload(exec, rank.stream));
   }
-  for (auto& layer : rank.layers) {
-    layer->set_capture_token_bound(0);
-    layer->set_capture_cut({});
-  }
+  for (auto& layer : rank.layers) layer->set_capture_token_bound(0);
 }
 
 void drain(std::vector<std::unique_ptr<Rank>>& ranks) noexcept {
@@ -750,8 +720,7 @@ void print_table(const std::vector<BackendResult>& results) {
   if (!any_graph) return;
   fmt::print(
       "(graph) rows: decode-only steps within one chunk replay per-rank CUDA graphs captured "
-      "per batch bucket (every rank padded to the bucket of the largest rank's batch; layers + 1 "
-      "graphs per step, cut after each expert stage); prefill "
+      "per batch bucket (every rank padded to the bucket of the largest rank's batch); prefill "
       "and mixed steps run eagerly. The padding tokens are routed and computed like real ones, "
       "so a graph step does up to the bucket's work on every rank.\n");
   for (const BackendResult& br : results) {

@@ -54,7 +54,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 
 #include "epx/all2all.hpp"
@@ -139,14 +138,6 @@ class MoeLayer {
   // captured path's staging buffer ([rows][H], once); a capture without it is a
   // StateError.
   void set_capture_token_bound(int max_tokens_per_rank);
-
-  // Under capture, forward() calls `cut(stream)` once per chunk, after the expert stage (the
-  // SWITCH nodes) and before combine; an empty function (the default) removes the hook. The
-  // caller may end its capture there and begin a new one on the same stream, so that no graph
-  // holds a spinning all-to-all kernel after a conditional node: measured on one GPU, graphs of
-  // in-process ranks that did stopped at more than 16 ranks, and ran slower with two layers
-  // (docs/perf-notes.md). Exceptions from `cut` propagate out of forward().
-  void set_capture_cut(std::function<void(cudaStream_t)> cut);
 
  private:
   struct Impl;

@@ -70,7 +70,6 @@ struct MoeLayer::Impl {
   std::vector<int32_t> host_ids, host_rows, host_slots;
 
   // Captured expert stage (forward() on a capturing stream).
-  std::function<void(cudaStream_t)> capture_cut;  // set_capture_cut()
   cudaStream_t side = nullptr;         // captures the SWITCH bodies; runs nothing
   int capture_tokens = 0;              // set_capture_token_bound (0 = max_tokens_per_rank)
   void* graph_out = nullptr;           // token-major: one expert's w2 output [rows_pad][H]
@@ -565,10 +564,6 @@ void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
     m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * m.shape.hidden * m.out_bytes());
 }
 
-void MoeLayer::set_capture_cut(std::function<void(cudaStream_t)> cut) {
-  impl_->capture_cut = std::move(cut);
-}
-
 void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                        int num_chunks, const MoeRoutingOut* routing) {
   Impl& m = *impl_;
@@ -648,7 +643,6 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
       } else {
         m.captured_expert_major(d, a2a, stream);
       }
-      if (m.capture_cut) m.capture_cut(stream);
     } else {
       // Host sync: the expert GEMMs are launched at the exact received row counts.
       a2a.synchronize(stream);
