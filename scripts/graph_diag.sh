@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The two open questions of serve-bench's graph mode on one GPU, in one run (~3 min when every
-# step passes; each failing step stops at EPX_TIMEOUT_MS):
-#   1. 32 in-process ranks stop at the first graph replay: does the all-to-all alone (epx check
-#      --graph, --mixed) stop too; at which world size does it start (24 ranks); does it need the
-#      SMs held by spinning blocks (1 block per op)?
-#   2. a decode graph step is slower than the eager one, also at 1 rank: one MoE layer, eager and
-#      graph, at 1 and 8 ranks (step times in the JSON).
+# Graph replay of in-process ranks on one GPU: the all-to-all alone replays at 32 ranks, the MoE
+# layer's graphs stop from 20 ranks (and, with several graphs per step, at 8). What the MoE graph
+# adds: conditional SWITCH nodes (the expert stage), per-rank host threads, cuBLASLt GEMMs. The
+# first two are separated here with `epx check --graph-conditional / --rank-threads` (identity
+# expert, no GEMM), at 32 and 8 ranks; then serve-bench's graph at 16, 20 and 32 ranks on a small
+# shape. ~2 min when every step passes; each failing step stops at EPX_TIMEOUT_MS.
 # Logs and JSON to $OUT (or graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,15 +20,17 @@ step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   echo "rc $?"
   grep -E "^(PASS|FAIL)|^(naive|allgather|low_latency)|: error|blocked" "$out/$name.log" | head -8
 }
-step check_w32_graph "$build/epx" check --world 32 --tokens 128 --graph 10 --iters 1
-step check_w32_mixed "$build/epx" check --world 32 --tokens 128 --graph 10 --mixed --iters 1
+C="$build/epx check --tokens 128 --iters 1"
+step check_w32_graph $C --world 32 --graph 10
+step check_w32_cond $C --world 32 --graph 10 --graph-conditional
+step check_w32_threads $C --world 32 --graph 10 --rank-threads
+step check_w32_cond_threads $C --world 32 --graph 10 --graph-conditional --rank-threads
+step check_w8_cond_threads $C --world 8 --graph 200 --graph-conditional --rank-threads
+step check_w8_cond_threads_expert $C --world 8 --graph 200 --graph-conditional --rank-threads \
+  --layout expert --dtype fp8
 SMALL="--hidden 2048 --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 128"
 SMALL="$SMALL --osl 8 --chunk-size 64 --max-batched-tokens 256 --layers 1 --cuda-graph"
-step serve_w24_graph "$build/epx" serve-bench --world 24 --experts 48 $SMALL --backends low_latency
-echo '{"global": {"num_blocks": 1, "warps_per_block": 32}}' >"$out/b1.launch.json"
-step serve_w32_graph_b1 env EPX_CONFIG_PATH="$out/b1.launch.json" "$build/epx" serve-bench \
-  --world 32 --experts 64 $SMALL --backends low_latency
-for w in 1 8; do
-  step "serve_r1_w${w}_l1" "$build/epx" serve-bench --world "$w" --layers 1 --cuda-graph \
-    --backends low_latency --json "$out/serve_r1_w${w}_l1.json"
+for w in 16 20 32; do
+  step "serve_w${w}_graph" "$build/epx" serve-bench --world "$w" --experts $((w * 2)) $SMALL \
+    --backends low_latency
 done

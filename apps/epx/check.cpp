@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -88,6 +89,8 @@ struct CheckFlags {
   int iters = 2;
   int graph = 0;
   bool mixed = false;
+  bool graph_conditional = false;
+  bool rank_threads = false;
   bool ids64 = false;
   int pool = 3;
   std::string world_kind = "in-process";
@@ -218,6 +221,11 @@ void add_check(CLI::App& app, int& exit_code) {
   c->add_option("--iters", f->iters, "eager calls, fresh inputs each")->capture_default_str();
   c->add_option("--graph", f->graph, "capture once per rank, replay N times with fresh inputs");
   c->add_flag("--mixed", f->mixed, "with --graph: rank 0 calls eagerly, the others replay");
+  c->add_flag("--graph-conditional", f->graph_conditional,
+              "with --graph, in-process: the captured expert runs inside a conditional (SWITCH) "
+              "node set on the device, as the MoE layer's captured expert stage");
+  c->add_flag("--rank-threads", f->rank_threads,
+              "with --graph, in-process: every rank captures and replays from its own host thread");
   c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
   c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
   // Testing only, hence hidden (empty group): proves that a killed rank is named by the others.
@@ -252,7 +260,9 @@ void add_check(CLI::App& app, int& exit_code) {
                                        c->get_option("--graph"),     c->get_option("--mixed"),
                                        c->get_option("--ids64"),     c->get_option("--pool"),
                                        c->get_option("--world-kind"),
-                                       c->get_option("--gpus")};
+                                       c->get_option("--gpus"),
+                                       c->get_option("--graph-conditional"),
+                                       c->get_option("--rank-threads")};
   CLI::Option* gpus_opt = c->get_option("--gpus");
   c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
@@ -269,6 +279,11 @@ void add_check(CLI::App& app, int& exit_code) {
 #if EPX_HAVE_CUDA
     EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc" || f->world_kind == "nccl",
               ConfigError, "--world-kind", "'" + f->world_kind + "'", "in-process, ipc or nccl");
+    for (const auto& [given, name] : {std::pair{f->graph_conditional, "--graph-conditional"},
+                                      std::pair{f->rank_threads, "--rank-threads"}}) {
+      EPX_CHECK(!given || (f->graph > 0 && f->world_kind == "in-process"), ConfigError, name,
+                "given", "only with --graph and --world-kind in-process");
+    }
     if (f->world_kind == "ipc" || f->world_kind == "nccl") {
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
@@ -292,6 +307,8 @@ void add_check(CLI::App& app, int& exit_code) {
     o.iters = f->iters;
     o.graph_replays = f->graph;
     o.mixed = f->mixed;
+    o.conditional = f->graph_conditional;
+    o.rank_threads = f->rank_threads;
     o.ids_int64 = f->ids64;
     o.pool = f->pool;
     o.log = [](const std::string& s) { fmt::print("  {}\n", s); };

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <functional>
 #include <future>
 #include <memory>
 #include <sstream>
@@ -98,6 +99,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   for (int r = 0; r < W; ++r) {
     EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].stream, cudaStreamNonBlocking));
+    if (o.conditional)
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].side, cudaStreamNonBlocking));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].x, maxT * H * 2));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].scales, std::max<size_t>(1, maxT * G) * sizeof(float)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].ids, maxT * K * sizeof(int64_t)));
@@ -116,6 +119,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
         (void)cudaFree(b.weights);
         (void)cudaFree(b.y);
         (void)cudaStreamDestroy(b.stream);
+        if (b.side) (void)cudaStreamDestroy(b.side);
       }
     }
   } cleanup{rb};
@@ -144,7 +148,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     EPX_CUDA_CHECK(cudaMemsetAsync(rb[r].y, 0xff, n * H * 2, st));  // poison: every row must be written
   };
   std::vector<DispatchResult> results(W);
-  auto enqueue = [&](int r) {
+  auto enqueue = [&](int r, bool capturing) {
     DispatchInput in;
     in.num_tokens = counts[r];
     in.x = rb[r].x;
@@ -154,7 +158,12 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     in.topk_weights = rb[r].weights;
     All2All& a = *group[r];
     results[r] = a.dispatch(in, rb[r].stream);
-    launch_identity_expert(a.config(), results[r], a.combine_buffer(), rb[r].stream);
+    if (capturing && o.conditional) {
+      capture_identity_expert_switch(a.config(), results[r], a.combine_buffer(), rb[r].stream,
+                                     rb[r].side);
+    } else {
+      launch_identity_expert(a.config(), results[r], a.combine_buffer(), rb[r].stream);
+    }
     a.combine(a.combine_buffer(), rb[r].y, rb[r].stream);
   };
   Comparer cmp(rep, o.max_report);
@@ -187,32 +196,48 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   for (int it = 0; it < o.iters && rep.ok; ++it) {
     const InputSet& s = sets[it % pool];
     for (int r = 0; r < W; ++r) upload(r, s);
-    for (int r = 0; r < W; ++r) enqueue(r);
+    for (int r = 0; r < W; ++r) enqueue(r, false);
     finish_and_compare(s);
   }
   if (o.iters > 0) say(fmt::format("eager: {} call(s) checked", rep.calls));
 
   // Graph replays.
   if (o.graph_replays > 0 && rep.ok) {
-    for (int r = (o.mixed ? 1 : 0); r < W; ++r) {
+    // Runs fn(r) for every rank: one host thread per rank with rank_threads, else in turn.
+    auto each_rank = [&](const std::function<void(int)>& fn) {
+      if (!o.rank_threads) {
+        for (int r = 0; r < W; ++r) fn(r);
+        return;
+      }
+      std::vector<std::future<void>> done;
+      for (int r = 0; r < W; ++r) {
+        done.push_back(std::async(std::launch::async, [&, r] {
+          EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+          fn(r);
+        }));
+      }
+      for (auto& f : done) f.get();  // rethrows the first rank's exception
+    };
+    each_rank([&](int r) {
+      if (o.mixed && r == 0) return;
       cudaGraph_t graph = nullptr;
       EPX_CUDA_CHECK(cudaStreamBeginCapture(rb[r].stream, cudaStreamCaptureModeThreadLocal));
-      enqueue(r);
+      enqueue(r, true);
       EPX_CUDA_CHECK(cudaStreamEndCapture(rb[r].stream, &graph));
       EPX_CUDA_CHECK(cudaGraphInstantiate(&rb[r].exec, graph, 0));
       EPX_CUDA_CHECK(cudaGraphDestroy(graph));
-    }
+    });
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
       const InputSet& s = sets[(o.iters + i) % pool];
       for (int r = 0; r < W; ++r) upload(r, s);
-      for (int r = 0; r < W; ++r) {
+      each_rank([&](int r) {
         if (rb[r].exec) {
           EPX_CUDA_CHECK(cudaGraphLaunch(rb[r].exec, rb[r].stream));
         } else {
-          enqueue(r);
+          enqueue(r, false);
         }
-      }
+      });
       finish_and_compare(s);
       if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
     }

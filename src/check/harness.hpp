@@ -31,6 +31,10 @@ struct CheckOptions {
   int iters = 2;                    // eager calls, each with fresh inputs
   int graph_replays = 0;            // > 0: capture once per rank, replay this many times
   bool mixed = false;               // with graph_replays: rank 0 eager, the others replay
+  bool conditional = false;         // with graph_replays: the captured expert runs in a SWITCH
+                                    // node (as MoeLayer's captured path), in-process only
+  bool rank_threads = false;        // in-process: each rank captures and replays from its own
+                                    // host thread (as serve-bench), not all from one
   int pool = 3;                     // distinct input sets cycled through (each call differs)
   bool ids_int64 = false;
   int max_report = 8;               // mismatches listed

@@ -190,6 +190,7 @@ struct RankBuffers {
   float* weights = nullptr;
   void* y = nullptr;
   cudaStream_t stream = nullptr;
+  cudaStream_t side = nullptr;  // records conditional bodies (CheckOptions::conditional)
   cudaGraphExec_t exec = nullptr;
 };
 

@@ -3,6 +3,7 @@
 
 #include "check/identity_expert.hpp"
 #include "core/cuda_check.hpp"
+#include "epx/error.hpp"
 
 namespace epx::check {
 namespace {
@@ -56,11 +57,17 @@ __global__ void identity_kernel(const IdentityParams p) {
   }
 }
 
+__global__ void set_identity_switch_kernel(cudaGraphConditionalHandle handle,
+                                           const int32_t* recv_count) {
+  cudaGraphSetConditional(handle, *recv_count > 0 ? 1u : 0u);
+}
+
 }  // namespace
 
 void preload_identity_expert() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, identity_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, set_identity_switch_kernel));
 }
 
 void launch_identity_expert(const EpConfig& cfg, const DispatchResult& d, void* out,
@@ -84,6 +91,37 @@ void launch_identity_expert(const EpConfig& cfg, const DispatchResult& d, void* 
   const dim3 grid(64, em ? cfg.num_local_experts() : 1);
   identity_kernel<<<grid, 256, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void capture_identity_expert_switch(const EpConfig& cfg, const DispatchResult& d, void* out,
+                                    cudaStream_t stream, cudaStream_t side) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  EPX_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph));
+  EPX_CHECK(status == cudaStreamCaptureStatusActive, StateError, "stream", "not capturing",
+            "a stream under capture");
+  cudaGraphConditionalHandle handle{};
+  EPX_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
+  set_identity_switch_kernel<<<1, 1, 0, stream>>>(handle, d.recv_count);
+  EPX_CUDA_CHECK(cudaGetLastError());
+  const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* edges = nullptr;
+  size_t num_deps = 0;
+  EPX_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, &edges, &num_deps));
+  cudaGraphNodeParams params{};
+  params.type = cudaGraphNodeTypeConditional;
+  params.conditional.handle = handle;
+  params.conditional.type = cudaGraphCondTypeSwitch;
+  params.conditional.size = 2;
+  cudaGraphNode_t node = nullptr;
+  EPX_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, num_deps, &params));
+  EPX_CUDA_CHECK(cudaStreamBeginCaptureToGraph(side, params.conditional.phGraph_out[1], nullptr,
+                                               nullptr, 0, cudaStreamCaptureModeThreadLocal));
+  launch_identity_expert(cfg, d, out, side);
+  cudaGraph_t ended = nullptr;
+  EPX_CUDA_CHECK(cudaStreamEndCapture(side, &ended));
+  EPX_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1,
+                                                     cudaStreamSetCaptureDependencies));
 }
 
 }  // namespace epx::check

@@ -17,4 +17,11 @@ void preload_identity_expert();
 void launch_identity_expert(const EpConfig& cfg, const DispatchResult& d, void* out,
                             cudaStream_t stream);
 
+// Under capture of `stream`: the identity expert inside a conditional SWITCH node, as the MoE
+// layer's captured expert stage runs its GEMMs (body 1 when the dispatch received rows, body 0
+// empty; the condition is set on the device from recv_count). `side` records the body (it runs
+// nothing). StateError when `stream` is not capturing.
+void capture_identity_expert_switch(const EpConfig& cfg, const DispatchResult& d, void* out,
+                                    cudaStream_t stream, cudaStream_t side);
+
 }  // namespace epx::check

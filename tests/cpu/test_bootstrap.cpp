@@ -943,6 +943,24 @@ TEST(Launch, ReportsSignalsAndMissingCommands) {
   EXPECT_NE(none.err.find("-n = 0"), std::string::npos) << none.err;
 }
 
+// `epx check`'s graph-diagnosis flags are refused (exit 2, naming the flag) where they mean nothing,
+// before any GPU is needed.
+TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--graph-conditional"}, {"--rank-threads"},
+        {"--graph", "3", "--graph-conditional", "--world-kind", "ipc"}}) {
+    std::vector<std::string> argv = {EPX_CLI_PATH, "check"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = run_command(argv);
+    EXPECT_EQ(exit_code(r), 2) << r.err;
+    EXPECT_NE(r.err.find("only with --graph and --world-kind in-process"), std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find(extra[0] == "--graph" ? "--graph-conditional" : extra[0]),
+              std::string::npos)
+        << r.err;
+  }
+}
+
 // Runs inside `epx launch` (see the next test); skipped when run on its own.
 TEST(LaunchedRank, BootstrapFromEnv) {
   if (std::getenv("EPX_TEST_LAUNCHED") == nullptr) GTEST_SKIP() << "runs under epx launch only";

@@ -184,6 +184,26 @@ TEST(LowLatency, MixedEagerAndGraph) {
   }
 }
 
+// The expert inside a conditional SWITCH node (as MoeLayer's captured expert stage), every rank
+// capturing and replaying from its own host thread (as serve-bench): token-major with a rank
+// without tokens, and expert-major.
+TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
+  REQUIRE_GPU();
+  for (const Case& c : {kCases[16], kCases[12]}) {
+    for (bool mixed : {false, true}) {
+      auto o = options_for(c);
+      o.iters = 1;
+      o.graph_replays = 50;
+      o.mixed = mixed;
+      o.conditional = true;
+      o.rank_threads = true;
+      const auto rep = check::run_check(o);
+      EXPECT_TRUE(rep.ok) << c.name << (mixed ? " mixed" : "") << describe(rep);
+      EXPECT_EQ(rep.calls, 51);
+    }
+  }
+}
+
 // ---- error paths ---------------------------------------------------------------------------
 
 struct Group {
