@@ -91,6 +91,7 @@ struct CheckFlags {
   bool mixed = false;
   bool graph_conditional = false;
   bool rank_threads = false;
+  int graph_execs = 1;
   bool ids64 = false;
   int pool = 3;
   std::string world_kind = "in-process";
@@ -226,6 +227,10 @@ void add_check(CLI::App& app, int& exit_code) {
               "node set on the device, as the MoE layer's captured expert stage");
   c->add_flag("--rank-threads", f->rank_threads,
               "with --graph, in-process: every rank captures and replays from its own host thread");
+  c->add_option("--graph-execs", f->graph_execs,
+                "with --graph, in-process: executable graphs per rank from the one capture, "
+                "replayed in turn (1..64)")
+      ->capture_default_str();
   c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
   c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
   // Testing only, hence hidden (empty group): proves that a killed rank is named by the others.
@@ -262,7 +267,8 @@ void add_check(CLI::App& app, int& exit_code) {
                                        c->get_option("--world-kind"),
                                        c->get_option("--gpus"),
                                        c->get_option("--graph-conditional"),
-                                       c->get_option("--rank-threads")};
+                                       c->get_option("--rank-threads"),
+                                       c->get_option("--graph-execs")};
   CLI::Option* gpus_opt = c->get_option("--gpus");
   c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
@@ -279,8 +285,11 @@ void add_check(CLI::App& app, int& exit_code) {
 #if EPX_HAVE_CUDA
     EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc" || f->world_kind == "nccl",
               ConfigError, "--world-kind", "'" + f->world_kind + "'", "in-process, ipc or nccl");
+    EPX_CHECK(f->graph_execs >= 1 && f->graph_execs <= 64, ConfigError, "--graph-execs",
+              f->graph_execs, "in [1, 64]");
     for (const auto& [given, name] : {std::pair{f->graph_conditional, "--graph-conditional"},
-                                      std::pair{f->rank_threads, "--rank-threads"}}) {
+                                      std::pair{f->rank_threads, "--rank-threads"},
+                                      std::pair{f->graph_execs != 1, "--graph-execs"}}) {
       EPX_CHECK(!given || (f->graph > 0 && f->world_kind == "in-process"), ConfigError, name,
                 "given", "only with --graph and --world-kind in-process");
     }
@@ -309,6 +318,7 @@ void add_check(CLI::App& app, int& exit_code) {
     o.mixed = f->mixed;
     o.conditional = f->graph_conditional;
     o.rank_threads = f->rank_threads;
+    o.graph_execs = f->graph_execs;
     o.ids_int64 = f->ids64;
     o.pool = f->pool;
     o.log = [](const std::string& s) { fmt::print("  {}\n", s); };

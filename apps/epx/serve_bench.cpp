@@ -71,6 +71,7 @@ struct ServeFlags {
   std::string json_path;
   std::string preset;
   bool cuda_graph = false;
+  std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
 };
 
 struct ServePlan {
@@ -85,6 +86,7 @@ struct ServePlan {
   std::string json_path;
   std::string preset_note;  // empty unless --preset
   bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
+  std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
 };
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
@@ -138,6 +140,23 @@ void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
             fmt::format("--{} = {}, expected {}a multiple of 512 in [512, {}] (the MoE layer's fp8 "
                         "GEMMs: K / 128 a multiple of 4)",
                         flag, value, zero_ok ? "0 (none) or " : "", kMaxHidden));
+}
+
+// Largest decode batch per rank that --cuda-graph captures: the chunk, the step budget, and
+// kMaxGraphBatch, beyond which a decode step runs eagerly (a captured layer holds one body per
+// GEMM row bucket and local expert, so graphs of large batches grow to tens of thousands of nodes).
+constexpr int kMaxGraphBatch = 128;
+int largest_decode_bucket(const serve::Workload& w) {
+  return std::min({w.chunk_size, w.max_batched_tokens, kMaxGraphBatch});
+}
+
+// Decode batch buckets of --cuda-graph: 1, 2, 4, ... below `largest`, then `largest` (the
+// smaller of --chunk-size and --max-batched-tokens: one chunk).
+std::vector<int> decode_buckets(int largest) {
+  std::vector<int> out;
+  for (int b = 1; b < largest; b *= 2) out.push_back(b);
+  out.push_back(largest);
+  return out;
 }
 
 ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
@@ -217,6 +236,26 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   p.layers = f.layers;
   p.seed = f.seed;
   p.json_path = f.json_path;
+  const int largest = largest_decode_bucket(p.workload);
+  if (f.graph_buckets.empty()) {
+    p.graph_buckets = decode_buckets(largest);
+  } else {
+    if (!f.cuda_graph)
+      EPX_THROW(ConfigError, "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
+    for (const std::string& item : split_list(f.graph_buckets, "--graph-buckets")) {
+      const bool digits = !item.empty() && item.size() <= 6 &&
+                          std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
+      const int b = digits ? std::stoi(item) : -1;
+      const int prev = p.graph_buckets.empty() ? 0 : p.graph_buckets.back();
+      if (b <= prev || b > largest) {
+        EPX_THROW(ConfigError,
+                  fmt::format("--graph-buckets = '{}': '{}', expected ascending batch sizes in "
+                              "[1, {}] (the smaller of --chunk-size, --max-batched-tokens and {})",
+                              f.graph_buckets, item, largest, kMaxGraphBatch));
+      }
+      p.graph_buckets.push_back(b);
+    }
+  }
   return p;
 }
 
@@ -395,23 +434,6 @@ struct RankStep {
   size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
   int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
 };
-
-// Largest decode batch per rank that --cuda-graph captures: the chunk, the step budget, and
-// kMaxGraphBatch, beyond which a decode step runs eagerly (a captured layer holds one body per
-// GEMM row bucket and local expert, so graphs of large batches grow to tens of thousands of nodes).
-constexpr int kMaxGraphBatch = 128;
-int largest_decode_bucket(const serve::Workload& w) {
-  return std::min({w.chunk_size, w.max_batched_tokens, kMaxGraphBatch});
-}
-
-// Decode batch buckets of --cuda-graph: 1, 2, 4, ... below `largest`, then `largest` (the
-// smaller of --chunk-size and --max-batched-tokens: one chunk).
-std::vector<int> decode_buckets(int largest) {
-  std::vector<int> out;
-  for (int b = 1; b < largest; b *= 2) out.push_back(b);
-  out.push_back(largest);
-  return out;
-}
 
 // The smallest bucket holding `tokens` (>= 1), or 0 when none does.
 int decode_bucket(const std::vector<int>& buckets, int tokens) {
@@ -626,7 +648,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
       run_all();
     }
     // Decode graphs: captured per rank, then each replayed once on every rank (untimed).
-    const std::vector<int> buckets = decode_buckets(largest_decode_bucket(w));
+    const std::vector<int>& buckets = p.graph_buckets;
     if (cuda_graph) {
       const auto t_capture = std::chrono::steady_clock::now();
       threads.run([&](int r) {
@@ -779,7 +801,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
        "; with cuda_graph also the capture and one replay per bucket"},
       {"cuda_graph", p.cuda_graph},
       {"graph_buckets", p.cuda_graph
-                            ? json(decode_buckets(largest_decode_bucket(w)))
+                            ? json(p.graph_buckets)
                             : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
@@ -865,7 +887,7 @@ bool run_serve_bench(const ServePlan& plan) {
     fmt::print(
         "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
         "replays (buckets {})\n",
-        fmt::join(decode_buckets(largest_decode_bucket(w)), ","));
+        fmt::join(p.graph_buckets, ","));
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              env_note);
@@ -985,6 +1007,9 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
               "as per-rank CUDA graphs captured per batch bucket (1, 2, 4, ... up to "
               "min(--chunk-size, --max-batched-tokens); batches padded with dummy tokens); "
               "prefill and mixed steps stay eager");
+  c->add_option("--graph-buckets", f->graph_buckets,
+                "with --cuda-graph: the decode batch sizes captured, ascending comma list "
+                "(default 1, 2, 4, ... up to the largest); larger decode batches run eagerly");
   c->callback([f, workload_opts, &exit_code] {
     std::map<std::string, bool> given;
     for (CLI::Option* o : workload_opts)

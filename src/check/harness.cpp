@@ -99,13 +99,17 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   for (int r = 0; r < W; ++r) {
     EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].stream, cudaStreamNonBlocking));
-    if (o.conditional)
-      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].side, cudaStreamNonBlocking));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].x, maxT * H * 2));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].scales, std::max<size_t>(1, maxT * G) * sizeof(float)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].ids, maxT * K * sizeof(int64_t)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].weights, maxT * K * sizeof(float)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[r].y, maxT * H * 2));
+  }
+  // The side streams (they only record conditional bodies) after every rank stream: streams
+  // take hardware queues in turn, and each rank stream needs its own (InProcessWorld).
+  for (int r = 0; r < W && o.conditional; ++r) {
+    EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].side, cudaStreamNonBlocking));
   }
   struct Cleanup {
     std::vector<RankBuffers>& rb;
@@ -218,14 +222,33 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       }
       for (auto& f : done) f.get();  // rethrows the first rank's exception
     };
+    // Executable graphs beyond rb[r].exec (graph_execs > 1), destroyed on the way out.
+    struct Extra {
+      std::vector<std::vector<cudaGraphExec_t>> execs;
+      std::vector<RankBuffers>& rb;
+      ~Extra() {
+        for (size_t r = 0; r < execs.size(); ++r) {
+          (void)cudaStreamSynchronize(rb[r].stream);
+          for (cudaGraphExec_t e : execs[r]) (void)cudaGraphExecDestroy(e);
+        }
+      }
+    } extra{std::vector<std::vector<cudaGraphExec_t>>(size_t(W)), rb};
+    EPX_CHECK(o.graph_execs >= 1 && o.graph_execs <= 64, InputError, "graph_execs", o.graph_execs,
+              "in [1, 64]");
     each_rank([&](int r) {
       if (o.mixed && r == 0) return;
       cudaGraph_t graph = nullptr;
       EPX_CUDA_CHECK(cudaStreamBeginCapture(rb[r].stream, cudaStreamCaptureModeThreadLocal));
       enqueue(r, true);
       EPX_CUDA_CHECK(cudaStreamEndCapture(rb[r].stream, &graph));
-      EPX_CUDA_CHECK(cudaGraphInstantiate(&rb[r].exec, graph, 0));
-      EPX_CUDA_CHECK(cudaGraphDestroy(graph));
+      cudaError_t err = cudaGraphInstantiate(&rb[r].exec, graph, 0);
+      for (int i = 1; i < o.graph_execs && err == cudaSuccess; ++i) {
+        cudaGraphExec_t e = nullptr;
+        err = cudaGraphInstantiate(&e, graph, 0);
+        if (err == cudaSuccess) extra.execs[size_t(r)].push_back(e);
+      }
+      (void)cudaGraphDestroy(graph);
+      EPX_CUDA_CHECK(err);
     });
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
@@ -233,7 +256,9 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       for (int r = 0; r < W; ++r) upload(r, s);
       each_rank([&](int r) {
         if (rb[r].exec) {
-          EPX_CUDA_CHECK(cudaGraphLaunch(rb[r].exec, rb[r].stream));
+          const int k = i % o.graph_execs;
+          cudaGraphExec_t e = k == 0 ? rb[r].exec : extra.execs[size_t(r)][size_t(k - 1)];
+          EPX_CUDA_CHECK(cudaGraphLaunch(e, rb[r].stream));
         } else {
           enqueue(r, false);
         }

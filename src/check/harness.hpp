@@ -35,6 +35,8 @@ struct CheckOptions {
                                     // node (as MoeLayer's captured path), in-process only
   bool rank_threads = false;        // in-process: each rank captures and replays from its own
                                     // host thread (as serve-bench), not all from one
+  int graph_execs = 1;              // in-process: executable graphs instantiated per rank from
+                                    // the one capture, replayed in turn (as serve-bench's buckets)
   int pool = 3;                     // distinct input sets cycled through (each call differs)
   bool ids_int64 = false;
   int max_report = 8;               // mismatches listed

@@ -28,7 +28,8 @@ struct DeviceStatus {
   int32_t token;     // bad-input token index, or -1
   int32_t slot;      // bad-input top-k slot, or -1
   int32_t valid;     // written last (1) once the fields above are complete
-  int32_t pad;
+  int32_t call;      // the dispatch or combine call (its epoch: 1 = the first) that recorded
+                     // it, or 0 where none applies
 };
 static_assert(sizeof(DeviceStatus) == 48);
 

@@ -58,6 +58,7 @@ struct WaitContext {
   DeviceStatus* host_status;  // mapped host memory: the mirror the host reads
   uint64_t timeout_ns;
   int32_t rank;
+  uint32_t call = 0;          // the op's call number (epoch), once the kernel knows it
 };
 
 // First error wins; later ones are dropped. Safe to call from any thread.
@@ -65,7 +66,8 @@ __device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase 
                                     int64_t expected, int64_t seen, int32_t token = -1,
                                     int32_t slot = -1) {
   if (atomicCAS(&ctx.status->code, 0, code) != 0) return;
-  DeviceStatus s{code, static_cast<int32_t>(phase), ctx.rank, peer, expected, seen, token, slot, 1, 0};
+  DeviceStatus s{code,     static_cast<int32_t>(phase), ctx.rank, peer, expected, seen, token,
+                 slot, 1, static_cast<int32_t>(ctx.call)};
   ctx.status->phase = s.phase;
   ctx.status->rank = s.rank;
   ctx.status->peer = s.peer;
@@ -73,6 +75,7 @@ __device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase 
   ctx.status->seen = s.seen;
   ctx.status->token = s.token;
   ctx.status->slot = s.slot;
+  ctx.status->call = s.call;
   if (ctx.host_status != nullptr) {
     volatile DeviceStatus* h = ctx.host_status;  // plain mirror writes; `valid` is released last
     h->code = s.code;
@@ -83,6 +86,7 @@ __device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase 
     h->seen = s.seen;
     h->token = s.token;
     h->slot = s.slot;
+    h->call = s.call;
     __threadfence_system();
     st_release_sys(const_cast<int32_t*>(&ctx.host_status->valid), 1);
   }

@@ -948,7 +948,7 @@ TEST(Launch, ReportsSignalsAndMissingCommands) {
 TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
   for (const std::vector<std::string>& extra :
        {std::vector<std::string>{"--graph-conditional"}, {"--rank-threads"},
-        {"--graph", "3", "--graph-conditional", "--world-kind", "ipc"}}) {
+        {"--graph-execs", "2"}, {"--graph", "3", "--graph-conditional", "--world-kind", "ipc"}}) {
     std::vector<std::string> argv = {EPX_CLI_PATH, "check"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     const auto r = run_command(argv);
@@ -958,6 +958,26 @@ TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
     EXPECT_NE(r.err.find(extra[0] == "--graph" ? "--graph-conditional" : extra[0]),
               std::string::npos)
         << r.err;
+  }
+  const auto zero = run_command({EPX_CLI_PATH, "check", "--graph", "3", "--graph-execs", "0"});
+  EXPECT_EQ(exit_code(zero), 2) << zero.err;
+  EXPECT_NE(zero.err.find("--graph-execs = 0, expected in [1, 64]"), std::string::npos) << zero.err;
+}
+
+// `epx serve-bench --graph-buckets`: ascending sizes within the largest decode batch, with
+// --cuda-graph only; refused before any GPU is needed.
+TEST(ServeCli, GraphBucketsAreChecked) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--graph-buckets", "4,2", "--cuda-graph"}, "'4,2': '2', expected ascending"},
+      {{"--graph-buckets", "1,999", "--cuda-graph"}, "in [1, 128]"},
+      {{"--graph-buckets", "1,x", "--cuda-graph"}, "'1,x': 'x'"},
+      {{"--graph-buckets", "4"}, "expected only with --cuda-graph"}};
+  for (const auto& [extra, message] : cases) {
+    std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = run_command(argv);
+    EXPECT_EQ(exit_code(r), 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
   }
 }
 

@@ -185,8 +185,8 @@ TEST(LowLatency, MixedEagerAndGraph) {
 }
 
 // The expert inside a conditional SWITCH node (as MoeLayer's captured expert stage), every rank
-// capturing and replaying from its own host thread (as serve-bench): token-major with a rank
-// without tokens, and expert-major.
+// capturing and replaying from its own host thread, three executable graphs per rank replayed in
+// turn (as serve-bench's buckets): token-major with a rank without tokens, and expert-major.
 TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
   REQUIRE_GPU();
   for (const Case& c : {kCases[16], kCases[12]}) {
@@ -197,6 +197,7 @@ TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
       o.mixed = mixed;
       o.conditional = true;
       o.rank_threads = true;
+      o.graph_execs = 3;
       const auto rep = check::run_check(o);
       EXPECT_TRUE(rep.ok) << c.name << (mixed ? " mixed" : "") << describe(rep);
       EXPECT_EQ(rep.calls, 51);
@@ -389,6 +390,7 @@ TEST(LowLatency, MissingRankTimesOutNamingIt) {
       const std::string m = e.what();
       EXPECT_NE(m.find("for rank 0"), std::string::npos) << m;
       EXPECT_NE(m.find("rank " + std::to_string(r)), std::string::npos) << m;
+      EXPECT_NE(m.find("(call 1)"), std::string::npos) << m;  // the first dispatch
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

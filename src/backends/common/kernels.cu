@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
   const int nb = gridDim.x, b = blockIdx.x;
   uint8_t* local = p.sym.local;
   State* state = at<State>(local, L.state);
-  const WaitContext wait = make_wait(p.sym, L, p.waits);
+  WaitContext wait = make_wait(p.sym, L, p.waits);
 
   __shared__ uint8_t* peers[kMaxRanks];
   __shared__ int32_t base[kMaxRanks];
@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
   if (dev::aborted(wait)) return;  // an earlier call timed out: the peers' state is unknown
   const uint32_t epoch = state->dispatch_epoch + 1;
   const int par = epoch & 1;
+  wait.call = epoch;
   for (int r = threadIdx.x; r < W; r += blockDim.x) peers[r] = p.sym.peers[r];
   if (threadIdx.x == 0) failed = 0;
 
@@ -546,11 +547,12 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
   const int nb = gridDim.x, b = blockIdx.x;
   uint8_t* local = p.sym.local;
   State* state = at<State>(local, L.state);
-  const WaitContext wait = make_wait(p.sym, L, p.waits);
+  WaitContext wait = make_wait(p.sym, L, p.waits);
 
   __shared__ uint8_t* peers[kMaxRanks];
   if (dev::aborted(wait)) return;
   const uint32_t epoch = state->combine_epoch + 1;
+  wait.call = epoch;
   const int M = state->recv_count;
   const int N = state->num_tokens;
   for (int r = threadIdx.x; r < W; r += blockDim.x) peers[r] = p.sym.peers[r];

@@ -155,8 +155,10 @@ class PeerAll2All final : public All2All {
   void raise_recorded() {
     const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
     const DeviceStatus s{st->code, st->phase, st->rank, st->peer, st->expected,
-                         st->seen, st->token, st->slot, st->valid, 0};
-    const std::string where = fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
+                         st->seen, st->token, st->slot, st->valid, st->call};
+    const std::string where =
+        s.call > 0 ? fmt::format("rank {} in {} (call {})", s.rank, to_string(Phase(s.phase)), s.call)
+                   : fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
     switch (ErrorCode(s.code)) {
       case ErrorCode::kTimeout:
         if (Phase(s.phase) == Phase::kGridBarrier) {
