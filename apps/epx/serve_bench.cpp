@@ -409,6 +409,7 @@ struct Rank {
   void* x_graph = nullptr;  // [largest decode bucket][H] bf16: the decode graphs' input
   std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
   std::map<int, cudaGraphExec_t> graphs;          // decode bucket -> every layer's forward
+  std::vector<double> launch_s;  // host time of each replayed step's cudaGraphLaunch
   Rank() = default;
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
@@ -464,6 +465,7 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
     const auto t2 = std::chrono::steady_clock::now();
     const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
     const double launch_ms = std::chrono::duration<double, std::milli>(t2 - t1).count();
+    rank.launch_s.push_back(launch_ms / 1e3);
     if (copy_ms + launch_ms > kSlowEnqueueMs) {
       fmt::print(stderr, "  rank {}: enqueueing the bucket-{} graph blocked the host {:.0f} ms "
                  "(input copy {:.0f} ms, cudaGraphLaunch {:.0f} ms)\n",
@@ -528,6 +530,7 @@ struct BackendResult {
   int steps = 0;
   int prefill_steps = 0;  // steps with prefill tokens
   serve::Summary step_s;
+  serve::Summary launch_s;    // cuda_graph: host time of cudaGraphLaunch, every rank's replays
   double warmup_s = 0;
 };
 
@@ -662,6 +665,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     }
     br.warmup_s = seconds_since(t_warm);
 
+    for (auto& r : ranks) r->launch_s.clear();  // the timed steps' replays only
     serve::Scheduler sched(w);
     std::vector<double> step_s;
     const auto t0 = std::chrono::steady_clock::now();
@@ -694,6 +698,9 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     }
     br.steps = sched.steps();
     br.step_s = serve::summarize_values(std::move(step_s));
+    std::vector<double> launches;
+    for (auto& r : ranks) launches.insert(launches.end(), r->launch_s.begin(), r->launch_s.end());
+    br.launch_s = serve::summarize_values(std::move(launches));
     br.latency = serve::latency_report(sched.requests());
     fmt::print(stderr, "{}: done, {} steps ({} graph replays), {:.1f} s (warm-up {:.1f} s{})\n",
                tag, br.steps, br.graph_steps, br.latency.end_s, br.warmup_s,
@@ -747,8 +754,10 @@ void print_table(const std::vector<BackendResult>& results) {
       "so a graph step does up to the bucket's work on every rank.\n");
   for (const BackendResult& br : results) {
     if (!br.cuda_graph || br.status != "ok") continue;
-    fmt::print("  {}: {} of {} steps replayed, capture + instantiation {:.2f} s\n",
-               to_string(br.backend), br.graph_steps, br.steps, br.capture_s);
+    fmt::print("  {}: {} of {} steps replayed, capture + instantiation {:.2f} s, host time of one "
+               "rank's cudaGraphLaunch P50 {:.3f} ms, max {:.3f} ms\n",
+               to_string(br.backend), br.graph_steps, br.steps, br.capture_s,
+               1e3 * br.launch_s.p50, 1e3 * br.launch_s.max);
   }
 }
 
@@ -822,6 +831,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       rec["prefill_steps"] = br.prefill_steps;
       rec["warmup_s"] = br.warmup_s;
       if (br.cuda_graph) {
+        rec["graph_launch_ms"] = summary_json(br.launch_s);
         rec["graph_steps"] = br.graph_steps;
         rec["capture_s"] = br.capture_s;
       }
