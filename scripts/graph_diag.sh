@@ -6,8 +6,9 @@
 # one at a time on the all-to-all alone (identity expert, no GEMM): SWITCH nodes
 # (--graph-conditional), a host thread per rank (--rank-threads), several executable graphs per
 # rank (--graph-execs, as serve-bench's 7 buckets); then serve-bench at 16, 20 and 32 ranks with
-# all buckets and with one (--graph-buckets). ~2 min when every step passes; a failing step
-# stops at EPX_TIMEOUT_MS. Logs to $OUT (or graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
+# all buckets, with one (--graph-buckets), and with one graph of all ranks (--graph-scope world);
+# then the R1 shape at 8 ranks. ~3 min when every step passes; a failing step stops at
+# EPX_TIMEOUT_MS. Logs to $OUT (or graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -36,4 +37,12 @@ for w in 16 20 32; do
     --backends low_latency
   step "serve_w${w}_graph_b8" "$build/epx" serve-bench --world "$w" --experts $((w * 2)) $SMALL \
     --backends low_latency --graph-buckets 8
+  step "serve_w${w}_graph_world" "$build/epx" serve-bench --world "$w" --experts $((w * 2)) \
+    $SMALL --backends low_latency --graph-scope world
+done
+# DeepSeek-R1 shape, 8 ranks, 2 layers: graph against eager decode steps, per-rank and world graphs
+# (step_ms and graph_launch_ms in the JSON).
+for scope in rank world; do
+  step "serve_r1_w8_$scope" "$build/epx" serve-bench --world 8 --cuda-graph --backends low_latency \
+    --graph-scope "$scope" --json "$out/serve_r1_w8_$scope.json"
 done

@@ -72,6 +72,7 @@ struct ServeFlags {
   std::string preset;
   bool cuda_graph = false;
   std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
+  std::string graph_scope = "rank";  // --graph-scope
 };
 
 struct ServePlan {
@@ -87,6 +88,7 @@ struct ServePlan {
   std::string preset_note;  // empty unless --preset
   bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
   std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
+  bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
 };
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
@@ -236,6 +238,13 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   p.layers = f.layers;
   p.seed = f.seed;
   p.json_path = f.json_path;
+  if (f.graph_scope != "rank" && f.graph_scope != "world") {
+    EPX_THROW(ConfigError,
+              fmt::format("--graph-scope = '{}', expected rank or world", f.graph_scope));
+  }
+  if (f.graph_scope == "world" && !f.cuda_graph)
+    EPX_THROW(ConfigError, "--graph-scope = 'world', expected only with --cuda-graph");
+  p.world_graphs = f.graph_scope == "world";
   const int largest = largest_decode_bucket(p.workload);
   if (f.graph_buckets.empty()) {
     p.graph_buckets = decode_buckets(largest);
@@ -511,6 +520,96 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
   for (auto& layer : rank.layers) layer->set_capture_token_bound(0);
 }
 
+// --graph-scope world: per bucket one graph holding every rank's decode forward, each on its
+// rank's stream as a branch forked from and joined into `main`, replayed with one launch.
+struct WorldGraphs {
+  cudaStream_t main = nullptr;
+  cudaEvent_t fork = nullptr;
+  std::vector<cudaEvent_t> joins;
+  std::map<int, cudaGraphExec_t> graphs;  // decode bucket -> every rank's forward
+  std::vector<double> launch_s;           // host time of each timed replay's cudaGraphLaunch
+  WorldGraphs() = default;
+  WorldGraphs(const WorldGraphs&) = delete;
+  WorldGraphs& operator=(const WorldGraphs&) = delete;
+  ~WorldGraphs() {
+    if (main) (void)cudaStreamSynchronize(main);
+    for (auto& [b, exec] : graphs) (void)cudaGraphExecDestroy(exec);
+    for (cudaEvent_t e : joins)
+      if (e) (void)cudaEventDestroy(e);
+    if (fork) (void)cudaEventDestroy(fork);
+    if (main) (void)cudaStreamDestroy(main);
+  }
+};
+
+void capture_world_graphs(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& ranks,
+                          std::vector<std::unique_ptr<All2All>>& group, int num_layers,
+                          const std::vector<int>& buckets) {
+  const int W = int(ranks.size());
+  EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&wg.main, cudaStreamNonBlocking));
+  EPX_CUDA_CHECK(cudaEventCreateWithFlags(&wg.fork, cudaEventDisableTiming));
+  wg.joins.assign(size_t(W), nullptr);
+  for (int r = 0; r < W; ++r) {
+    EPX_CUDA_CHECK(cudaSetDevice(ranks[size_t(r)]->device));
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&wg.joins[size_t(r)], cudaEventDisableTiming));
+  }
+  for (int b : buckets) {
+    cudaGraph_t g = nullptr;
+    EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
+    EPX_CUDA_CHECK(cudaStreamBeginCapture(wg.main, cudaStreamCaptureModeThreadLocal));
+    try {
+      EPX_CUDA_CHECK(cudaEventRecord(wg.fork, wg.main));
+      for (int r = 0; r < W; ++r) {
+        Rank& rank = *ranks[size_t(r)];
+        EPX_CUDA_CHECK(cudaSetDevice(rank.device));
+        for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
+        EPX_CUDA_CHECK(cudaStreamWaitEvent(rank.stream, wg.fork, 0));
+        for (int l = 0; l < num_layers; ++l) {
+          MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
+          layer.forward(rank.x_graph, b, rank.y, *group[size_t(r)], rank.stream, 1);
+        }
+        EPX_CUDA_CHECK(cudaEventRecord(wg.joins[size_t(r)], rank.stream));
+        EPX_CUDA_CHECK(cudaStreamWaitEvent(wg.main, wg.joins[size_t(r)], 0));
+      }
+    } catch (...) {
+      (void)cudaStreamEndCapture(wg.main, &g);
+      if (g) (void)cudaGraphDestroy(g);
+      (void)cudaGetLastError();
+      throw;
+    }
+    EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
+    EPX_CUDA_CHECK(cudaStreamEndCapture(wg.main, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+    (void)cudaGraphDestroy(g);
+    EPX_CUDA_CHECK(err);
+    wg.graphs[b] = exec;
+    EPX_CUDA_CHECK(cudaGraphUpload(exec, wg.main));
+  }
+  for (auto& r : ranks)
+    for (auto& layer : r->layers) layer->set_capture_token_bound(0);
+}
+
+// One decode step of every rank as one replay (--graph-scope world): each rank's input rows into
+// its x_graph on `main`, one launch, then the device drained and every rank's status polled.
+void run_world_step(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& ranks,
+                    const std::vector<RankStep>& steps, size_t row_bytes, RankThreads& threads,
+                    std::vector<std::unique_ptr<All2All>>& group) {
+  EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const RankStep& st = steps[r];
+    if (st.tokens == 0) continue;
+    const void* x = static_cast<const uint8_t*>(ranks[r]->x) + st.first_row * row_bytes;
+    EPX_CUDA_CHECK(cudaMemcpyAsync(ranks[r]->x_graph, x, size_t(st.tokens) * row_bytes,
+                                   cudaMemcpyDeviceToDevice, wg.main));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  EPX_CUDA_CHECK(cudaGraphLaunch(wg.graphs.at(steps[0].graph_bucket), wg.main));
+  wg.launch_s.push_back(seconds_since(t0));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(wg.main));
+  threads.run([&](int r) { group[size_t(r)]->poll(); });
+}
+
 void drain(std::vector<std::unique_ptr<Rank>>& ranks) noexcept {
   for (auto& r : ranks) {
     (void)cudaSetDevice(r->device);
@@ -636,7 +735,13 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
   }
 
   std::vector<RankStep> steps(static_cast<size_t>(W));
+  // Declared before the try block: its graphs hold the group's All2All, drained below.
+  WorldGraphs world_graphs;
   auto run_all = [&] {
+    if (p.world_graphs && steps[0].graph_bucket > 0) {
+      run_world_step(world_graphs, ranks, steps, row_bytes, threads, group);
+      return;
+    }
     threads.run([&](int r) {
       run_step(*ranks[size_t(r)], *group[size_t(r)], p.layers, steps[size_t(r)], row_bytes);
     });
@@ -654,9 +759,13 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     const std::vector<int>& buckets = p.graph_buckets;
     if (cuda_graph) {
       const auto t_capture = std::chrono::steady_clock::now();
-      threads.run([&](int r) {
-        capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets);
-      });
+      if (p.world_graphs) {
+        capture_world_graphs(world_graphs, ranks, group, p.layers, buckets);
+      } else {
+        threads.run([&](int r) {
+          capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets);
+        });
+      }
       br.capture_s = seconds_since(t_capture);
       for (const int b : buckets) {
         for (auto& s : steps) s = RankStep{b, 1, 0, b};
@@ -666,6 +775,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     br.warmup_s = seconds_since(t_warm);
 
     for (auto& r : ranks) r->launch_s.clear();  // the timed steps' replays only
+    world_graphs.launch_s.clear();
     serve::Scheduler sched(w);
     std::vector<double> step_s;
     const auto t0 = std::chrono::steady_clock::now();
@@ -698,7 +808,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     }
     br.steps = sched.steps();
     br.step_s = serve::summarize_values(std::move(step_s));
-    std::vector<double> launches;
+    std::vector<double> launches = world_graphs.launch_s;
     for (auto& r : ranks) launches.insert(launches.end(), r->launch_s.begin(), r->launch_s.end());
     br.launch_s = serve::summarize_values(std::move(launches));
     br.latency = serve::latency_report(sched.requests());
@@ -811,7 +921,8 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       {"cuda_graph", p.cuda_graph},
       {"graph_buckets", p.cuda_graph
                             ? json(p.graph_buckets)
-                            : json(nullptr)}};
+                            : json(nullptr)},
+      {"graph_scope", p.cuda_graph ? json(p.world_graphs ? "world" : "rank") : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
     json rec = {{"backend", to_string(br.backend)},
@@ -896,8 +1007,10 @@ bool run_serve_bench(const ServePlan& plan) {
   if (p.cuda_graph) {
     fmt::print(
         "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
-        "replays (buckets {})\n",
-        fmt::join(p.graph_buckets, ","));
+        "replays (buckets {}; {})\n",
+        fmt::join(p.graph_buckets, ","),
+        p.world_graphs ? "one graph of every rank per bucket, one launch per step"
+                       : "per-rank graphs, each launched from its rank's thread");
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              env_note);
@@ -1017,6 +1130,11 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
               "as per-rank CUDA graphs captured per batch bucket (1, 2, 4, ... up to "
               "min(--chunk-size, --max-batched-tokens); batches padded with dummy tokens); "
               "prefill and mixed steps stay eager");
+  c->add_option("--graph-scope", f->graph_scope,
+                "with --cuda-graph: rank (every rank captures and replays its own graphs from its "
+                "own thread, as engines do) | world (one graph per bucket holding every rank's "
+                "forward as parallel branches, replayed from one thread)")
+      ->capture_default_str();
   c->add_option("--graph-buckets", f->graph_buckets,
                 "with --cuda-graph: the decode batch sizes captured, ascending comma list "
                 "(default 1, 2, 4, ... up to the largest); larger decode batches run eagerly");

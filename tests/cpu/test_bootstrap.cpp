@@ -964,14 +964,16 @@ TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
   EXPECT_NE(zero.err.find("--graph-execs = 0, expected in [1, 64]"), std::string::npos) << zero.err;
 }
 
-// `epx serve-bench --graph-buckets`: ascending sizes within the largest decode batch, with
-// --cuda-graph only; refused before any GPU is needed.
+// `epx serve-bench --graph-buckets` (ascending sizes within the largest decode batch) and
+// `--graph-scope` (rank or world), with --cuda-graph only; refused before any GPU is needed.
 TEST(ServeCli, GraphBucketsAreChecked) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--graph-buckets", "4,2", "--cuda-graph"}, "'4,2': '2', expected ascending"},
       {{"--graph-buckets", "1,999", "--cuda-graph"}, "in [1, 128]"},
       {{"--graph-buckets", "1,x", "--cuda-graph"}, "'1,x': 'x'"},
-      {{"--graph-buckets", "4"}, "expected only with --cuda-graph"}};
+      {{"--graph-buckets", "4"}, "expected only with --cuda-graph"},
+      {{"--graph-scope", "node", "--cuda-graph"}, "--graph-scope = 'node', expected rank or world"},
+      {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"}};
   for (const auto& [extra, message] : cases) {
     std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
     argv.insert(argv.end(), extra.begin(), extra.end());
