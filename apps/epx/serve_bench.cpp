@@ -1127,9 +1127,8 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
   c->add_option("--preset", f->preset, preset_help());
   c->add_flag("--cuda-graph", f->cuda_graph,
               "run every backend twice, eager then with decode-only steps (one chunk) replayed "
-              "as per-rank CUDA graphs captured per batch bucket (1, 2, 4, ... up to "
-              "min(--chunk-size, --max-batched-tokens); batches padded with dummy tokens); "
-              "prefill and mixed steps stay eager");
+              "as CUDA graphs captured per batch bucket (--graph-buckets, --graph-scope; "
+              "batches padded with dummy tokens); prefill and mixed steps stay eager");
   c->add_option("--graph-scope", f->graph_scope,
                 "with --cuda-graph: rank (every rank captures and replays its own graphs from its "
                 "own thread, as engines do) | world (one graph per bucket holding every rank's "
