@@ -245,6 +245,10 @@ rm -rf "$sockdir"
 run serve_small_graph $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
   --chunk-size 64 --max-batched-tokens 256 --cuda-graph --json "$logs/serve_small.json"
+run serve_small_graph_world $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
+  --chunk-size 64 --max-batched-tokens 256 --cuda-graph --graph-scope world \
+  --graph-buckets 2,8,64 --backends low_latency
 
 # Several GPUs: in-process ranks spread over them, and one process per GPU over NcclWorld.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
