@@ -46,3 +46,17 @@ for scope in rank world; do
   step "serve_r1_w8_$scope" "$build/epx" serve-bench --world 8 --cuda-graph --backends low_latency \
     --graph-scope "$scope" --json "$out/serve_r1_w8_$scope.json"
 done
+# Where a graph step's time goes (R1 shape, 8 ranks, 2 layers): GPU kernel totals of an eager-only
+# run and of an eager + graph run (their difference is the graph pass), when nsys is installed.
+if command -v nsys >/dev/null 2>&1; then
+  R1="--world 8 --backends low_latency --num-prompts 32 --osl 32"
+  for mode in eager graph; do
+    flag=""; [ "$mode" = graph ] && flag="--cuda-graph"
+    timeout 150 nsys profile -q -t cuda --cuda-graph-trace=node -o "$out/prof_$mode" -f true \
+      "$build/epx" serve-bench $R1 $flag >"$out/prof_$mode.log" 2>&1
+    echo "=== nsys $mode: rc $?"
+    nsys stats -q -r cuda_gpu_kern_sum -f csv "$out/prof_$mode.nsys-rep" 2>/dev/null \
+      | head -25 | cut -c1-200 | tee "$out/kern_sum_$mode.csv"
+    rm -f "$out/prof_$mode.nsys-rep" "$out/prof_$mode.sqlite"
+  done
+fi
