@@ -47,8 +47,9 @@ for scope in rank world; do
     --graph-scope "$scope" --json "$out/serve_r1_w8_$scope.json"
 done
 # Where a graph step's time goes (R1 shape, 8 ranks, 2 layers): GPU kernel totals of an eager-only
-# run and of an eager + graph run (their difference is the graph pass), when nsys is installed.
-if command -v nsys >/dev/null 2>&1; then
+# run and of an eager + graph run (their difference is the graph pass), with EPX_DIAG_NSYS=1 where
+# nsys is installed (up to 5 more minutes).
+if [ -n "${EPX_DIAG_NSYS:-}" ] && command -v nsys >/dev/null 2>&1; then
   R1="--world 8 --backends low_latency --num-prompts 32 --osl 32"
   for mode in eager graph; do
     flag=""; [ "$mode" = graph ] && flag="--cuda-graph"
