@@ -11,11 +11,7 @@
 # EPX_TIMEOUT_MS. Logs to $OUT (or graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export CUDA_MODULE_LOADING=EAGER EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-3000}
-build=${1:-build}
-out=${OUT:-graph-diag}
-mkdir -p "$out"
+. scripts/diag_env.sh graph-diag "${1:-build}"
 step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   local name=$1; shift
   echo "=== $name: $*"

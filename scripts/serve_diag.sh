@@ -4,11 +4,7 @@
 # (EPX_GEMM_LOG=1). Logs to $OUT (or serve-diag/). Usage: scripts/serve_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export CUDA_MODULE_LOADING=EAGER EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-3000}
-build=${1:-build}
-out=${OUT:-serve-diag}
-mkdir -p "$out"
+. scripts/diag_env.sh serve-diag "${1:-build}"
 S="--world 8 --experts 64 --hidden 2048 --intermediate 512 --shared-intermediate 512"
 S="$S --num-prompts 16 --isl 128 --osl 8 --chunk-size 64 --max-batched-tokens 256"
 one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]

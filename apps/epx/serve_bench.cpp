@@ -490,6 +490,28 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
   a2a.synchronize(rank.stream);
 }
 
+// Ends the capture of `s`, instantiates its graph and uploads it on `s`.
+cudaGraphExec_t end_capture(cudaStream_t s) {
+  cudaGraph_t g = nullptr;
+  EPX_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+  (void)cudaGraphDestroy(g);
+  EPX_CUDA_CHECK(err);
+  const cudaError_t up = cudaGraphUpload(exec, s);
+  if (up != cudaSuccess) (void)cudaGraphExecDestroy(exec);
+  EPX_CUDA_CHECK(up);
+  return exec;
+}
+
+// Ends the capture of `s` after a failure, dropping whatever it recorded.
+void abandon_capture(cudaStream_t s) noexcept {
+  cudaGraph_t g = nullptr;
+  (void)cudaStreamEndCapture(s, &g);
+  if (g) (void)cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+}
+
 // Captures this rank's decode graphs, one per bucket: every layer's forward of `bucket` tokens of
 // x_graph in one chunk (capture only records: no rank waits for another).
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
@@ -497,7 +519,6 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
   for (int b : buckets) {
     for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
-    cudaGraph_t g = nullptr;
     EPX_CUDA_CHECK(cudaStreamBeginCapture(rank.stream, cudaStreamCaptureModeThreadLocal));
     try {
       for (int l = 0; l < num_layers; ++l) {
@@ -505,17 +526,10 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
         layer.forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
       }
     } catch (...) {
-      (void)cudaStreamEndCapture(rank.stream, &g);
-      if (g) (void)cudaGraphDestroy(g);
+      abandon_capture(rank.stream);
       throw;
     }
-    EPX_CUDA_CHECK(cudaStreamEndCapture(rank.stream, &g));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-    (void)cudaGraphDestroy(g);
-    EPX_CUDA_CHECK(err);
-    rank.graphs[b] = exec;
-    EPX_CUDA_CHECK(cudaGraphUpload(exec, rank.stream));
+    rank.graphs[b] = end_capture(rank.stream);
   }
   for (auto& layer : rank.layers) layer->set_capture_token_bound(0);
 }
@@ -554,7 +568,6 @@ void capture_world_graphs(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& r
     EPX_CUDA_CHECK(cudaEventCreateWithFlags(&wg.joins[size_t(r)], cudaEventDisableTiming));
   }
   for (int b : buckets) {
-    cudaGraph_t g = nullptr;
     EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
     EPX_CUDA_CHECK(cudaStreamBeginCapture(wg.main, cudaStreamCaptureModeThreadLocal));
     try {
@@ -572,19 +585,11 @@ void capture_world_graphs(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& r
         EPX_CUDA_CHECK(cudaStreamWaitEvent(wg.main, wg.joins[size_t(r)], 0));
       }
     } catch (...) {
-      (void)cudaStreamEndCapture(wg.main, &g);
-      if (g) (void)cudaGraphDestroy(g);
-      (void)cudaGetLastError();
+      abandon_capture(wg.main);
       throw;
     }
     EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
-    EPX_CUDA_CHECK(cudaStreamEndCapture(wg.main, &g));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-    (void)cudaGraphDestroy(g);
-    EPX_CUDA_CHECK(err);
-    wg.graphs[b] = exec;
-    EPX_CUDA_CHECK(cudaGraphUpload(exec, wg.main));
+    wg.graphs[b] = end_capture(wg.main);
   }
   for (auto& r : ranks)
     for (auto& layer : r->layers) layer->set_capture_token_bound(0);
