@@ -93,19 +93,6 @@ const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
 const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
 
-int hardware_queues_per_gpu(const char* max_connections) {
-  if (max_connections == nullptr) return 8;
-  const std::string_view t = max_connections;
-  const bool digits = !t.empty() && t.size() <= 3 &&
-                      std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
-  const int v = digits ? std::atoi(max_connections) : -1;
-  if (v < 1 || v > 32) {
-    EPX_THROW(ConfigError,
-              fmt::format("CUDA_DEVICE_MAX_CONNECTIONS = \"{}\", expected an integer in 1..32", t));
-  }
-  return v;
-}
-
 Backend parse_backend(const std::string& name) {
   return parse_named(kBackendNames, "backend", name);
 }
@@ -358,22 +345,25 @@ std::string to_json(const LaunchConfigs& configs) {
 
 namespace {
 
-// Strict decimal: digits only, no sign, no spaces, no suffix, no exponent.
-int parse_timeout_ms(std::string_view name, std::string_view text) {
-  const std::string bound = fmt::format("a decimal integer in [1, {}]", kMaxTimeoutMs);
+// Strict decimal in [lo, hi]: digits only, no sign, no spaces, no suffix, no exponent.
+// ConfigError "NAME = "text", expected BOUND".
+int parse_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
+                  const std::string& bound) {
   const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
     return std::isdigit(static_cast<unsigned char>(c)) != 0;
   });
-  if (!digits_only) {
-    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, text, bound));
-  }
   uint64_t value = 0;
   const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (err != std::errc() || end != text.data() + text.size() || value < 1 ||
-      value > static_cast<uint64_t>(kMaxTimeoutMs)) {
+  if (!digits_only || err != std::errc() || end != text.data() + text.size() || value < lo ||
+      value > hi) {
     EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, text, bound));
   }
   return static_cast<int>(value);
+}
+
+int parse_timeout_ms(std::string_view name, std::string_view text) {
+  return parse_decimal(name, text, 1, static_cast<uint64_t>(kMaxTimeoutMs),
+                       fmt::format("a decimal integer in [1, {}]", kMaxTimeoutMs));
 }
 
 }  // namespace
@@ -389,6 +379,12 @@ EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* c
     out.config_path = std::string(config_path);
   }
   return out;
+}
+
+int hardware_queues_per_gpu(const char* max_connections) {
+  if (max_connections == nullptr) return 8;  // CUDA's default
+  return parse_decimal("CUDA_DEVICE_MAX_CONNECTIONS", max_connections, 1, 32,
+                       "an integer in 1..32");
 }
 
 EnvSettings read_env() {
