@@ -74,7 +74,8 @@ std::vector<std::string> split_list(const std::string& text, const char* flag) {
   return out;
 }
 
-std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi) {
+std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi,
+                                const std::string& why) {
   std::vector<int> out;
   std::set<int> seen;
   for (const std::string& item : split_list(text, flag)) {
@@ -89,7 +90,7 @@ std::vector<int> parse_int_list(const std::string& text, const char* flag, int l
       EPX_THROW(ConfigError, fmt::format("{}: '{}' is not an integer, expected integers in [{}, {}]",
                                          flag, item, lo, hi));
     }
-    check_range(flag, v, lo, hi);
+    check_range(flag, v, lo, hi, why);
     if (!seen.insert(int(v)).second) {
       EPX_THROW(ConfigError, fmt::format("{} = '{}' lists {} twice, expected each value once", flag,
                                          text, v));

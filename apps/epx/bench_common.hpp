@@ -73,7 +73,8 @@ std::vector<int> first_gpus(int n);
 // "a,b,c" -> items (empty items are errors naming `flag`).
 std::vector<std::string> split_list(const std::string& text, const char* flag);
 // Comma list of integers, each in [lo, hi], no repeats; throws ConfigError naming `flag`.
-std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi);
+std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi,
+                                const std::string& why = "");
 // Throws ConfigError "<flag> = <value>, expected <bound>" unless lo <= value <= hi.
 void check_range(const char* flag, int64_t value, int64_t lo, int64_t hi, const std::string& why = "");
 // Same routing names as `epx check`.

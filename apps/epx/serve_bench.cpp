@@ -251,18 +251,13 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   } else {
     if (!f.cuda_graph)
       EPX_THROW(ConfigError, "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
-    for (const std::string& item : split_list(f.graph_buckets, "--graph-buckets")) {
-      const bool digits = !item.empty() && item.size() <= 6 &&
-                          std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
-      const int b = digits ? std::stoi(item) : -1;
-      const int prev = p.graph_buckets.empty() ? 0 : p.graph_buckets.back();
-      if (b <= prev || b > largest) {
-        EPX_THROW(ConfigError,
-                  fmt::format("--graph-buckets = '{}': '{}', expected ascending batch sizes in "
-                              "[1, {}] (the smaller of --chunk-size, --max-batched-tokens and {})",
-                              f.graph_buckets, item, largest, kMaxGraphBatch));
-      }
-      p.graph_buckets.push_back(b);
+    // Integers in [1, largest], each once (named when not), then ascending.
+    p.graph_buckets = parse_int_list(
+        f.graph_buckets, "--graph-buckets", 1, largest,
+        fmt::format("the smaller of --chunk-size, --max-batched-tokens and {}", kMaxGraphBatch));
+    if (!std::is_sorted(p.graph_buckets.begin(), p.graph_buckets.end())) {
+      EPX_THROW(ConfigError,
+                fmt::format("--graph-buckets = '{}', expected ascending batch sizes", f.graph_buckets));
     }
   }
   return p;

@@ -968,9 +968,11 @@ TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
 // `--graph-scope` (rank or world), with --cuda-graph only; refused before any GPU is needed.
 TEST(ServeCli, GraphBucketsAreChecked) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--graph-buckets", "4,2", "--cuda-graph"}, "'4,2': '2', expected ascending"},
-      {{"--graph-buckets", "1,999", "--cuda-graph"}, "in [1, 128]"},
-      {{"--graph-buckets", "1,x", "--cuda-graph"}, "'1,x': 'x'"},
+      {{"--graph-buckets", "4,2", "--cuda-graph"}, "'4,2', expected ascending batch sizes"},
+      {{"--graph-buckets", "1,999", "--cuda-graph"},
+       "--graph-buckets = 999, expected in [1, 128] (the smaller of --chunk-size"},
+      {{"--graph-buckets", "1,x", "--cuda-graph"}, "--graph-buckets: 'x' is not an integer"},
+      {{"--graph-buckets", "2,2", "--cuda-graph"}, "lists 2 twice"},
       {{"--graph-buckets", "4"}, "expected only with --cuda-graph"},
       {{"--graph-scope", "node", "--cuda-graph"}, "--graph-scope = 'node', expected rank or world"},
       {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"}};
