@@ -92,6 +92,7 @@ struct CheckFlags {
   bool graph_conditional = false;
   bool rank_threads = false;
   int graph_execs = 1;
+  bool graph_split = false;
   bool ids64 = false;
   int pool = 3;
   std::string world_kind = "in-process";
@@ -228,9 +229,12 @@ void add_check(CLI::App& app, int& exit_code) {
   c->add_flag("--rank-threads", f->rank_threads,
               "with --graph, in-process: every rank captures and replays from its own host thread");
   c->add_option("--graph-execs", f->graph_execs,
-                "with --graph, in-process: executable graphs per rank from the one capture, "
+                "with --graph, in-process: executable graphs per rank, each captured on its own, "
                 "replayed in turn (1..64)")
       ->capture_default_str();
+  c->add_flag("--graph-split", f->graph_split,
+              "with --graph, in-process: dispatch, expert and combine captured as three graphs "
+              "replayed in order (as the MoE layer's split capture), not one");
   c->add_flag("--ids64", f->ids64, "pass topk_ids as int64");
   c->add_option("--pool", f->pool, "distinct input sets cycled through")->capture_default_str();
   // Testing only, hence hidden (empty group): proves that a killed rank is named by the others.
@@ -268,7 +272,8 @@ void add_check(CLI::App& app, int& exit_code) {
                                        c->get_option("--gpus"),
                                        c->get_option("--graph-conditional"),
                                        c->get_option("--rank-threads"),
-                                       c->get_option("--graph-execs")};
+                                       c->get_option("--graph-execs"),
+                                       c->get_option("--graph-split")};
   CLI::Option* gpus_opt = c->get_option("--gpus");
   c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
@@ -289,7 +294,8 @@ void add_check(CLI::App& app, int& exit_code) {
               f->graph_execs, "in [1, 64]");
     for (const auto& [given, name] : {std::pair{f->graph_conditional, "--graph-conditional"},
                                       std::pair{f->rank_threads, "--rank-threads"},
-                                      std::pair{f->graph_execs != 1, "--graph-execs"}}) {
+                                      std::pair{f->graph_execs != 1, "--graph-execs"},
+                                      std::pair{f->graph_split, "--graph-split"}}) {
       EPX_CHECK(!given || (f->graph > 0 && f->world_kind == "in-process"), ConfigError, name,
                 "given", "only with --graph and --world-kind in-process");
     }
@@ -319,6 +325,7 @@ void add_check(CLI::App& app, int& exit_code) {
     o.conditional = f->graph_conditional;
     o.rank_threads = f->rank_threads;
     o.graph_execs = f->graph_execs;
+    o.graph_split = f->graph_split;
     o.ids_int64 = f->ids64;
     o.pool = f->pool;
     o.log = [](const std::string& s) { fmt::print("  {}\n", s); };

@@ -73,6 +73,7 @@ struct ServeFlags {
   bool cuda_graph = false;
   std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
   std::string graph_scope = "rank";  // --graph-scope
+  std::string graph_split = "expert";  // --graph-split
 };
 
 struct ServePlan {
@@ -89,6 +90,7 @@ struct ServePlan {
   bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
   std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
   bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
+  bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
 };
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
@@ -245,6 +247,11 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   if (f.graph_scope == "world" && !f.cuda_graph)
     EPX_THROW(ConfigError, "--graph-scope = 'world', expected only with --cuda-graph");
   p.world_graphs = f.graph_scope == "world";
+  if (f.graph_split != "expert" && f.graph_split != "none") {
+    EPX_THROW(ConfigError,
+              fmt::format("--graph-split = '{}', expected expert or none", f.graph_split));
+  }
+  p.split_graphs = f.graph_split == "expert" && !p.world_graphs;
   const int largest = largest_decode_bucket(p.workload);
   if (f.graph_buckets.empty()) {
     p.graph_buckets = decode_buckets(largest);
@@ -412,13 +419,15 @@ struct Rank {
   void* y = nullptr;        // [max_batched_tokens][H] bf16: every layer's output
   void* x_graph = nullptr;  // [largest decode bucket][H] bf16: the decode graphs' input
   std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
-  std::map<int, cudaGraphExec_t> graphs;          // decode bucket -> every layer's forward
-  std::vector<double> launch_s;  // host time of each replayed step's cudaGraphLaunch
+  // decode bucket -> every layer's forward: one graph, or the pieces of --graph-split expert
+  std::map<int, std::vector<cudaGraphExec_t>> graphs;
+  std::vector<double> launch_s;  // host time of each replayed step's cudaGraphLaunch calls
   Rank() = default;
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
   void destroy_graphs() noexcept {
-    for (auto& [bucket, exec] : graphs) (void)cudaGraphExecDestroy(exec);
+    for (auto& [bucket, pieces] : graphs)
+      for (cudaGraphExec_t exec : pieces) (void)cudaGraphExecDestroy(exec);
     graphs.clear();
   }
   ~Rank() {
@@ -464,7 +473,8 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
                                      cudaMemcpyDeviceToDevice, rank.stream));
     }
     const auto t1 = std::chrono::steady_clock::now();
-    EPX_CUDA_CHECK(cudaGraphLaunch(rank.graphs.at(step.graph_bucket), rank.stream));
+    for (cudaGraphExec_t exec : rank.graphs.at(step.graph_bucket))
+      EPX_CUDA_CHECK(cudaGraphLaunch(exec, rank.stream));
     // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
     const auto t2 = std::chrono::steady_clock::now();
     const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
@@ -507,13 +517,24 @@ void abandon_capture(cudaStream_t s) noexcept {
   (void)cudaGetLastError();
 }
 
-// Captures this rank's decode graphs, one per bucket: every layer's forward of `bucket` tokens of
-// x_graph in one chunk (capture only records: no rank waits for another).
+// Captures this rank's decode graphs per bucket: every layer's forward of `bucket` tokens of
+// x_graph in one chunk (capture only records: no rank waits for another). One graph, or with
+// `split` 2 x layers + 1 pieces: each layer's expert stage (its SWITCH nodes) in a graph of its
+// own, apart from the dispatch and combine kernels that wait for other ranks (MoeLayer::
+// set_capture_split says why).
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
-                           const std::vector<int>& buckets) {
+                           const std::vector<int>& buckets, bool split) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
   for (int b : buckets) {
-    for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
+    std::vector<cudaGraphExec_t>& pieces = rank.graphs[b];  // destroy_graphs() frees them
+    for (auto& layer : rank.layers) {
+      layer->set_capture_token_bound(b);
+      if (!split) continue;
+      layer->set_capture_split([&pieces](cudaStream_t s) {
+        pieces.push_back(end_capture(s));
+        EPX_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      });
+    }
     EPX_CUDA_CHECK(cudaStreamBeginCapture(rank.stream, cudaStreamCaptureModeThreadLocal));
     try {
       for (int l = 0; l < num_layers; ++l) {
@@ -524,9 +545,12 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
       abandon_capture(rank.stream);
       throw;
     }
-    rank.graphs[b] = end_capture(rank.stream);
+    pieces.push_back(end_capture(rank.stream));
   }
-  for (auto& layer : rank.layers) layer->set_capture_token_bound(0);
+  for (auto& layer : rank.layers) {
+    layer->set_capture_token_bound(0);
+    layer->set_capture_split({});
+  }
 }
 
 // --graph-scope world: per bucket one graph holding every rank's decode forward, each on its
@@ -563,6 +587,10 @@ void capture_world_graphs(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& r
     EPX_CUDA_CHECK(cudaEventCreateWithFlags(&wg.joins[size_t(r)], cudaEventDisableTiming));
   }
   for (int b : buckets) {
+    for (auto& r : ranks) {  // before the capture: the bound may allocate a staging buffer
+      EPX_CUDA_CHECK(cudaSetDevice(r->device));
+      for (auto& layer : r->layers) layer->set_capture_token_bound(b);
+    }
     EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));
     EPX_CUDA_CHECK(cudaStreamBeginCapture(wg.main, cudaStreamCaptureModeThreadLocal));
     try {
@@ -570,7 +598,6 @@ void capture_world_graphs(WorldGraphs& wg, std::vector<std::unique_ptr<Rank>>& r
       for (int r = 0; r < W; ++r) {
         Rank& rank = *ranks[size_t(r)];
         EPX_CUDA_CHECK(cudaSetDevice(rank.device));
-        for (auto& layer : rank.layers) layer->set_capture_token_bound(b);
         EPX_CUDA_CHECK(cudaStreamWaitEvent(rank.stream, wg.fork, 0));
         for (int l = 0; l < num_layers; ++l) {
           MoeLayer& layer = *rank.layers[rank.layers.size() == 1 ? 0 : size_t(l)];
@@ -763,7 +790,8 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
         capture_world_graphs(world_graphs, ranks, group, p.layers, buckets);
       } else {
         threads.run([&](int r) {
-          capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets);
+          capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets,
+                                p.split_graphs);
         });
       }
       br.capture_s = seconds_since(t_capture);
@@ -865,7 +893,7 @@ void print_table(const std::vector<BackendResult>& results) {
   for (const BackendResult& br : results) {
     if (!br.cuda_graph || br.status != "ok") continue;
     fmt::print("  {}: {} of {} steps replayed, capture + instantiation {:.2f} s, host time of one "
-               "rank's cudaGraphLaunch P50 {:.3f} ms, max {:.3f} ms\n",
+               "rank's cudaGraphLaunch calls of a step P50 {:.3f} ms, max {:.3f} ms\n",
                to_string(br.backend), br.graph_steps, br.steps, br.capture_s,
                1e3 * br.launch_s.p50, 1e3 * br.launch_s.max);
   }
@@ -922,7 +950,8 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       {"graph_buckets", p.cuda_graph
                             ? json(p.graph_buckets)
                             : json(nullptr)},
-      {"graph_scope", p.cuda_graph ? json(p.world_graphs ? "world" : "rank") : json(nullptr)}};
+      {"graph_scope", p.cuda_graph ? json(p.world_graphs ? "world" : "rank") : json(nullptr)},
+      {"graph_split", p.cuda_graph ? json(p.split_graphs ? "expert" : "none") : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
     json rec = {{"backend", to_string(br.backend)},
@@ -1009,8 +1038,10 @@ bool run_serve_bench(const ServePlan& plan) {
         "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
         "replays (buckets {}; {})\n",
         fmt::join(p.graph_buckets, ","),
-        p.world_graphs ? "one graph of every rank per bucket, one launch per step"
-                       : "per-rank graphs, each launched from its rank's thread");
+        p.world_graphs   ? "one graph of every rank per bucket, one launch per step"
+        : p.split_graphs ? "per-rank graphs, each launched from its rank's thread; each layer's "
+                           "expert stage in a graph of its own, 2 x layers + 1 launches per step"
+                         : "per-rank graphs, each launched from its rank's thread, one per step");
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              env_note);
@@ -1133,6 +1164,11 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
                 "with --cuda-graph: rank (every rank captures and replays its own graphs from its "
                 "own thread, as engines do) | world (one graph per bucket holding every rank's "
                 "forward as parallel branches, replayed from one thread)")
+      ->capture_default_str();
+  c->add_option("--graph-split", f->graph_split,
+                "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage, its "
+                "SWITCH nodes, in a graph of its own, apart from dispatch and combine: ranks "
+                "sharing a GPU otherwise stop from 16-20 ranks) | none (one graph per step)")
       ->capture_default_str();
   c->add_option("--graph-buckets", f->graph_buckets,
                 "with --cuda-graph: the decode batch sizes captured, ascending comma list "

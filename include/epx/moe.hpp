@@ -54,6 +54,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "epx/all2all.hpp"
@@ -138,6 +139,17 @@ class MoeLayer {
   // captured path's staging buffer ([rows][H], once); a capture without it is a
   // StateError.
   void set_capture_token_bound(int max_tokens_per_rank);
+
+  // For captures from now on: `split`, when set, is called on the host as forward() records each
+  // chunk's expert stage, once just before its first node and once just after its last, with the
+  // capturing stream; the caller may end the capture there and begin the next one on the same
+  // stream (cudaStreamEndCapture + cudaStreamBeginCapture), so that the SWITCH nodes land in
+  // graphs of their own, apart from dispatch and combine. Replay the pieces in capture order on
+  // one stream. Why: measured on an H200 with ranks sharing the GPU, a graph that holds both
+  // conditional nodes and a kernel waiting for other ranks can keep peers' graphs from starting
+  // (every rank times out from 16-20 in-process ranks); split graphs do not hold both. An empty
+  // function (the default) records one graph. Eager forwards never call it.
+  void set_capture_split(std::function<void(cudaStream_t)> split);
 
  private:
   struct Impl;

@@ -116,7 +116,6 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     ~Cleanup() {
       for (auto& b : rb) {
         (void)cudaStreamSynchronize(b.stream);
-        if (b.exec) (void)cudaGraphExecDestroy(b.exec);
         (void)cudaFree(b.x);
         (void)cudaFree(b.scales);
         (void)cudaFree(b.ids);
@@ -152,7 +151,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     EPX_CUDA_CHECK(cudaMemsetAsync(rb[r].y, 0xff, n * H * 2, st));  // poison: every row must be written
   };
   std::vector<DispatchResult> results(W);
-  auto enqueue = [&](int r, bool capturing) {
+  // `cut` (capturing with graph_split): ends the graph being captured and begins the next.
+  auto enqueue = [&](int r, bool capturing, const std::function<void()>& cut = {}) {
     DispatchInput in;
     in.num_tokens = counts[r];
     in.x = rb[r].x;
@@ -162,12 +162,14 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     in.topk_weights = rb[r].weights;
     All2All& a = *group[r];
     results[r] = a.dispatch(in, rb[r].stream);
+    if (cut) cut();
     if (capturing && o.conditional) {
       capture_identity_expert_switch(a.config(), results[r], a.combine_buffer(), rb[r].stream,
                                      rb[r].side);
     } else {
       launch_identity_expert(a.config(), results[r], a.combine_buffer(), rb[r].stream);
     }
+    if (cut) cut();
     a.combine(a.combine_buffer(), rb[r].y, rb[r].stream);
   };
   Comparer cmp(rep, o.max_report);
@@ -222,43 +224,56 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       }
       for (auto& f : done) f.get();  // rethrows the first rank's exception
     };
-    // Executable graphs beyond rb[r].exec (graph_execs > 1), destroyed on the way out.
-    struct Extra {
-      std::vector<std::vector<cudaGraphExec_t>> execs;
-      std::vector<RankBuffers>& rb;
-      ~Extra() {
-        for (size_t r = 0; r < execs.size(); ++r) {
-          (void)cudaStreamSynchronize(rb[r].stream);
-          for (cudaGraphExec_t e : execs[r]) (void)cudaGraphExecDestroy(e);
-        }
-      }
-    } extra{std::vector<std::vector<cudaGraphExec_t>>(size_t(W)), rb};
     EPX_CHECK(o.graph_execs >= 1 && o.graph_execs <= 64, InputError, "graph_execs", o.graph_execs,
               "in [1, 64]");
+    // Per rank graph_execs executable graphs, each one capture cut into pieces (one, or three with
+    // graph_split) replayed in order; one capture each (a graph with conditional nodes
+    // instantiates once). Destroyed on the way out, after the streams are drained.
+    struct Graphs {
+      std::vector<std::vector<std::vector<cudaGraphExec_t>>> execs;
+      std::vector<RankBuffers>& rb;
+      ~Graphs() {
+        for (size_t r = 0; r < execs.size(); ++r) {
+          (void)cudaStreamSynchronize(rb[r].stream);
+          for (auto& pieces : execs[r])
+            for (cudaGraphExec_t e : pieces) (void)cudaGraphExecDestroy(e);
+        }
+      }
+    } graphs{std::vector<std::vector<std::vector<cudaGraphExec_t>>>(size_t(W)), rb};
     each_rank([&](int r) {
       if (o.mixed && r == 0) return;
-      cudaGraph_t graph = nullptr;
-      EPX_CUDA_CHECK(cudaStreamBeginCapture(rb[r].stream, cudaStreamCaptureModeThreadLocal));
-      enqueue(r, true);
-      EPX_CUDA_CHECK(cudaStreamEndCapture(rb[r].stream, &graph));
-      cudaError_t err = cudaGraphInstantiate(&rb[r].exec, graph, 0);
-      for (int i = 1; i < o.graph_execs && err == cudaSuccess; ++i) {
+      cudaStream_t st = rb[r].stream;
+      auto end_piece = [&](std::vector<cudaGraphExec_t>& pieces) {
+        cudaGraph_t graph = nullptr;
+        EPX_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
         cudaGraphExec_t e = nullptr;
-        err = cudaGraphInstantiate(&e, graph, 0);
-        if (err == cudaSuccess) extra.execs[size_t(r)].push_back(e);
+        const cudaError_t err = cudaGraphInstantiate(&e, graph, 0);
+        (void)cudaGraphDestroy(graph);
+        EPX_CUDA_CHECK(err);
+        pieces.push_back(e);
+      };
+      for (int k = 0; k < o.graph_execs; ++k) {
+        std::vector<cudaGraphExec_t>& pieces = graphs.execs[size_t(r)].emplace_back();
+        EPX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        std::function<void()> cut;
+        if (o.graph_split) {
+          cut = [&] {
+            end_piece(pieces);
+            EPX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+          };
+        }
+        enqueue(r, true, cut);
+        end_piece(pieces);
       }
-      (void)cudaGraphDestroy(graph);
-      EPX_CUDA_CHECK(err);
     });
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
       const InputSet& s = sets[(o.iters + i) % pool];
       for (int r = 0; r < W; ++r) upload(r, s);
       each_rank([&](int r) {
-        if (rb[r].exec) {
-          const int k = i % o.graph_execs;
-          cudaGraphExec_t e = k == 0 ? rb[r].exec : extra.execs[size_t(r)][size_t(k - 1)];
-          EPX_CUDA_CHECK(cudaGraphLaunch(e, rb[r].stream));
+        if (!graphs.execs[size_t(r)].empty()) {
+          for (cudaGraphExec_t e : graphs.execs[size_t(r)][size_t(i % o.graph_execs)])
+            EPX_CUDA_CHECK(cudaGraphLaunch(e, rb[r].stream));
         } else {
           enqueue(r, false);
         }

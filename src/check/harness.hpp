@@ -35,8 +35,11 @@ struct CheckOptions {
                                     // node (as MoeLayer's captured path), in-process only
   bool rank_threads = false;        // in-process: each rank captures and replays from its own
                                     // host thread (as serve-bench), not all from one
-  int graph_execs = 1;              // in-process: executable graphs instantiated per rank from
-                                    // the one capture, replayed in turn (as serve-bench's buckets)
+  int graph_execs = 1;              // in-process: executable graphs per rank, each from its own
+                                    // capture, replayed in turn (as serve-bench's buckets)
+  bool graph_split = false;         // with graph_replays: dispatch, expert and combine captured
+                                    // as three graphs replayed in order (MoeLayer's
+                                    // set_capture_split), not one
   int pool = 3;                     // distinct input sets cycled through (each call differs)
   bool ids_int64 = false;
   int max_report = 8;               // mismatches listed

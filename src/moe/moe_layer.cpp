@@ -72,6 +72,7 @@ struct MoeLayer::Impl {
   // Captured expert stage (forward() on a capturing stream).
   cudaStream_t side = nullptr;         // captures the SWITCH bodies; runs nothing
   int capture_tokens = 0;              // set_capture_token_bound (0 = max_tokens_per_rank)
+  std::function<void(cudaStream_t)> capture_split;  // set_capture_split
   void* graph_out = nullptr;           // token-major: one expert's w2 output [rows_pad][H]
   int32_t* graph_counts = nullptr;     // token-major: [local] rows per local expert
   int32_t* graph_out_start = nullptr;  // token-major: [local] first row in out_all
@@ -564,6 +565,10 @@ void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
     m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * m.shape.hidden * m.out_bytes());
 }
 
+void MoeLayer::set_capture_split(std::function<void(cudaStream_t)> split) {
+  impl_->capture_split = std::move(split);
+}
+
 void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                        int num_chunks, const MoeRoutingOut* routing) {
   Impl& m = *impl_;
@@ -638,11 +643,13 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
     const bool token_major = m.ep.layout == OutputLayout::kTokenMajor;
     if (captured) {
       // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
+      if (m.capture_split) m.capture_split(stream);
       if (token_major) {
         m.captured_token_major(d, a2a, stream);
       } else {
         m.captured_expert_major(d, a2a, stream);
       }
+      if (m.capture_split) m.capture_split(stream);
     } else {
       // Host sync: the expert GEMMs are launched at the exact received row counts.
       a2a.synchronize(stream);

@@ -975,7 +975,8 @@ TEST(ServeCli, GraphBucketsAreChecked) {
       {{"--graph-buckets", "2,2", "--cuda-graph"}, "lists 2 twice"},
       {{"--graph-buckets", "4"}, "expected only with --cuda-graph"},
       {{"--graph-scope", "node", "--cuda-graph"}, "--graph-scope = 'node', expected rank or world"},
-      {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"}};
+      {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"},
+      {{"--graph-split", "layer", "--cuda-graph"}, "--graph-split = 'layer', expected expert or none"}};
   for (const auto& [extra, message] : cases) {
     std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
     argv.insert(argv.end(), extra.begin(), extra.end());

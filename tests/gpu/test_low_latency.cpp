@@ -186,21 +186,26 @@ TEST(LowLatency, MixedEagerAndGraph) {
 
 // The expert inside a conditional SWITCH node (as MoeLayer's captured expert stage), every rank
 // capturing and replaying from its own host thread, three executable graphs per rank replayed in
-// turn (as serve-bench's buckets): token-major with a rank without tokens, and expert-major.
+// turn (as serve-bench's buckets): token-major with a rank without tokens, and expert-major; as
+// one graph per call and split in three (dispatch, expert, combine; MoeLayer::set_capture_split).
 TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
   REQUIRE_GPU();
   for (const Case& c : {kCases[16], kCases[12]}) {
     for (bool mixed : {false, true}) {
-      auto o = options_for(c);
-      o.iters = 1;
-      o.graph_replays = 50;
-      o.mixed = mixed;
-      o.conditional = true;
-      o.rank_threads = true;
-      o.graph_execs = 3;
-      const auto rep = check::run_check(o);
-      EXPECT_TRUE(rep.ok) << c.name << (mixed ? " mixed" : "") << describe(rep);
-      EXPECT_EQ(rep.calls, 51);
+      for (bool split : {false, true}) {
+        auto o = options_for(c);
+        o.iters = 1;
+        o.graph_replays = 50;
+        o.mixed = mixed;
+        o.conditional = true;
+        o.rank_threads = true;
+        o.graph_execs = 3;
+        o.graph_split = split;
+        const auto rep = check::run_check(o);
+        EXPECT_TRUE(rep.ok) << c.name << (mixed ? " mixed" : "") << (split ? " split" : "")
+                            << describe(rep);
+        EXPECT_EQ(rep.calls, 51);
+      }
     }
   }
 }

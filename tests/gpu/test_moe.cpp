@@ -623,10 +623,16 @@ struct GraphRound {
   int tokens[2];
   int chunks;
   int token_bound;  // set_capture_token_bound
+  bool split;       // set_capture_split: the expert stages in graphs of their own
 };
 // {1, 0}: rank 1 has no tokens, and one token (top-4 = 2 whole groups of 2 experts) leaves 4 of
-// the 8 experts without rows; {16, 5}: both SWITCH bodies; {20, 0}: two captured chunks.
-constexpr GraphRound kGraphRounds[] = {{{1, 0}, 1, 1}, {{16, 5}, 1, 0}, {{20, 0}, 2, 16}};
+// the 8 experts without rows; {16, 5}: both SWITCH bodies; {20, 0}: two captured chunks; the
+// last two again as split captures (3 and 5 graphs).
+constexpr GraphRound kGraphRounds[] = {{{1, 0}, 1, 1, false},
+                                       {{16, 5}, 1, 0, false},
+                                       {{20, 0}, 2, 16, false},
+                                       {{16, 5}, 1, 0, true},
+                                       {{20, 0}, 2, 16, true}};
 constexpr int kGraphReplays = 3;
 constexpr int kGraphMaxTokens = 20;
 
@@ -703,15 +709,16 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
         }
         constructed.arrive_and_wait();
         All2All& comm = *a2a[size_t(r)];
-        const auto run = [&](const std::vector<uint16_t>& in, int n, cudaGraphExec_t exec,
-                             int chunks) {
+        // `pieces` empty: eager; else the captured graphs, launched in order.
+        const auto run = [&](const std::vector<uint16_t>& in, int n,
+                             const std::vector<cudaGraphExec_t>& pieces, int chunks) {
           if (n > 0) {
             EPX_CUDA_CHECK(
                 cudaMemcpyAsync(d_x, in.data(), in.size() * 2, cudaMemcpyHostToDevice, stream));
           }
           EPX_CUDA_CHECK(cudaMemsetAsync(d_y, 0, size_t(kGraphMaxTokens) * h * 2, stream));
-          if (exec != nullptr) {
-            EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+          if (!pieces.empty()) {
+            for (cudaGraphExec_t exec : pieces) EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream));
           } else {
             layer->forward(d_x, n, d_y, comm, stream, chunks, &routing);
           }
@@ -724,30 +731,46 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
           const int n = round.tokens[r];
           // Capture records only: no rank waits for another here.
           layer->set_capture_token_bound(round.token_bound);
-          cudaGraph_t g = nullptr;
+          std::vector<cudaGraphExec_t> pieces;
+          const auto end_piece = [&] {
+            cudaGraph_t g = nullptr;
+            EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
+            cudaGraphExec_t exec = nullptr;
+            const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+            (void)cudaGraphDestroy(g);
+            EPX_CUDA_CHECK(err);
+            pieces.push_back(exec);
+            EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
+          };
+          layer->set_capture_split({});
+          if (round.split) {
+            layer->set_capture_split([&](cudaStream_t s) {
+              EXPECT_EQ(s, stream);
+              end_piece();
+              EPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+            });
+          }
           EPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
           try {
             layer->forward(d_x, n, d_y, comm, stream, round.chunks, &routing);
           } catch (...) {
+            cudaGraph_t g = nullptr;
             (void)cudaStreamEndCapture(stream, &g);
             throw;
           }
-          EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-          cudaGraphExec_t exec = nullptr;
-          EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-          EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
+          end_piece();
+          EXPECT_EQ(pieces.size(), round.split ? size_t(2 * round.chunks + 1) : size_t(1));
           EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
           // No rank's kernels spin while another rank instantiates, uploads or destroys a graph
           // (calls that may wait for the whole device).
           rounds.arrive_and_wait();
           for (int rep = 0; rep < kGraphReplays; ++rep) {
             const size_t i = size_t(index(ri, rep, r));
-            eager[i] = run(x[i], n, nullptr, round.chunks);
-            graph[i] = run(x[i], n, exec, round.chunks);
+            eager[i] = run(x[i], n, {}, round.chunks);
+            graph[i] = run(x[i], n, pieces, round.chunks);
           }
           rounds.arrive_and_wait();
-          EPX_CUDA_CHECK(cudaGraphExecDestroy(exec));
-          EPX_CUDA_CHECK(cudaGraphDestroy(g));
+          for (cudaGraphExec_t exec : pieces) EPX_CUDA_CHECK(cudaGraphExecDestroy(exec));
         }
         EPX_CUDA_CHECK(cudaStreamDestroy(stream));
       } catch (const std::exception& e) {
