@@ -245,6 +245,10 @@ rm -rf "$sockdir"
 run serve_small_graph $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
   --chunk-size 64 --max-batched-tokens 256 --cuda-graph --json "$logs/serve_small.json"
+# 32 ranks: decode graphs without conditional nodes (--graph-experts auto picks all-rows there).
+run serve_small_graph_w32 $build/epx serve-bench --world 32 --experts 64 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 128 --osl 8 \
+  --chunk-size 64 --max-batched-tokens 256 --layers 1 --cuda-graph --backends low_latency
 run serve_small_graph_world $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
   --chunk-size 64 --max-batched-tokens 256 --cuda-graph --graph-scope world \

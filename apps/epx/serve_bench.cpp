@@ -74,6 +74,7 @@ struct ServeFlags {
   std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
   std::string graph_scope = "rank";  // --graph-scope
   std::string graph_split = "expert";  // --graph-split
+  std::string graph_experts = "auto";  // --graph-experts
 };
 
 struct ServePlan {
@@ -91,7 +92,13 @@ struct ServePlan {
   std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
   bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
   bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
+  CaptureExperts graph_experts = CaptureExperts::kSwitch;  // --graph-experts
 };
+
+// Most in-process ranks on one GPU whose decode graphs may hold SWITCH nodes: measured on an
+// H200 (32 hardware queues), such graphs replay at 16 ranks and stop from 20, split or not, while
+// graphs without conditional nodes replay at 32 (MoeLayer::set_capture_experts).
+constexpr int kMaxSwitchGraphRanks = 16;
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
 constexpr int kOrigPrompts = 2000, kOrigIsl = 2000, kOrigOsl = 100, kOrigConcurrency = 2000,
@@ -252,6 +259,15 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
               fmt::format("--graph-split = '{}', expected expert or none", f.graph_split));
   }
   p.split_graphs = f.graph_split == "expert" && !p.world_graphs;
+  if (f.graph_experts == "auto") {
+    p.graph_experts =
+        W > kMaxSwitchGraphRanks ? CaptureExperts::kAllRows : CaptureExperts::kSwitch;
+  } else if (f.graph_experts == "switch" || f.graph_experts == "all-rows") {
+    p.graph_experts = f.graph_experts == "switch" ? CaptureExperts::kSwitch : CaptureExperts::kAllRows;
+  } else {
+    EPX_THROW(ConfigError, fmt::format("--graph-experts = '{}', expected auto, switch or all-rows",
+                                       f.graph_experts));
+  }
   const int largest = largest_decode_bucket(p.workload);
   if (f.graph_buckets.empty()) {
     p.graph_buckets = decode_buckets(largest);
@@ -698,8 +714,9 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
       EpConfig ep = p.cfg;
       ep.rank = r;
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
-      ranks[size_t(r)]->layers[size_t(l)] =
-          std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep, world.sm_budget(r));
+      auto layer = std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep, world.sm_budget(r));
+      layer->set_capture_experts(p.graph_experts);  // eager forwards ignore it
+      ranks[size_t(r)]->layers[size_t(l)] = std::move(layer);
     });
   };
   const int dev = world.device_of(0);
@@ -951,7 +968,11 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
                             ? json(p.graph_buckets)
                             : json(nullptr)},
       {"graph_scope", p.cuda_graph ? json(p.world_graphs ? "world" : "rank") : json(nullptr)},
-      {"graph_split", p.cuda_graph ? json(p.split_graphs ? "expert" : "none") : json(nullptr)}};
+      {"graph_split", p.cuda_graph ? json(p.split_graphs ? "expert" : "none") : json(nullptr)},
+      {"graph_experts",
+       p.cuda_graph
+           ? json(p.graph_experts == CaptureExperts::kSwitch ? "switch" : "all-rows")
+           : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
     json rec = {{"backend", to_string(br.backend)},
@@ -1036,12 +1057,17 @@ bool run_serve_bench(const ServePlan& plan) {
   if (p.cuda_graph) {
     fmt::print(
         "  --cuda-graph: every backend runs eager, then with decode-only steps as CUDA graph "
-        "replays (buckets {}; {})\n",
+        "replays (buckets {}; {}; {})\n",
         fmt::join(p.graph_buckets, ","),
         p.world_graphs   ? "one graph of every rank per bucket, one launch per step"
         : p.split_graphs ? "per-rank graphs, each launched from its rank's thread; each layer's "
                            "expert stage in a graph of its own, 2 x layers + 1 launches per step"
-                         : "per-rank graphs, each launched from its rank's thread, one per step");
+                         : "per-rank graphs, each launched from its rank's thread, one per step",
+        p.graph_experts == CaptureExperts::kSwitch
+            ? "experts: a SWITCH node each picks the GEMM rows from the received count"
+            : fmt::format("experts: no conditional nodes, every local expert's GEMMs at the most "
+                          "rows it can receive (SWITCH graphs stop beyond {} ranks on one GPU)",
+                          kMaxSwitchGraphRanks));
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              env_note);
@@ -1169,6 +1195,14 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
                 "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage, its "
                 "SWITCH nodes, in a graph of its own, apart from dispatch and combine: ranks "
                 "sharing a GPU otherwise stop from 16-20 ranks) | none (one graph per step)")
+      ->capture_default_str();
+  c->add_option("--graph-experts", f->graph_experts,
+                fmt::format("with --cuda-graph: switch (a SWITCH node per local expert picks its "
+                            "GEMM rows from the received count) | all-rows (no conditional nodes: "
+                            "every local expert's GEMMs at the most rows it can receive) | auto "
+                            "(switch up to {} ranks, all-rows beyond: SWITCH graphs stop there "
+                            "on one GPU)",
+                            kMaxSwitchGraphRanks))
       ->capture_default_str();
   c->add_option("--graph-buckets", f->graph_buckets,
                 "with --cuda-graph: the decode batch sizes captured, ascending comma list "

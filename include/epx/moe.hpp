@@ -67,6 +67,14 @@ enum class MoeScoring {
   kSoftmax,         // plain softmax top-k, weights renormalised to sum 1
 };
 
+// How forward() records the expert stage under capture (set_capture_experts).
+enum class CaptureExperts {
+  kSwitch,   // one SWITCH node per local expert picks its GEMMs' row bucket from the device
+             // count: the eager path's GEMMs (empty experts run nothing)
+  kAllRows,  // no conditional nodes: every local expert's GEMMs at the most rows it can receive
+             // under the capture bound (rows beyond its count computed and dropped)
+};
+
 // Same fields and meaning as ref::moe::MoeShape (src/reference/moe_ref.hpp).
 struct MoeShape {
   int hidden = 7168;
@@ -150,6 +158,14 @@ class MoeLayer {
   // (every rank times out from 16-20 in-process ranks); split graphs do not hold both. An empty
   // function (the default) records one graph. Eager forwards never call it.
   void set_capture_split(std::function<void(cudaStream_t)> split);
+
+  // For captures from now on: how the expert stage is recorded (default kSwitch). kAllRows
+  // trades GEMM work (every local expert at world_size x the token bound rows, rounded to a row
+  // bucket) for a graph without conditional nodes. Measured on an H200 with in-process ranks on
+  // one GPU: graphs with SWITCH nodes keep peers' graphs from starting beyond 16 ranks (32
+  // hardware queues), whether or not they are split (set_capture_split); plain graphs replay at
+  // 32 ranks.
+  void set_capture_experts(CaptureExperts mode);
 
  private:
   struct Impl;

@@ -73,6 +73,7 @@ struct MoeLayer::Impl {
   cudaStream_t side = nullptr;         // captures the SWITCH bodies; runs nothing
   int capture_tokens = 0;              // set_capture_token_bound (0 = max_tokens_per_rank)
   std::function<void(cudaStream_t)> capture_split;  // set_capture_split
+  CaptureExperts capture_experts = CaptureExperts::kSwitch;
   void* graph_out = nullptr;           // token-major: one expert's w2 output [rows_pad][H]
   int32_t* graph_counts = nullptr;     // token-major: [local] rows per local expert
   int32_t* graph_out_start = nullptr;  // token-major: [local] first row in out_all
@@ -434,6 +435,11 @@ void MoeLayer::Impl::add_expert_switches(const int32_t* counts, cudaStream_t str
   // Body i (i >= 1) runs at buckets[i - 1] rows; body 0 (no rows) is empty.
   const std::vector<int> buckets =
       moe::padded_row_buckets(moe::max_expert_rows(ep.world_size, bound, ep.capacity()));
+  if (capture_experts == CaptureExperts::kAllRows) {
+    // No conditional nodes: every expert's body at the largest bucket, in turn on the stream.
+    for (int e = 0; e < local; ++e) body(e, buckets.back(), stream);
+    return;
+  }
   for (int e0 = 0; e0 < local; e0 += moe::kSwitchHandlesPerLaunch) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     cudaGraph_t graph = nullptr;
@@ -564,6 +570,8 @@ void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
   if (m.ep.layout == OutputLayout::kTokenMajor && m.graph_out == nullptr)
     m.graph_out = m.alloc_bytes(size_t(m.rows_pad) * m.shape.hidden * m.out_bytes());
 }
+
+void MoeLayer::set_capture_experts(CaptureExperts mode) { impl_->capture_experts = mode; }
 
 void MoeLayer::set_capture_split(std::function<void(cudaStream_t)> split) {
   impl_->capture_split = std::move(split);

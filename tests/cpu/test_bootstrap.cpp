@@ -976,7 +976,9 @@ TEST(ServeCli, GraphBucketsAreChecked) {
       {{"--graph-buckets", "4"}, "expected only with --cuda-graph"},
       {{"--graph-scope", "node", "--cuda-graph"}, "--graph-scope = 'node', expected rank or world"},
       {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"},
-      {{"--graph-split", "layer", "--cuda-graph"}, "--graph-split = 'layer', expected expert or none"}};
+      {{"--graph-split", "layer", "--cuda-graph"}, "--graph-split = 'layer', expected expert or none"},
+      {{"--graph-experts", "some", "--cuda-graph"},
+       "--graph-experts = 'some', expected auto, switch or all-rows"}};
   for (const auto& [extra, message] : cases) {
     std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
     argv.insert(argv.end(), extra.begin(), extra.end());

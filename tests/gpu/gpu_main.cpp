@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/cuda_check.hpp"
 
@@ -16,6 +17,9 @@ class SummaryListener : public testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As the epx CLI: one hardware queue per in-process rank (InProcessWorld), and room for graphs
+  // with conditional nodes, which need more than one per rank; before any CUDA call.
+  ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   testing::InitGoogleTest(&argc, argv);
   if (epx::cuda_device_count() == 0)
     std::printf("No NVIDIA GPU visible: every GPU test below is SKIPPED (they need an sm_90 GPU).\n");

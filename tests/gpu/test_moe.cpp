@@ -624,15 +624,19 @@ struct GraphRound {
   int chunks;
   int token_bound;  // set_capture_token_bound
   bool split;       // set_capture_split: the expert stages in graphs of their own
+  CaptureExperts experts = CaptureExperts::kSwitch;  // set_capture_experts
 };
 // {1, 0}: rank 1 has no tokens, and one token (top-4 = 2 whole groups of 2 experts) leaves 4 of
 // the 8 experts without rows; {16, 5}: both SWITCH bodies; {20, 0}: two captured chunks; the
-// last two again as split captures (3 and 5 graphs).
+// last two again as split captures (3 and 5 graphs), then without conditional nodes (every
+// expert's GEMMs at the most rows), one graph and split.
 constexpr GraphRound kGraphRounds[] = {{{1, 0}, 1, 1, false},
                                        {{16, 5}, 1, 0, false},
                                        {{20, 0}, 2, 16, false},
                                        {{16, 5}, 1, 0, true},
-                                       {{20, 0}, 2, 16, true}};
+                                       {{20, 0}, 2, 16, true},
+                                       {{1, 0}, 1, 1, false, CaptureExperts::kAllRows},
+                                       {{20, 0}, 2, 16, true, CaptureExperts::kAllRows}};
 constexpr int kGraphReplays = 3;
 constexpr int kGraphMaxTokens = 20;
 
@@ -743,6 +747,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
             EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
           };
           layer->set_capture_split({});
+          layer->set_capture_experts(round.experts);
           if (round.split) {
             layer->set_capture_split([&](cudaStream_t s) {
               EXPECT_EQ(s, stream);
