@@ -95,10 +95,10 @@ struct ServePlan {
   CaptureExperts graph_experts = CaptureExperts::kSwitch;  // --graph-experts
 };
 
-// Most in-process ranks on one GPU whose decode graphs may hold SWITCH nodes: measured on an
-// H200 (32 hardware queues), such graphs replay at 16 ranks and stop from 20, split or not, while
-// graphs without conditional nodes replay at 32 (MoeLayer::set_capture_experts).
-constexpr int kMaxSwitchGraphRanks = 16;
+// --graph-experts auto: all-rows whenever ranks share the GPU. Measured on an H200 (32 hardware
+// queues), decode graphs with SWITCH nodes stop from 20 in-process ranks (split or not; at 16 one
+// run of two), and once at 8 ranks with two layers sharing one MoeLayer (a rank late by one call,
+// 10 s); graphs without conditional nodes replayed every time, at 8 and 32 ranks.
 
 // --preset original: the original test's numbers, scaled to one GPU (see the help text).
 constexpr int kOrigPrompts = 2000, kOrigIsl = 2000, kOrigOsl = 100, kOrigConcurrency = 2000,
@@ -260,8 +260,7 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   }
   p.split_graphs = f.graph_split == "expert" && !p.world_graphs;
   if (f.graph_experts == "auto") {
-    p.graph_experts =
-        W > kMaxSwitchGraphRanks ? CaptureExperts::kAllRows : CaptureExperts::kSwitch;
+    p.graph_experts = W > 1 ? CaptureExperts::kAllRows : CaptureExperts::kSwitch;
   } else if (f.graph_experts == "switch" || f.graph_experts == "all-rows") {
     p.graph_experts = f.graph_experts == "switch" ? CaptureExperts::kSwitch : CaptureExperts::kAllRows;
   } else {
@@ -535,9 +534,8 @@ void abandon_capture(cudaStream_t s) noexcept {
 
 // Captures this rank's decode graphs per bucket: every layer's forward of `bucket` tokens of
 // x_graph in one chunk (capture only records: no rank waits for another). One graph, or with
-// `split` 2 x layers + 1 pieces: each layer's expert stage (its SWITCH nodes) in a graph of its
-// own, apart from the dispatch and combine kernels that wait for other ranks (MoeLayer::
-// set_capture_split says why).
+// `split` 2 x layers + 1 pieces: each layer's expert stage in a graph of its own, apart from
+// dispatch and combine (MoeLayer::set_capture_split).
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
                            const std::vector<int>& buckets, bool split) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
@@ -1065,9 +1063,8 @@ bool run_serve_bench(const ServePlan& plan) {
                          : "per-rank graphs, each launched from its rank's thread, one per step",
         p.graph_experts == CaptureExperts::kSwitch
             ? "experts: a SWITCH node each picks the GEMM rows from the received count"
-            : fmt::format("experts: no conditional nodes, every local expert's GEMMs at the most "
-                          "rows it can receive (SWITCH graphs stop beyond {} ranks on one GPU)",
-                          kMaxSwitchGraphRanks));
+            : "experts: no conditional nodes, every local expert's GEMMs at the most rows it "
+              "can receive");
   }
   fmt::print("  launch shapes: {}, timeout {} ms, {}\n", p.launch.origin, p.cfg.timeout_ms,
              env_note);
@@ -1192,17 +1189,15 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
                 "forward as parallel branches, replayed from one thread)")
       ->capture_default_str();
   c->add_option("--graph-split", f->graph_split,
-                "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage, its "
-                "SWITCH nodes, in a graph of its own, apart from dispatch and combine: ranks "
-                "sharing a GPU otherwise stop from 16-20 ranks) | none (one graph per step)")
+                "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage in a "
+                "graph of its own, apart from dispatch and combine, as an engine that runs other "
+                "work between them would capture) | none (one graph per step)")
       ->capture_default_str();
   c->add_option("--graph-experts", f->graph_experts,
-                fmt::format("with --cuda-graph: switch (a SWITCH node per local expert picks its "
-                            "GEMM rows from the received count) | all-rows (no conditional nodes: "
-                            "every local expert's GEMMs at the most rows it can receive) | auto "
-                            "(switch up to {} ranks, all-rows beyond: SWITCH graphs stop there "
-                            "on one GPU)",
-                            kMaxSwitchGraphRanks))
+                "with --cuda-graph: switch (a SWITCH node per local expert picks its GEMM rows "
+                "from the received count) | all-rows (no conditional nodes: every local expert's "
+                "GEMMs at the most rows it can receive) | auto (all-rows when ranks share the "
+                "GPU: graphs with SWITCH nodes have stopped there, from 20 ranks and once at 8)")
       ->capture_default_str();
   c->add_option("--graph-buckets", f->graph_buckets,
                 "with --cuda-graph: the decode batch sizes captured, ascending comma list "
