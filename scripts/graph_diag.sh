@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Graph replay of in-process ranks on one GPU. Measured on an H200: a graph holding both SWITCH
-# nodes and a dispatch or combine kernel (which waits for other ranks) keeps peers' graphs from
-# starting from 16-20 ranks (the timeout reports name the same call on every rank: late start).
-# Here: the all-to-all with its expert in a SWITCH node, one graph vs split in three; serve-bench
-# at 16, 20 and 32 ranks with split graphs (default) and at 32 unsplit; world scope at 8; the R1
-# shape at 8 ranks split vs unsplit. ~3 min when every step passes; a failing step stops at
-# EPX_TIMEOUT_MS. Logs to $OUT (or graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
+# Graph replay of in-process ranks on one GPU with SWITCH nodes (the MoE layer's captured expert
+# stage with --graph-experts switch). Measured on an H200 (docs/perf-notes.md): the all-to-all
+# alone replays at 32 ranks; with its expert in a SWITCH node it stops at the first replay (a
+# peer's graph never starts), and splitting dispatch / expert / combine into separate graphs does
+# not change that; serve-bench with SWITCH graphs passes at 16 ranks and stops from 20. Here: the
+# all-to-all with the SWITCH node, whole and split; serve-bench at 16, 20 and 32 ranks with
+# SWITCH graphs, and at 32 unsplit; world scope at 8; the R1 shape at 8 ranks split vs whole.
+# ~3 min when every step passes; a failing step stops at EPX_TIMEOUT_MS. Logs to $OUT (or
+# graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/diag_env.sh graph-diag "${1:-build}"
@@ -17,15 +19,13 @@ step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   grep -E "^(PASS|FAIL)|^(naive|allgather|low_latency)|error|blocked" "$out/$name.log" | head -12
 }
 C="$build/epx check --tokens 128 --iters 1"
-# Measured: the all-to-all alone replays at 32 ranks, also from rank threads with 7 graphs per
-# rank; with the expert in a SWITCH node in the same graph it stops at the first replay. Split into
-# dispatch / expert / combine graphs it should not.
 step check_w32_cond $C --world 32 --graph 10 --graph-conditional
 step check_w32_cond_split $C --world 32 --graph 10 --graph-conditional --graph-split
 step check_w32_all_split $C --world 32 --graph 21 --graph-execs 7 --graph-conditional \
   --rank-threads --graph-split
 SMALL="--hidden 2048 --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 128"
 SMALL="$SMALL --osl 8 --chunk-size 64 --max-batched-tokens 256 --layers 1 --cuda-graph"
+SMALL="$SMALL --graph-experts switch"
 for w in 16 20 32; do
   step "serve_w${w}_graph" "$build/epx" serve-bench --world "$w" --experts $((w * 2)) $SMALL \
     --backends low_latency
@@ -38,7 +38,7 @@ step serve_w8_graph_world "$build/epx" serve-bench --world 8 --experts 16 $SMALL
 # per step (step_ms and graph_launch_ms in the JSON).
 for split in expert none; do
   step "serve_r1_w8_$split" "$build/epx" serve-bench --world 8 --cuda-graph --backends low_latency \
-    --graph-split "$split" --json "$out/serve_r1_w8_$split.json"
+    --graph-experts switch --graph-split "$split" --json "$out/serve_r1_w8_$split.json"
 done
 # Where a graph step's time goes (R1 shape, 8 ranks, 2 layers): GPU kernel totals of an eager-only
 # run and of an eager + graph run (their difference is the graph pass), with EPX_DIAG_NSYS=1 where
