@@ -27,7 +27,8 @@
 //   local expert gets a conditional SWITCH node (CUDA 12.8+) whose body i runs
 //   its quantise + GEMM w1 + GEMM w3 + SiLU-quantise + GEMM w2 (+ a copy of the
 //   rows into place) at M = the i-th row bucket (row_buckets.hpp); a small kernel
-//   picks each expert's body from its count (body 0: no rows, nothing runs).
+//   picks each expert's body from its count (body 0: no rows, nothing runs); with
+//   set_capture_experts(kAllRows) each expert runs its largest body, no conditional nodes.
 //   The GEMMs run at the same M as eagerly (padded_rows(count)), so a replay
 //   gives the eager forward's results.
 // Cost: the GEMMs are those of the eager path; the graph holds local experts x
