@@ -19,6 +19,7 @@
 #include <system_error>
 #include <vector>
 
+#include "core/env_parse.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -343,12 +344,10 @@ std::string to_json(const LaunchConfigs& configs) {
 
 // ---- environment -----------------------------------------------------------------------------
 
-namespace {
+namespace detail {
 
-// Strict decimal in [lo, hi]: digits only, no sign, no spaces, no suffix, no exponent.
-// ConfigError "NAME = "text", expected BOUND".
-int parse_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
-                  const std::string& bound) {
+int parse_env_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
+                      const std::string& bound) {
   const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
     return std::isdigit(static_cast<unsigned char>(c)) != 0;
   });
@@ -361,8 +360,12 @@ int parse_decimal(std::string_view name, std::string_view text, uint64_t lo, uin
   return static_cast<int>(value);
 }
 
+}  // namespace detail
+
+namespace {
+
 int parse_timeout_ms(std::string_view name, std::string_view text) {
-  return parse_decimal(name, text, 1, static_cast<uint64_t>(kMaxTimeoutMs),
+  return detail::parse_env_decimal(name, text, 1, static_cast<uint64_t>(kMaxTimeoutMs),
                        fmt::format("a decimal integer in [1, {}]", kMaxTimeoutMs));
 }
 
@@ -383,8 +386,8 @@ EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* c
 
 int hardware_queues_per_gpu(const char* max_connections) {
   if (max_connections == nullptr) return 8;  // CUDA's default
-  return parse_decimal("CUDA_DEVICE_MAX_CONNECTIONS", max_connections, 1, 32,
-                       "an integer in 1..32");
+  return detail::parse_env_decimal("CUDA_DEVICE_MAX_CONNECTIONS", max_connections, 1, 32,
+                                   "an integer in 1..32");
 }
 
 EnvSettings read_env() {

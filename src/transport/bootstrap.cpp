@@ -32,6 +32,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/env_parse.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -406,24 +407,6 @@ std::string encode_error(ErrorCode code, const std::string& msg) {
 
 // ---- options ------------------------------------------------------------------------------------
 
-namespace {
-
-// Strict decimal integer in [lo, hi]; throws ConfigError "NAME = "text", expected <bound>".
-int parse_env_int(std::string_view name, const char* text, long long lo, long long hi,
-                  const std::string& bound) {
-  const std::string_view t = text;
-  const bool digits = !t.empty() && t.size() <= 12 && std::all_of(t.begin(), t.end(), [](char c) {
-    return c >= '0' && c <= '9';
-  });
-  long long v = digits ? std::atoll(text) : -1;
-  if (!digits || v < lo || v > hi) {
-    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, t, bound));
-  }
-  return int(v);
-}
-
-}  // namespace
-
 void BootstrapOptions::validate() const {
   EPX_CHECK(world_size >= 1 && world_size <= kMaxRanks, ConfigError, "world_size", world_size,
             fmt::format("in [1, kMaxRanks = {}]", kMaxRanks));
@@ -449,10 +432,10 @@ BootstrapOptions BootstrapOptions::parse_env(const char* rank, const char* world
                                        world_size));
   }
   if (world_size != nullptr) {
-    o.world_size = parse_env_int("EPX_WORLD_SIZE", world_size, 1, kMaxRanks,
-                                 fmt::format("a decimal integer in [1, {}]", kMaxRanks));
-    o.rank = parse_env_int(
-        "EPX_RANK", rank, 0, o.world_size - 1,
+    o.world_size = detail::parse_env_decimal("EPX_WORLD_SIZE", world_size, 1, kMaxRanks,
+                                             fmt::format("a decimal integer in [1, {}]", kMaxRanks));
+    o.rank = detail::parse_env_decimal(
+        "EPX_RANK", rank, 0, uint64_t(o.world_size - 1),
         fmt::format("a decimal integer in [0, EPX_WORLD_SIZE = {})", o.world_size));
   }
   if (address != nullptr) {

@@ -301,6 +301,8 @@ TEST(BootstrapOptions, MessagesNameVariableValueAndBound) {
                                   {"EPX_RANK = \"4\"", "[0, EPX_WORLD_SIZE = 4)"}));
   EXPECT_TRUE(throws_config_error(parse("-1", "4", "@x"), {"EPX_RANK = \"-1\""}));
   EXPECT_TRUE(throws_config_error(parse("1x", "4", "@x"), {"EPX_RANK = \"1x\""}));
+  EXPECT_TRUE(throws_config_error(parse("0", "99999999999999999999999", "@x"),
+                                  {"EPX_WORLD_SIZE = \"99999999999999999999999\""}));
   EXPECT_TRUE(throws_config_error(parse("0", "65", "@x"), {"EPX_WORLD_SIZE = \"65\"", "[1, 64]"}));
   EXPECT_TRUE(throws_config_error(parse("0", "0", "@x"), {"EPX_WORLD_SIZE = \"0\""}));
   EXPECT_TRUE(throws_config_error(parse("1", nullptr, "@x"),
