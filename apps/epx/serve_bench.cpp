@@ -437,6 +437,10 @@ struct Rank {
   // decode bucket -> every layer's forward: one graph, or the pieces of --graph-split expert
   std::map<int, std::vector<cudaGraphExec_t>> graphs;
   std::vector<double> launch_s;  // host time of each replayed step's cudaGraphLaunch calls
+  // Split graphs: events around the pieces of a replayed step, and each piece's GPU time (s)
+  // per replay: the time from the end of the previous piece, waits for peers included.
+  std::vector<cudaEvent_t> piece_events;
+  std::vector<std::vector<double>> piece_s;
   Rank() = default;
   Rank(const Rank&) = delete;
   Rank& operator=(const Rank&) = delete;
@@ -448,6 +452,7 @@ struct Rank {
   ~Rank() {
     if (stream) (void)cudaStreamSynchronize(stream);
     destroy_graphs();
+    for (cudaEvent_t e : piece_events) (void)cudaEventDestroy(e);
     layers.clear();
     if (x) (void)cudaFree(x);
     if (y) (void)cudaFree(y);
@@ -488,8 +493,13 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
                                      cudaMemcpyDeviceToDevice, rank.stream));
     }
     const auto t1 = std::chrono::steady_clock::now();
-    for (cudaGraphExec_t exec : rank.graphs.at(step.graph_bucket))
-      EPX_CUDA_CHECK(cudaGraphLaunch(exec, rank.stream));
+    const std::vector<cudaGraphExec_t>& pieces = rank.graphs.at(step.graph_bucket);
+    const bool timed = pieces.size() > 1 && rank.piece_events.size() == pieces.size() + 1;
+    if (timed) EPX_CUDA_CHECK(cudaEventRecord(rank.piece_events[0], rank.stream));
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      EPX_CUDA_CHECK(cudaGraphLaunch(pieces[i], rank.stream));
+      if (timed) EPX_CUDA_CHECK(cudaEventRecord(rank.piece_events[i + 1], rank.stream));
+    }
     // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
     const auto t2 = std::chrono::steady_clock::now();
     const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
@@ -501,6 +511,14 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
                  rank.index, step.graph_bucket, copy_ms + launch_ms, copy_ms, launch_ms);
     }
     a2a.synchronize(rank.stream);
+    if (timed) {
+      rank.piece_s.resize(pieces.size());
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        float ms = 0;
+        EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, rank.piece_events[i], rank.piece_events[i + 1]));
+        rank.piece_s[i].push_back(ms / 1e3);
+      }
+    }
     return;
   }
   for (int l = 0; l < num_layers; ++l) {
@@ -560,6 +578,13 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
       throw;
     }
     pieces.push_back(end_capture(rank.stream));
+  }
+  // Timing events around the pieces (the same count for every bucket), made once.
+  const size_t events = split ? size_t(2 * num_layers + 2) : 0;
+  while (rank.piece_events.size() < events) {
+    cudaEvent_t e = nullptr;
+    EPX_CUDA_CHECK(cudaEventCreate(&e));
+    rank.piece_events.push_back(e);
   }
   for (auto& layer : rank.layers) {
     layer->set_capture_token_bound(0);
@@ -671,6 +696,7 @@ struct BackendResult {
   int prefill_steps = 0;  // steps with prefill tokens
   serve::Summary step_s;
   serve::Summary launch_s;    // cuda_graph: host time of cudaGraphLaunch, every rank's replays
+  std::vector<serve::Summary> piece_s;  // split graphs: GPU time of each piece, every rank's replays
   double warmup_s = 0;
 };
 
@@ -817,7 +843,10 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     }
     br.warmup_s = seconds_since(t_warm);
 
-    for (auto& r : ranks) r->launch_s.clear();  // the timed steps' replays only
+    for (auto& r : ranks) {  // the timed steps' replays only
+      r->launch_s.clear();
+      r->piece_s.clear();
+    }
     world_graphs.launch_s.clear();
     serve::Scheduler sched(w);
     std::vector<double> step_s;
@@ -854,6 +883,12 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
     std::vector<double> launches = world_graphs.launch_s;
     for (auto& r : ranks) launches.insert(launches.end(), r->launch_s.begin(), r->launch_s.end());
     br.launch_s = serve::summarize_values(std::move(launches));
+    for (size_t i = 0; !ranks.empty() && i < ranks[0]->piece_s.size(); ++i) {
+      std::vector<double> ms;
+      for (auto& r : ranks)
+        if (i < r->piece_s.size()) ms.insert(ms.end(), r->piece_s[i].begin(), r->piece_s[i].end());
+      br.piece_s.push_back(serve::summarize_values(std::move(ms)));
+    }
     br.latency = serve::latency_report(sched.requests());
     fmt::print(stderr, "{}: done, {} steps ({} graph replays), {:.1f} s (warm-up {:.1f} s{})\n",
                tag, br.steps, br.graph_steps, br.latency.end_s, br.warmup_s,
@@ -873,6 +908,17 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
 }
 
 // ---- output ------------------------------------------------------------------------------------
+
+// The pieces of a split decode graph step (2 x layers + 1): piece 0 is layer 1's router, shared
+// expert and dispatch; odd pieces a layer's expert stage; even ones a layer's combine and the next
+// layer's router, shared expert and dispatch (the last: the last layer's combine).
+std::string graph_piece_name(int i, int num_pieces) {
+  const int layer = i / 2 + 1;
+  if (i % 2 == 1) return fmt::format("L{} experts", layer);
+  if (i == 0) return "L1 dispatch";
+  if (i == num_pieces - 1) return fmt::format("L{} combine", layer - 1);
+  return fmt::format("L{} combine + L{} dispatch", layer - 1, layer);
+}
 
 void print_table(const std::vector<BackendResult>& results) {
   constexpr int kName = 31;  // "allgather_reducescatter (graph)"
@@ -911,6 +957,13 @@ void print_table(const std::vector<BackendResult>& results) {
                "rank's cudaGraphLaunch calls of a step P50 {:.3f} ms, max {:.3f} ms\n",
                to_string(br.backend), br.graph_steps, br.steps, br.capture_s,
                1e3 * br.launch_s.p50, 1e3 * br.launch_s.max);
+    if (br.piece_s.empty()) continue;
+    std::string pieces;
+    for (size_t i = 0; i < br.piece_s.size(); ++i) {
+      pieces += fmt::format("{}{} {:.2f}", i ? ", " : "", graph_piece_name(int(i), int(br.piece_s.size())),
+                            1e3 * br.piece_s[i].p50);
+    }
+    fmt::print("    GPU time per piece of a step, P50 over ranks and replays, ms: {}\n", pieces);
   }
 }
 
@@ -991,6 +1044,15 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       rec["warmup_s"] = br.warmup_s;
       if (br.cuda_graph) {
         rec["graph_launch_ms"] = summary_json(br.launch_s);
+        if (!br.piece_s.empty()) {
+          json pieces = json::array();
+          for (size_t i = 0; i < br.piece_s.size(); ++i) {
+            json piece = summary_json(br.piece_s[i]);
+            piece["piece"] = graph_piece_name(int(i), int(br.piece_s.size()));
+            pieces.push_back(piece);
+          }
+          rec["graph_piece_ms"] = pieces;
+        }
         rec["graph_steps"] = br.graph_steps;
         rec["capture_s"] = br.capture_s;
       }
