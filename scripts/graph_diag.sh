@@ -16,7 +16,8 @@ step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   echo "=== $name: $*"
   timeout 120 "$@" >"$out/$name.log" 2>&1
   echo "rc $?"
-  grep -E "^(PASS|FAIL)|^(naive|allgather|low_latency)|error|blocked" "$out/$name.log" | head -12
+  grep -E "^(PASS|FAIL)|^(naive|allgather|low_latency)|error|blocked|GPU time per piece" \
+    "$out/$name.log" | head -12
 }
 C="$build/epx check --tokens 128 --iters 1"
 step check_w32_cond $C --world 32 --graph 10 --graph-conditional
@@ -35,11 +36,14 @@ step serve_w32_graph_unsplit "$build/epx" serve-bench --world 32 --experts 64 $S
 step serve_w8_graph_world "$build/epx" serve-bench --world 8 --experts 16 $SMALL \
   --backends low_latency --graph-scope world
 # DeepSeek-R1 shape, 8 ranks, 2 layers: graph against eager decode steps, split and one graph
-# per step (step_ms and graph_launch_ms in the JSON).
+# per step (step_ms and graph_launch_ms in the JSON; split runs also print each piece's GPU time),
+# then split with all-rows experts (serve-bench's default on one GPU).
 for split in expert none; do
   step "serve_r1_w8_$split" "$build/epx" serve-bench --world 8 --cuda-graph --backends low_latency \
     --graph-experts switch --graph-split "$split" --json "$out/serve_r1_w8_$split.json"
 done
+step serve_r1_w8_allrows "$build/epx" serve-bench --world 8 --cuda-graph --backends low_latency \
+  --json "$out/serve_r1_w8_allrows.json"
 # Where a graph step's time goes (R1 shape, 8 ranks, 2 layers): GPU kernel totals of an eager-only
 # run and of an eager + graph run (their difference is the graph pass), with EPX_DIAG_NSYS=1 where
 # nsys is installed (up to 5 more minutes).
