@@ -909,17 +909,6 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
 
 // ---- output ------------------------------------------------------------------------------------
 
-// The pieces of a split decode graph step (2 x layers + 1): piece 0 is layer 1's router, shared
-// expert and dispatch; odd pieces a layer's expert stage; even ones a layer's combine and the next
-// layer's router, shared expert and dispatch (the last: the last layer's combine).
-std::string graph_piece_name(int i, int num_pieces) {
-  const int layer = i / 2 + 1;
-  if (i % 2 == 1) return fmt::format("L{} experts", layer);
-  if (i == 0) return "L1 dispatch";
-  if (i == num_pieces - 1) return fmt::format("L{} combine", layer - 1);
-  return fmt::format("L{} combine + L{} dispatch", layer - 1, layer);
-}
-
 void print_table(const std::vector<BackendResult>& results) {
   constexpr int kName = 31;  // "allgather_reducescatter (graph)"
   fmt::print("\n{:<{}} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend", kName,
@@ -960,7 +949,7 @@ void print_table(const std::vector<BackendResult>& results) {
     if (br.piece_s.empty()) continue;
     std::string pieces;
     for (size_t i = 0; i < br.piece_s.size(); ++i) {
-      pieces += fmt::format("{}{} {:.2f}", i ? ", " : "", graph_piece_name(int(i), int(br.piece_s.size())),
+      pieces += fmt::format("{}{} {:.2f}", i ? ", " : "", serve::graph_piece_name(int(i), int(br.piece_s.size())),
                             1e3 * br.piece_s[i].p50);
     }
     fmt::print("    GPU time per piece of a step, P50 over ranks and replays, ms: {}\n", pieces);
@@ -1048,7 +1037,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
           json pieces = json::array();
           for (size_t i = 0; i < br.piece_s.size(); ++i) {
             json piece = summary_json(br.piece_s[i]);
-            piece["piece"] = graph_piece_name(int(i), int(br.piece_s.size()));
+            piece["piece"] = serve::graph_piece_name(int(i), int(br.piece_s.size()));
             pieces.push_back(piece);
           }
           rec["graph_piece_ms"] = pieces;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 
@@ -175,6 +177,18 @@ LatencyReport latency_report(const std::vector<RequestRecord>& requests) {
   rep.ttft_s = summarize_values(std::move(ttft));
   rep.output_tokens_per_s = rep.end_s > 0 ? double(rep.output_tokens) / rep.end_s : 0;
   return rep;
+}
+
+std::string graph_piece_name(int i, int num_pieces) {
+  EPX_CHECK(num_pieces >= 1 && num_pieces % 2 == 1, InputError, "num_pieces", num_pieces,
+            "odd (2 x layers + 1)");
+  EPX_CHECK(i >= 0 && i < num_pieces, InputError, "i", i,
+            "in [0, num_pieces = " + std::to_string(num_pieces) + ")");
+  const int layer = i / 2 + 1;
+  if (i % 2 == 1) return fmt::format("L{} experts", layer);
+  if (i == 0) return "L1 dispatch";
+  if (i == num_pieces - 1) return fmt::format("L{} combine", layer - 1);
+  return fmt::format("L{} combine + L{} dispatch", layer - 1, layer);
 }
 
 }  // namespace epx::cli::serve

@@ -116,4 +116,11 @@ struct LatencyReport {
 };
 LatencyReport latency_report(const std::vector<RequestRecord>& requests);
 
+// The name of piece i of a decode graph step captured split at the expert stages (2 x layers + 1
+// pieces): piece 0 is layer 1's router, shared expert and dispatch ("L1 dispatch"); odd pieces a
+// layer's expert stage ("L2 experts"); even ones a layer's combine and the next layer's router,
+// shared expert and dispatch ("L1 combine + L2 dispatch"), the last one the last combine.
+// InputError unless num_pieces is odd and 0 <= i < num_pieces.
+std::string graph_piece_name(int i, int num_pieces);
+
 }  // namespace epx::cli::serve

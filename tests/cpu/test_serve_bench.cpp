@@ -225,5 +225,18 @@ TEST(ServeStats, SummaryAndLatencyReport) {
   EXPECT_DOUBLE_EQ(rep.output_tokens_per_s, 5.0 / 6.0);
 }
 
+// The pieces of a split decode graph step, as serve-bench names them in its table and JSON.
+TEST(ServeGraphPieces, NamesFollowTheLayers) {
+  const std::vector<std::string> two = {"L1 dispatch", "L1 experts", "L1 combine + L2 dispatch",
+                                        "L2 experts", "L2 combine"};
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(serve::graph_piece_name(i, 5), two[size_t(i)]) << i;
+  EXPECT_EQ(serve::graph_piece_name(2, 3), "L1 combine");
+  EXPECT_EQ(serve::graph_piece_name(0, 1), "L1 dispatch");
+  EXPECT_THROW(serve::graph_piece_name(0, 4), InputError);
+  EXPECT_THROW(serve::graph_piece_name(5, 5), InputError);
+  EXPECT_THROW(serve::graph_piece_name(-1, 5), InputError);
+}
+
 }  // namespace
 }  // namespace epx::cli::serve
+
