@@ -73,8 +73,8 @@ struct ServeFlags {
   bool cuda_graph = false;
   std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
   std::string graph_scope = "rank";  // --graph-scope
-  std::string graph_split = "expert";  // --graph-split
-  std::string graph_experts = "auto";  // --graph-experts
+  std::string graph_split;    // --graph-split: empty = expert (rank scope)
+  std::string graph_experts;  // --graph-experts: empty = auto
 };
 
 struct ServePlan {
@@ -254,12 +254,22 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   if (f.graph_scope == "world" && !f.cuda_graph)
     EPX_THROW(ConfigError, "--graph-scope = 'world', expected only with --cuda-graph");
   p.world_graphs = f.graph_scope == "world";
-  if (f.graph_split != "expert" && f.graph_split != "none") {
+  for (const auto& [flag, value] : {std::pair{"--graph-split", &f.graph_split},
+                                     std::pair{"--graph-experts", &f.graph_experts}}) {
+    if (!value->empty() && !f.cuda_graph) {
+      EPX_THROW(ConfigError,
+                fmt::format("{} = '{}', expected only with --cuda-graph", flag, *value));
+    }
+  }
+  if (!f.graph_split.empty() && f.graph_split != "expert" && f.graph_split != "none") {
     EPX_THROW(ConfigError,
               fmt::format("--graph-split = '{}', expected expert or none", f.graph_split));
   }
-  p.split_graphs = f.graph_split == "expert" && !p.world_graphs;
-  if (f.graph_experts == "auto") {
+  if (f.graph_split == "expert" && p.world_graphs) {
+    EPX_THROW(ConfigError, "--graph-split = 'expert', expected only with --graph-scope rank");
+  }
+  p.split_graphs = f.graph_split != "none" && !p.world_graphs;
+  if (f.graph_experts.empty() || f.graph_experts == "auto") {
     p.graph_experts = W > 1 ? CaptureExperts::kAllRows : CaptureExperts::kSwitch;
   } else if (f.graph_experts == "switch" || f.graph_experts == "all-rows") {
     p.graph_experts = f.graph_experts == "switch" ? CaptureExperts::kSwitch : CaptureExperts::kAllRows;
@@ -496,14 +506,16 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
     const std::vector<cudaGraphExec_t>& pieces = rank.graphs.at(step.graph_bucket);
     const bool timed = pieces.size() > 1 && rank.piece_events.size() == pieces.size() + 1;
     if (timed) EPX_CUDA_CHECK(cudaEventRecord(rank.piece_events[0], rank.stream));
+    // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
+    double launch_ms = 0;  // the cudaGraphLaunch calls alone
     for (size_t i = 0; i < pieces.size(); ++i) {
+      const auto l0 = std::chrono::steady_clock::now();
       EPX_CUDA_CHECK(cudaGraphLaunch(pieces[i], rank.stream));
+      launch_ms +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
       if (timed) EPX_CUDA_CHECK(cudaEventRecord(rank.piece_events[i + 1], rank.stream));
     }
-    // Enqueueing must not wait for the device: peers spin until this rank's kernels run.
-    const auto t2 = std::chrono::steady_clock::now();
     const double copy_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-    const double launch_ms = std::chrono::duration<double, std::milli>(t2 - t1).count();
     rank.launch_s.push_back(launch_ms / 1e3);
     if (copy_ms + launch_ms > kSlowEnqueueMs) {
       fmt::print(stderr, "  rank {}: enqueueing the bucket-{} graph blocked the host {:.0f} ms "
@@ -554,9 +566,25 @@ void abandon_capture(cudaStream_t s) noexcept {
 // x_graph in one chunk (capture only records: no rank waits for another). One graph, or with
 // `split` 2 x layers + 1 pieces: each layer's expert stage in a graph of its own, apart from
 // dispatch and combine (MoeLayer::set_capture_split).
+// Resets the capture settings of a rank's layers when it goes (a split hook refers to the
+// rank's graphs, which outlive no backend).
+struct CaptureSettingsReset {
+  std::vector<std::unique_ptr<MoeLayer>>& layers;
+  ~CaptureSettingsReset() {
+    for (auto& layer : layers) {
+      layer->set_capture_split({});
+      try {
+        layer->set_capture_token_bound(0);  // may allocate (once): never throw from here
+      } catch (...) {
+      }
+    }
+  }
+};
+
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
                            const std::vector<int>& buckets, bool split) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
+  const CaptureSettingsReset reset{rank.layers};
   for (int b : buckets) {
     std::vector<cudaGraphExec_t>& pieces = rank.graphs[b];  // destroy_graphs() frees them
     for (auto& layer : rank.layers) {
@@ -585,10 +613,6 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
     cudaEvent_t e = nullptr;
     EPX_CUDA_CHECK(cudaEventCreate(&e));
     rank.piece_events.push_back(e);
-  }
-  for (auto& layer : rank.layers) {
-    layer->set_capture_token_bound(0);
-    layer->set_capture_split({});
   }
 }
 
@@ -1242,14 +1266,13 @@ void add_serve_bench(CLI::App& app, int& exit_code) {
   c->add_option("--graph-split", f->graph_split,
                 "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage in a "
                 "graph of its own, apart from dispatch and combine, as an engine that runs other "
-                "work between them would capture) | none (one graph per step)")
-      ->capture_default_str();
+                "work between them would capture; the default) | none (one graph per step)");
   c->add_option("--graph-experts", f->graph_experts,
                 "with --cuda-graph: switch (a SWITCH node per local expert picks its GEMM rows "
                 "from the received count) | all-rows (no conditional nodes: every local expert's "
                 "GEMMs at the most rows it can receive) | auto (all-rows when ranks share the "
-                "GPU: graphs with SWITCH nodes have stopped there, from 20 ranks and once at 8)")
-      ->capture_default_str();
+                "GPU: graphs with SWITCH nodes have stopped there, from 20 ranks and once at 8; "
+                "the default)");
   c->add_option("--graph-buckets", f->graph_buckets,
                 "with --cuda-graph: the decode batch sizes captured, ascending comma list "
                 "(default 1, 2, 4, ... up to the largest); larger decode batches run eagerly");

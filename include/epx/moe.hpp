@@ -29,9 +29,10 @@
 //   rows into place) at M = the i-th row bucket (row_buckets.hpp); a small kernel
 //   picks each expert's body from its count (body 0: no rows, nothing runs); with
 //   set_capture_experts(kAllRows) each expert runs its largest body, no conditional nodes.
-//   The GEMMs run at the same M as eagerly (padded_rows(count)), so a replay
-//   gives the eager forward's results.
-// Cost: the GEMMs are those of the eager path; the graph holds local experts x
+//   With SWITCH nodes the GEMMs run at the same M as eagerly (padded_rows(count)), so a
+//   replay gives the eager forward's results; all-rows GEMMs run at a larger M (results
+//   within rounding of the eager ones, the extra rows computed and dropped).
+// Cost (SWITCH): the GEMMs are those of the eager path; the graph holds local experts x
 // buckets x 6-9 nodes per chunk, buckets = the distinct padded_rows values up to
 // the most rows an expert can receive (world_size x tokens per rank, at most the
 // capacity: 28 buckets at 1024 rows), so capture and instantiation take ~ms per
@@ -152,17 +153,18 @@ class MoeLayer {
   // For captures from now on: `split`, when set, is called on the host as forward() records each
   // chunk's expert stage, once just before its first node and once just after its last, with the
   // capturing stream; the caller may end the capture there and begin the next one on the same
-  // stream (cudaStreamEndCapture + cudaStreamBeginCapture), or record its own work between the
-  // stages (as an engine overlapping another micro-batch would): dispatch, expert stage and
-  // combine then land in graphs of their own. Replay the pieces in capture order on one stream.
+  // stream (cudaStreamEndCapture + cudaStreamBeginCapture), recording its own work between the
+  // stages if it likes (as an engine overlapping another micro-batch would): dispatch, expert
+  // stage and combine then land in graphs of their own. The stream must be capturing again when
+  // `split` returns (StateError otherwise). Replay the pieces in capture order on one stream.
   // Measured on an H200 (8 in-process ranks, DeepSeek-R1 shape, 2 layers): the decode step costs
   // the same split (5 graphs) or whole (16.97 vs 16.83 ms). An empty function (the default)
   // records one graph. Eager forwards never call it.
   void set_capture_split(std::function<void(cudaStream_t)> split);
 
   // For captures from now on: how the expert stage is recorded (default kSwitch). kAllRows
-  // trades GEMM work (every local expert at world_size x the token bound rows, rounded to a row
-  // bucket) for a graph without conditional nodes. Measured on an H200 with in-process ranks on
+  // trades GEMM work (every local expert at world_size x the token bound rows, at most the
+  // capacity, rounded to a row bucket) for a graph without conditional nodes. Measured on an H200 with in-process ranks on
   // one GPU (32 hardware queues): graphs with SWITCH nodes keep a peer's graph from starting from
   // 20 ranks, whether or not they are split (set_capture_split), and did once at 8 ranks; graphs
   // without them replayed every time, at 8 and 32 ranks.

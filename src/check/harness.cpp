@@ -262,8 +262,16 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
             EPX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
           };
         }
-        enqueue(r, true, cut);
-        end_piece(pieces);
+        try {
+          enqueue(r, true, cut);
+          end_piece(pieces);
+        } catch (...) {  // end the open capture so that the cleanup's stream calls work
+          cudaGraph_t dropped = nullptr;
+          (void)cudaStreamEndCapture(st, &dropped);
+          if (dropped) (void)cudaGraphDestroy(dropped);
+          (void)cudaGetLastError();
+          throw;
+        }
       }
     });
     const int64_t before = rep.calls;

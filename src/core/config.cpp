@@ -8,6 +8,7 @@
 #include <array>
 #include <cctype>
 #include <charconv>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -348,6 +349,7 @@ namespace detail {
 
 int parse_env_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
                       const std::string& bound) {
+  EPX_CHECK(lo <= hi && hi <= uint64_t(INT_MAX), InputError, "hi", hi, "in [lo, INT_MAX]");
   const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
     return std::isdigit(static_cast<unsigned char>(c)) != 0;
   });

@@ -188,6 +188,8 @@ struct MoeLayer::Impl {
   // Under capture: the same expert stage with the row counts read on the device.
   using ExpertBody = std::function<void(int expert, int m_pad, cudaStream_t body_stream)>;
   void add_expert_switches(const int32_t* counts, cudaStream_t stream, const ExpertBody& body);
+  // Calls capture_split (if set); StateError unless `stream` is capturing again afterwards.
+  void call_capture_split(cudaStream_t stream);
   void captured_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
   void captured_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
 };
@@ -573,6 +575,15 @@ void MoeLayer::set_capture_token_bound(int max_tokens_per_rank) {
 
 void MoeLayer::set_capture_experts(CaptureExperts mode) { impl_->capture_experts = mode; }
 
+void MoeLayer::Impl::call_capture_split(cudaStream_t stream) {
+  if (!capture_split) return;
+  capture_split(stream);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  EPX_CHECK(status == cudaStreamCaptureStatusActive, StateError, "stream capture after the split",
+            "not active", "a capture begun again on the same stream (set_capture_split)");
+}
+
 void MoeLayer::set_capture_split(std::function<void(cudaStream_t)> split) {
   impl_->capture_split = std::move(split);
 }
@@ -651,13 +662,13 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
     const bool token_major = m.ep.layout == OutputLayout::kTokenMajor;
     if (captured) {
       // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
-      if (m.capture_split) m.capture_split(stream);
+      m.call_capture_split(stream);
       if (token_major) {
         m.captured_token_major(d, a2a, stream);
       } else {
         m.captured_expert_major(d, a2a, stream);
       }
-      if (m.capture_split) m.capture_split(stream);
+      m.call_capture_split(stream);
     } else {
       // Host sync: the expert GEMMs are launched at the exact received row counts.
       a2a.synchronize(stream);

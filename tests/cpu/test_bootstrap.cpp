@@ -980,7 +980,11 @@ TEST(ServeCli, GraphBucketsAreChecked) {
       {{"--graph-scope", "world"}, "--graph-scope = 'world', expected only with --cuda-graph"},
       {{"--graph-split", "layer", "--cuda-graph"}, "--graph-split = 'layer', expected expert or none"},
       {{"--graph-experts", "some", "--cuda-graph"},
-       "--graph-experts = 'some', expected auto, switch or all-rows"}};
+       "--graph-experts = 'some', expected auto, switch or all-rows"},
+      {{"--graph-experts", "switch"}, "--graph-experts = 'switch', expected only with --cuda-graph"},
+      {{"--graph-split", "none"}, "--graph-split = 'none', expected only with --cuda-graph"},
+      {{"--graph-split", "expert", "--graph-scope", "world", "--cuda-graph"},
+       "--graph-split = 'expert', expected only with --graph-scope rank"}};
   for (const auto& [extra, message] : cases) {
     std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
     argv.insert(argv.end(), extra.begin(), extra.end());
