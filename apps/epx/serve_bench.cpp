@@ -542,12 +542,7 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
 
 // Ends the capture of `s`, instantiates its graph and uploads it on `s`.
 cudaGraphExec_t end_capture(cudaStream_t s) {
-  cudaGraph_t g = nullptr;
-  EPX_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t exec = nullptr;
-  const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-  (void)cudaGraphDestroy(g);
-  EPX_CUDA_CHECK(err);
+  cudaGraphExec_t exec = end_capture_and_instantiate(s);
   const cudaError_t up = cudaGraphUpload(exec, s);
   if (up != cudaSuccess) (void)cudaGraphExecDestroy(exec);
   EPX_CUDA_CHECK(up);

@@ -244,13 +244,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       if (o.mixed && r == 0) return;
       cudaStream_t st = rb[r].stream;
       auto end_piece = [&](std::vector<cudaGraphExec_t>& pieces) {
-        cudaGraph_t graph = nullptr;
-        EPX_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
-        cudaGraphExec_t e = nullptr;
-        const cudaError_t err = cudaGraphInstantiate(&e, graph, 0);
-        (void)cudaGraphDestroy(graph);
-        EPX_CUDA_CHECK(err);
-        pieces.push_back(e);
+        pieces.push_back(end_capture_and_instantiate(st));
       };
       for (int k = 0; k < o.graph_execs; ++k) {
         std::vector<cudaGraphExec_t>& pieces = graphs.execs[size_t(r)].emplace_back();

@@ -20,6 +20,18 @@
   } while (0)
 
 namespace epx {
+// Ends the capture on `stream` and instantiates the graph it recorded (the graph itself is
+// destroyed either way); CudaError when either step fails.
+inline cudaGraphExec_t end_capture_and_instantiate(cudaStream_t stream) {
+  cudaGraph_t graph = nullptr;
+  EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  (void)cudaGraphDestroy(graph);
+  EPX_CUDA_CHECK(err);
+  return exec;
+}
+
 // Number of CUDA devices visible; 0 when there is no driver or no GPU (never throws).
 int cuda_device_count();
 // Throws UnsupportedError("... needs an NVIDIA GPU ...") when no device is visible.

@@ -738,14 +738,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
           layer->set_capture_token_bound(round.token_bound);
           std::vector<cudaGraphExec_t> pieces;
           const auto end_piece = [&] {
-            cudaGraph_t g = nullptr;
-            EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
-            cudaGraphExec_t exec = nullptr;
-            const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
-            (void)cudaGraphDestroy(g);
-            EPX_CUDA_CHECK(err);
-            pieces.push_back(exec);
-            EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
+            pieces.push_back(end_capture_and_instantiate(stream));
+            EPX_CUDA_CHECK(cudaGraphUpload(pieces.back(), stream));
           };
           layer->set_capture_split({});
           layer->set_capture_experts(round.experts);
