@@ -1,6 +1,6 @@
 // `epx bench`: dispatch and combine latency and bandwidth of every requested backend, side by
 // side, in one run (DESIGN §8). Each backend and token count is first checked against the CPU
-// reference (src/check); one that fails is reported FAILED and not timed, one that this build
+// reference (src/testing); one that fails is reported FAILED and not timed, one that this build
 // cannot serve is reported unavailable.
 //
 // Two worlds: in-process (default; every rank a stream of this process, timed as one fork/join)
@@ -27,7 +27,7 @@
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #if EPX_HAVE_CUDA
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "epx/all2all.hpp"
 #include "epx/world.hpp"
 #endif
@@ -357,9 +357,9 @@ bool all_ok(const std::vector<TokenResult>& results) {
 }
 
 // The check `epx bench` runs before timing a backend: one call on the bench's own inputs.
-check::CheckOptions verify_options(const BenchPlan& p, Backend backend, const EpConfig& cfg,
+testing::CheckOptions verify_options(const BenchPlan& p, Backend backend, const EpConfig& cfg,
                                    int tokens) {
-  check::CheckOptions o;
+  testing::CheckOptions o;
   o.cfg = cfg;
   o.backend = backend;
   o.launch = p.launch.launch;
@@ -392,9 +392,9 @@ BackendResult run_backend(const BenchPlan& p, Backend backend, const EpConfig& c
   const std::string tag = fmt::format("[tokens {}] {}", inputs.tokens(), to_string(backend));
   if (p.verify) {
     const auto t0 = std::chrono::steady_clock::now();
-    const check::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
+    const testing::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
     try {
-      const check::CheckReport rep = check::run_check(o);
+      const testing::CheckReport rep = testing::run_check(o);
       br.verification = rep.ok ? "passed" : "failed";
       if (!rep.ok) {
         br.status = "failed";
@@ -566,10 +566,10 @@ BackendResult run_backend_ipc(const BenchPlan& p, Backend backend, const EpConfi
   };
   if (p.verify) {
     const auto t0 = std::chrono::steady_clock::now();
-    const check::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
+    const testing::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
     std::string status = "ok", message;
     try {
-      const check::CheckReport rep = check::run_check_world(o, world);  // same report on every rank
+      const testing::CheckReport rep = testing::run_check_world(o, world);  // same report on every rank
       if (!rep.ok) {
         status = "failed";
         message = rep.mismatches.empty() ? "output differs from the CPU reference"

@@ -19,7 +19,7 @@
 #include "moe_check.hpp"
 #include "reference/reference.hpp"
 #if EPX_HAVE_CUDA
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
@@ -137,8 +137,8 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
   EPX_CHECK(fl.fault_kill_rank < fl.shape.world, ConfigError, "--fault-kill-rank",
             fl.fault_kill_rank, fmt::format("a rank of the world, in [0, {})", fl.shape.world));
   require_gpu("epx check");
-  check::CheckOptions o;
-  o.tokens = check::parse_token_list(fl.tokens, "--tokens");
+  testing::CheckOptions o;
+  o.tokens = testing::parse_token_list(fl.tokens, "--tokens");
   int max_t = 0;
   for (int t : o.tokens) max_t = std::max(max_t, t);
   o.cfg = make_config(fl.shape, max_t);
@@ -184,7 +184,7 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
       std::fflush(stdout);
     }
     const auto t0 = std::chrono::steady_clock::now();
-    const check::CheckReport rep = check::run_check_world(o, world);
+    const testing::CheckReport rep = testing::run_check_world(o, world);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) {
@@ -305,8 +305,8 @@ void add_check(CLI::App& app, int& exit_code) {
       run_check_ipc_cli(*f, world_opt->count() > 0, exit_code);
       return;
     }
-    check::CheckOptions o;
-    o.tokens = check::parse_token_list(f->tokens, "--tokens");
+    testing::CheckOptions o;
+    o.tokens = testing::parse_token_list(f->tokens, "--tokens");
     int max_t = 0;
     for (int t : o.tokens) max_t = std::max(max_t, t);
     o.cfg = make_config(f->shape, max_t);
@@ -337,7 +337,7 @@ void add_check(CLI::App& app, int& exit_code) {
         cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
         to_string(cfg.scale_layout), f->routing, o.seed);
     const auto t0 = std::chrono::steady_clock::now();
-    const check::CheckReport rep = check::run_check(o);
+    const testing::CheckReport rep = testing::run_check(o);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
@@ -439,7 +439,7 @@ void add_sizes(CLI::App& app, int& exit_code) {
   c->callback([f, tokens, &exit_code] {
 #if EPX_HAVE_CUDA
     fmt::print("{:>10} {:>8} {:>7} {:>16}\n", "max_tok", "dtype", "layout", "bytes per rank");
-    for (int t : check::parse_token_list(*tokens, "--tokens")) {
+    for (int t : testing::parse_token_list(*tokens, "--tokens")) {
       for (const char* layout : {"token", "expert"}) {
         ShapeFlags g = *f;
         g.max_tokens = t;

@@ -40,7 +40,7 @@
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
@@ -252,7 +252,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   check_range("--world", f.world, 1, kMaxRanks);
   EPX_CHECK(f.tolerance > 0 && std::isfinite(f.tolerance), ConfigError, "--tolerance", f.tolerance,
             "> 0");
-  const std::vector<int> list = check::parse_token_list(f.tokens, "--tokens");
+  const std::vector<int> list = testing::parse_token_list(f.tokens, "--tokens");
   EPX_CHECK(list.size() == 1 || int(list.size()) == f.world, ConfigError, "--tokens", f.tokens,
             fmt::format("one count or {} counts (one per rank)", f.world));
   std::vector<int> tokens(static_cast<size_t>(f.world));

@@ -15,7 +15,7 @@
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #if EPX_HAVE_CUDA
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "epx/all2all.hpp"
 #include "epx/world.hpp"
 #endif
@@ -108,7 +108,7 @@ class Tuner {
       EpConfig cfg = p_.shape.cfg;
       cfg.max_tokens_per_rank = T;
       try {
-        const check::CheckReport rep = checker(i, cfg).run(c.launch);
+        const testing::CheckReport rep = checker(i, cfg).run(c.launch);
         if (!rep.ok) {
           c.status = "FAILED";
           c.message = fmt::format("check at {} tokens: {}", T,
@@ -146,10 +146,10 @@ class Tuner {
   // The checker of token count i, built on first use: the inputs and CPU reference (tens of
   // seconds at thousands of tokens per rank) are computed once and shared by every candidate.
   // A failed construction is retried by the next candidate, as a failed check was.
-  const check::Checker& checker(size_t i, const EpConfig& cfg) {
+  const testing::Checker& checker(size_t i, const EpConfig& cfg) {
     if (checkers_.size() < p_.shape.tokens.size()) checkers_.resize(p_.shape.tokens.size());
     if (!checkers_[i]) {
-      check::CheckOptions o;
+      testing::CheckOptions o;
       o.cfg = cfg;
       o.backend = p_.backend;
       o.tokens = {p_.shape.tokens[i]};
@@ -157,7 +157,7 @@ class Tuner {
       o.seed = p_.shape.seed;
       o.iters = 1;
       o.pool = 1;
-      checkers_[i] = std::make_unique<check::Checker>(o);
+      checkers_[i] = std::make_unique<testing::Checker>(o);
     }
     return *checkers_[i];
   }
@@ -178,7 +178,7 @@ class Tuner {
   const InProcessWorld& world_;
   ForkJoin& fj_;
   const std::vector<std::unique_ptr<DeviceInputs>>& inputs_;
-  std::vector<std::unique_ptr<check::Checker>> checkers_;  // per token count, see checker()
+  std::vector<std::unique_ptr<testing::Checker>> checkers_;  // per token count, see checker()
 };
 
 // Index of the candidate of `phase` with the lowest summed median of `op`; -1 if none passed.

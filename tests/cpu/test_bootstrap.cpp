@@ -350,7 +350,7 @@ TEST(BootstrapOptions, UniqueAddressesDiffer) {
 
 // ---- all-gather and barrier -------------------------------------------------------------------
 
-class BootstrapSizes : public testing::TestWithParam<int> {};
+class BootstrapSizes : public ::testing::TestWithParam<int> {};
 
 TEST_P(BootstrapSizes, AllGatherOverThreads) {
   const int n = GetParam();
@@ -412,7 +412,7 @@ TEST_P(BootstrapSizes, DescriptorsPassBetweenProcesses) {
   for (int r = 0; r < n; ++r) EXPECT_TRUE(succeeded(out[size_t(r)])) << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, BootstrapSizes, testing::Values(1, 2, 4, 8));
+INSTANTIATE_TEST_SUITE_P(Ranks, BootstrapSizes, ::testing::Values(1, 2, 4, 8));
 
 TEST(UnixSocketBootstrap, FilesystemAddressLeavesNoFile) {
   TempDir dir;

@@ -336,7 +336,7 @@ TEST(LaunchJson, InvalidJson) {
   }
 }
 
-class TempDir : public testing::Test {
+class TempDir : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ =

@@ -826,7 +826,7 @@ std::string describe(const Case& c) {
   return os.str();
 }
 
-class ReferenceProperties : public testing::TestWithParam<int> {};
+class ReferenceProperties : public ::testing::TestWithParam<int> {};
 
 TEST_P(ReferenceProperties, DispatchAndCombineKeepTheContract) {
   const uint64_t seed = static_cast<uint64_t>(GetParam());
@@ -871,7 +871,7 @@ TEST_P(ReferenceProperties, DispatchAndCombineKeepTheContract) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, ReferenceProperties, testing::Range(0, 60));
+INSTANTIATE_TEST_SUITE_P(Seeds, ReferenceProperties, ::testing::Range(0, 60));
 
 // Every routing kind and dtype in every world, with zero tokens on some ranks, over the
 // largest shapes of the suite: exact delivery counts.

@@ -9,7 +9,7 @@
 #include <string>
 #include <thread>
 
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
@@ -73,10 +73,10 @@ const Case kCases[] = {
      D::kBF16ToFP8, L::kExpertMajor, R::kOneExpert},
 };
 
-class CheckCase : public testing::TestWithParam<Case> {};
+class CheckCase : public ::testing::TestWithParam<Case> {};
 
-check::CheckOptions options_for(const Case& c) {
-  check::CheckOptions o;
+testing::CheckOptions options_for(const Case& c) {
+  testing::CheckOptions o;
   o.cfg.world_size = c.world;
   o.cfg.hidden = c.hidden;
   o.cfg.num_experts = c.experts;
@@ -84,7 +84,7 @@ check::CheckOptions options_for(const Case& c) {
   o.cfg.dtype = c.dtype;
   o.cfg.layout = c.layout;
   o.cfg.scale_layout = c.scales;
-  o.tokens = check::parse_token_list(c.tokens, "tokens");
+  o.tokens = testing::parse_token_list(c.tokens, "tokens");
   int max_t = 1;
   for (int t : o.tokens) max_t = std::max(max_t, t);
   o.cfg.max_tokens_per_rank = max_t;
@@ -95,7 +95,7 @@ check::CheckOptions options_for(const Case& c) {
   return o;
 }
 
-std::string describe(const check::CheckReport& rep) {
+std::string describe(const testing::CheckReport& rep) {
   std::string s;
   for (const auto& m : rep.mismatches) s += "\n  " + m;
   return s;
@@ -103,32 +103,32 @@ std::string describe(const check::CheckReport& rep) {
 
 TEST_P(CheckCase, MatchesReference) {
   REQUIRE_GPU();
-  const auto rep = check::run_check(options_for(GetParam()));
+  const auto rep = testing::run_check(options_for(GetParam()));
   EXPECT_TRUE(rep.ok) << describe(rep);
   EXPECT_EQ(rep.calls, GetParam().iters);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, testing::ValuesIn(kCases),
-                         [](const testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 // The baselines on every token-major case: same contract (every token delivered), same bits.
-class BaselineCase : public testing::TestWithParam<std::tuple<Backend, int>> {};
+class BaselineCase : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
 
 TEST_P(BaselineCase, MatchesReference) {
   REQUIRE_GPU();
   const auto [backend, index] = GetParam();
   auto o = options_for(kCases[index]);
   o.backend = backend;
-  const auto rep = check::run_check(o);
+  const auto rep = testing::run_check(o);
   EXPECT_TRUE(rep.ok) << describe(rep);
   EXPECT_EQ(rep.calls, kCases[index].iters);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Baselines, BaselineCase,
-    testing::Combine(testing::Values(Backend::kNaive, Backend::kAllgatherReduceScatter),
-                     testing::Values(0, 2, 4, 6, 7, 9, 10, 11, 13, 16)),
-    [](const testing::TestParamInfo<std::tuple<Backend, int>>& i) {
+    ::testing::Combine(::testing::Values(Backend::kNaive, Backend::kAllgatherReduceScatter),
+                     ::testing::Values(0, 2, 4, 6, 7, 9, 10, 11, 13, 16)),
+    [](const ::testing::TestParamInfo<std::tuple<Backend, int>>& i) {
       return std::string(to_string(std::get<0>(i.param))) + "_" + kCases[std::get<1>(i.param)].name;
     });
 
@@ -141,7 +141,7 @@ TEST(Baselines, GraphReplaysAndMixed) {
       o.iters = 1;
       o.graph_replays = 100;
       o.mixed = mixed;
-      const auto rep = check::run_check(o);
+      const auto rep = testing::run_check(o);
       EXPECT_TRUE(rep.ok) << to_string(b) << (mixed ? " mixed" : "") << describe(rep);
       EXPECT_EQ(rep.calls, 101);
     }
@@ -154,7 +154,7 @@ TEST(LowLatency, CorruptedOutputIsDetected) {
   auto o = options_for(kCases[10]);
   o.iters = 1;
   o.corrupt_rank = 3;
-  const auto rep = check::run_check(o);
+  const auto rep = testing::run_check(o);
   ASSERT_FALSE(rep.ok);
   ASSERT_FALSE(rep.mismatches.empty());
   EXPECT_NE(rep.mismatches[0].find("rank 3 combine y"), std::string::npos) << rep.mismatches[0];
@@ -166,7 +166,7 @@ TEST(LowLatency, ThousandGraphReplays) {
   o.iters = 1;
   o.graph_replays = 1000;
   o.pool = 3;
-  const auto rep = check::run_check(o);
+  const auto rep = testing::run_check(o);
   EXPECT_TRUE(rep.ok) << describe(rep);
   EXPECT_EQ(rep.calls, 1001);
 }
@@ -178,7 +178,7 @@ TEST(LowLatency, MixedEagerAndGraph) {
     o.iters = 1;
     o.graph_replays = 50;
     o.mixed = true;
-    const auto rep = check::run_check(o);
+    const auto rep = testing::run_check(o);
     EXPECT_TRUE(rep.ok) << c.name << describe(rep);
     EXPECT_EQ(rep.calls, 51);
   }
@@ -201,7 +201,7 @@ TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
         o.rank_threads = true;
         o.graph_execs = 3;
         o.graph_split = split;
-        const auto rep = check::run_check(o);
+        const auto rep = testing::run_check(o);
         EXPECT_TRUE(rep.ok) << c.name << (mixed ? " mixed" : "") << (split ? " split" : "")
                             << describe(rep);
         EXPECT_EQ(rep.calls, 51);
@@ -254,7 +254,7 @@ EpConfig small_config() {
   return c;
 }
 
-class InvalidIds : public testing::TestWithParam<Backend> {};
+class InvalidIds : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(InvalidIds, AreReportedAndTheTokenIsNotSent) {
   REQUIRE_GPU();
@@ -316,9 +316,9 @@ TEST_P(InvalidIds, AreReportedAndTheTokenIsNotSent) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, InvalidIds,
-                         testing::Values(Backend::kLowLatency, Backend::kNaive,
+                         ::testing::Values(Backend::kLowLatency, Backend::kNaive,
                                          Backend::kAllgatherReduceScatter),
-                         [](const testing::TestParamInfo<Backend>& i) { return std::string(to_string(i.param)); });
+                         [](const ::testing::TestParamInfo<Backend>& i) { return std::string(to_string(i.param)); });
 
 TEST(LowLatency, RepeatedExpertInTokenIsReported) {
   REQUIRE_GPU();

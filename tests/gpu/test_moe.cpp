@@ -476,7 +476,7 @@ struct LayerCase {
   MoeScoring scoring;
 };
 
-class MoeLayerCase : public testing::TestWithParam<LayerCase> {};
+class MoeLayerCase : public ::testing::TestWithParam<LayerCase> {};
 
 MoeShape layer_shape(const LayerCase& c) {
   MoeShape s{.hidden = 512,
@@ -610,8 +610,8 @@ const LayerCase kLayerCases[] = {
      DispatchDtype::kBF16, MoeScoring::kSigmoidGrouped},
 };
 
-INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerCase, testing::ValuesIn(kLayerCases),
-                         [](const testing::TestParamInfo<LayerCase>& i) {
+INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerCase, ::testing::ValuesIn(kLayerCases),
+                         [](const ::testing::TestParamInfo<LayerCase>& i) {
                            return std::string(i.param.name);
                          });
 
@@ -646,7 +646,7 @@ struct RankOutput {
   std::vector<float> wts;
 };
 
-class MoeLayerGraph : public testing::TestWithParam<LayerCase> {};
+class MoeLayerGraph : public ::testing::TestWithParam<LayerCase> {};
 
 // Every rank captures forward() on its stream; each replay (fresh inputs) is compared with an
 // eager forward on the same inputs (rel error < 1e-2; with SWITCH nodes the GEMMs run at the same
@@ -822,8 +822,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerGraph, testing::ValuesIn(kLayerCases),
-                         [](const testing::TestParamInfo<LayerCase>& i) {
+INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerGraph, ::testing::ValuesIn(kLayerCases),
+                         [](const ::testing::TestParamInfo<LayerCase>& i) {
                            return std::string(i.param.name);
                          });
 

@@ -1,7 +1,7 @@
 #pragma once
 // Pieces of the correctness harness shared by run_check (in-process world, harness.cpp) and
 // run_check_ipc (one process per rank, harness_ipc.cpp): input sets with their CPU reference,
-// downloads, and the comparison of one rank's outputs. Internal to src/check.
+// downloads, and the comparison of one rank's outputs. Internal to src/testing.
 
 #include <fmt/format.h>
 
@@ -12,12 +12,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "reference/reference.hpp"
 
-namespace epx::check::internal {
+namespace epx::testing::internal {
 
 using ref::ExpertMajorRecv;
 using ref::RankInput;
@@ -218,4 +218,4 @@ inline std::vector<int> resolve_token_counts(const CheckOptions& o, const EpConf
   return counts;
 }
 
-}  // namespace epx::check::internal
+}  // namespace epx::testing::internal

@@ -18,7 +18,7 @@ class IpcWorld;
 class NcclWorld;
 }
 
-namespace epx::check {
+namespace epx::testing {
 
 struct CheckOptions {
   EpConfig cfg;                     // world_size = ranks of the world (in-process or IPC)
@@ -103,4 +103,4 @@ inline CheckReport run_check_world(const CheckOptions& o, NcclWorld& w) { return
 // Parses "128" or "0,7,128,1024" (one per rank); throws InputError naming `what`.
 std::vector<int> parse_token_list(const std::string& text, const char* what);
 
-}  // namespace epx::check
+}  // namespace epx::testing

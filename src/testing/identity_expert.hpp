@@ -7,7 +7,7 @@
 
 #include "epx/all2all.hpp"
 
-namespace epx::check {
+namespace epx::testing {
 
 // Token-major: partials[j] = bf16(sum over local k of fmaf(w_k, value(row j), acc)).
 // Expert-major: out[e][i] = bf16(value(expert row i of e)). `out` is [capacity, H] or
@@ -24,4 +24,4 @@ void launch_identity_expert(const EpConfig& cfg, const DispatchResult& d, void* 
 void capture_identity_expert_switch(const EpConfig& cfg, const DispatchResult& d, void* out,
                                     cudaStream_t stream, cudaStream_t side);
 
-}  // namespace epx::check
+}  // namespace epx::testing

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # serve-bench at 8 in-process ranks on one GPU, small shape, under several launch shapes: which
 # ones finish, every rank's error for those that do not, and the cuBLASLt algorithms chosen
-# (EPX_GEMM_LOG=1). Logs to $OUT (or serve-diag/). Usage: scripts/serve_diag.sh [build-dir]
+# (EPX_GEMM_LOG=1). Logs to $OUT (or serve-diag/). Usage: tools/diag/serve_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. scripts/diag_env.sh serve-diag "${1:-build}"
+. tools/diag/diag_env.sh serve-diag "${1:-build}"
 S="--world 8 --experts 64 --hidden 2048 --intermediate 512 --shared-intermediate 512"
 S="$S --num-prompts 16 --isl 128 --osl 8 --chunk-size 64 --max-batched-tokens 256"
 one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]

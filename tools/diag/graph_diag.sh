@@ -7,10 +7,10 @@
 # all-to-all with the SWITCH node, whole and split; serve-bench at 16, 20 and 32 ranks with
 # SWITCH graphs, and at 32 unsplit; world scope at 8; the R1 shape at 8 ranks split vs whole.
 # ~3 min when every step passes; a failing step stops at EPX_TIMEOUT_MS. Logs to $OUT (or
-# graph-diag/). Usage: scripts/graph_diag.sh [build-dir]
+# graph-diag/). Usage: tools/diag/graph_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. scripts/diag_env.sh graph-diag "${1:-build}"
+. tools/diag/diag_env.sh graph-diag "${1:-build}"
 step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   local name=$1; shift
   echo "=== $name: $*"

@@ -10,16 +10,16 @@
 #include <string>
 #include <vector>
 
-#include "check/harness.hpp"
-#include "check/harness_internal.hpp"
-#include "check/identity_expert.hpp"
+#include "testing/harness.hpp"
+#include "testing/harness_internal.hpp"
+#include "testing/identity_expert.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 
-namespace epx::check {
+namespace epx::testing {
 namespace {
 
 using namespace internal;  // the pieces shared with run_check (harness_internal.hpp)
@@ -250,4 +250,4 @@ CheckReport run_check_nccl(const CheckOptions& o, NcclWorld& world) {
   return run_check_process(o, world);
 }
 
-}  // namespace epx::check
+}  // namespace epx::testing

@@ -1,11 +1,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "check/identity_expert.hpp"
+#include "testing/identity_expert.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/error.hpp"
 
-namespace epx::check {
+namespace epx::testing {
 namespace {
 
 struct IdentityParams {
@@ -124,4 +124,4 @@ void capture_identity_expert_switch(const EpConfig& cfg, const DispatchResult& d
                                                      cudaStreamSetCaptureDependencies));
 }
 
-}  // namespace epx::check
+}  // namespace epx::testing

@@ -1,4 +1,4 @@
-#include "backends/common/peer_all2all.hpp"
+#include "backends/peer/peer_all2all.hpp"
 
 #include <fmt/format.h>
 
@@ -7,8 +7,8 @@
 #include <cstring>
 #include <sstream>
 
-#include "backends/common/kernels.hpp"
-#include "backends/common/layout.hpp"
+#include "backends/peer/kernels.hpp"
+#include "backends/peer/layout.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"

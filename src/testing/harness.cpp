@@ -1,4 +1,4 @@
-#include "check/harness.hpp"
+#include "testing/harness.hpp"
 
 #include <fmt/format.h>
 
@@ -8,14 +8,14 @@
 #include <memory>
 #include <sstream>
 
-#include "check/harness_internal.hpp"
-#include "check/identity_expert.hpp"
+#include "testing/harness_internal.hpp"
+#include "testing/identity_expert.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 
-namespace epx::check {
+namespace epx::testing {
 
 std::vector<int> parse_token_list(const std::string& text, const char* what) {
   std::vector<int> out;
@@ -289,4 +289,4 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   return rep;
 }
 
-}  // namespace epx::check
+}  // namespace epx::testing

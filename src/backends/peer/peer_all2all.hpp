@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "backends/common/layout.hpp"
+#include "backends/peer/layout.hpp"
 #include "epx/all2all.hpp"
 
 namespace epx {

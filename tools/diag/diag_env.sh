@@ -1,5 +1,5 @@
 # Sourced from the repository root by the diagnosis scripts (serve_diag.sh, graph_diag.sh):
-#   . scripts/diag_env.sh DEFAULT-OUT-DIR [build-dir]
+#   . tools/diag/diag_env.sh DEFAULT-OUT-DIR [build-dir]
 # sets the environment of a GPU run (cuBLASLt from the CUDA toolkit, eager module loading, waits
 # bounded at 3 s unless EPX_TIMEOUT_MS says otherwise), $build (default build) and $out ($OUT,
 # else DEFAULT-OUT-DIR), which it creates.

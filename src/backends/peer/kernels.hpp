@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "backends/common/layout.hpp"
+#include "backends/peer/layout.hpp"
 #include "core/device_status.hpp"
 #include "epx/config.hpp"
 #include "epx/symmetric.hpp"

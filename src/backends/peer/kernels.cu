@@ -24,7 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "backends/common/kernels.hpp"
+#include "backends/peer/kernels.hpp"
 #include "core/cuda_check.hpp"
 #include "core/sync_device.cuh"
 
