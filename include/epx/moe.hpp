@@ -61,13 +61,9 @@
 
 #include "epx/all2all.hpp"
 #include "epx/config.hpp"
+#include "epx/moe_shape.hpp"
 
 namespace epx {
-
-enum class MoeScoring {
-  kSigmoidGrouped,  // DeepSeek-V3/R1: sigmoid + correction bias, best groups, top-k, scaled
-  kSoftmax,         // plain softmax top-k, weights renormalised to sum 1
-};
 
 // How forward() records the expert stage under capture (set_capture_experts).
 enum class CaptureExperts {
@@ -75,21 +71,6 @@ enum class CaptureExperts {
              // count: the eager path's GEMMs (empty experts run nothing)
   kAllRows,  // no conditional nodes: every local expert's GEMMs at the most rows it can receive
              // under the capture bound (rows beyond its count computed and dropped)
-};
-
-// Same fields and meaning as ref::moe::MoeShape (src/reference/moe_ref.hpp).
-struct MoeShape {
-  int hidden = 7168;
-  int intermediate = 2048;  // routed experts' I
-  int num_experts = 256;
-  int topk = 8;
-  int num_groups = 8;
-  int topk_groups = 4;
-  float routed_scaling = 2.5f;
-  int shared_intermediate = 2048;  // 0 = no shared expert
-  MoeScoring scoring = MoeScoring::kSigmoidGrouped;
-
-  static MoeShape deepseek_r1() { return MoeShape{}; }
 };
 
 // Device pointers the caller owns, filled by forward() with the routing of all

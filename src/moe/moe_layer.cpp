@@ -14,7 +14,6 @@
 #include "epx/moe.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
-#include "moe/ref_shape.hpp"
 #include "moe/row_buckets.hpp"
 #include "reference/moe_ref.hpp"
 
@@ -39,7 +38,6 @@ struct DeviceExpert {
 
 struct MoeLayer::Impl {
   MoeShape shape;
-  ref::moe::MoeShape ref_shape;
   EpConfig ep;
   moe::Fp8Gemm gemm;
   GemmOut out_type = GemmOut::kF32;
@@ -80,8 +78,7 @@ struct MoeLayer::Impl {
   int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
 
   Impl(const MoeShape& s, const EpConfig& e, int gemm_sms)
-      : shape(s), ref_shape(moe::to_ref(s)), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(),
-                                                    size_t(32) << 20, gemm_sms) {}
+      : shape(s), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(), size_t(32) << 20, gemm_sms) {}
   ~Impl() {
     if (side) cudaStreamDestroy(side);
     for (void* p : allocations) cudaFree(p);
@@ -197,7 +194,7 @@ struct MoeLayer::Impl {
 MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int gemm_sms)
     : impl_(std::make_unique<Impl>(shape, ep, gemm_sms)) {
   Impl& m = *impl_;
-  m.ref_shape.validate();
+  shape.validate();
   ep.validate();
   EPX_CHECK(ep.hidden == shape.hidden, ConfigError, "EpConfig.hidden", ep.hidden,
             "MoeShape.hidden = " + std::to_string(shape.hidden));
@@ -236,8 +233,8 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int
 
   // Weights: this rank's experts and the shared one, the reference generator's
   // bytes.
-  m.gate = m.upload(ref::moe::make_gate_weight(m.ref_shape, seed));
-  m.bias = m.upload(ref::moe::make_correction_bias(m.ref_shape, seed));
+  m.gate = m.upload(ref::moe::make_gate_weight(m.shape, seed));
+  m.bias = m.upload(ref::moe::make_correction_bias(m.shape, seed));
   // Host generation is the slow part (seconds per DeepSeek-R1 expert): batches of experts are
   // generated on all cores, then uploaded in order.
   std::vector<int> ids;
@@ -250,7 +247,7 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int
     std::vector<std::thread> workers;
     for (size_t i = 0; i < nb; ++i) {
       workers.emplace_back([&, i] {
-        gen[i] = ref::moe::make_expert_weights(m.ref_shape, seed, ids[b0 + i]);
+        gen[i] = ref::moe::make_expert_weights(m.shape, seed, ids[b0 + i]);
       });
     }
     for (auto& w : workers) w.join();

@@ -25,7 +25,6 @@
 #include "epx/world.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
-#include "moe/ref_shape.hpp"
 #include "reference/moe_ref.hpp"
 #include "reference/reference.hpp"
 
@@ -106,8 +105,8 @@ std::vector<float> act_scales_for(moe::ActScaleOrder o, const std::vector<float>
   return out;
 }
 
-rm::MoeShape small_shape() {
-  return rm::MoeShape{.hidden = 512,
+MoeShape small_shape() {
+  return MoeShape{.hidden = 512,
                       .intermediate = 512,
                       .num_experts = 8,
                       .topk = 4,
@@ -115,7 +114,7 @@ rm::MoeShape small_shape() {
                       .topk_groups = 2,
                       .routed_scaling = 2.5f,
                       .shared_intermediate = 512,
-                      .scoring = rm::Scoring::kSigmoidGrouped};
+                      .scoring = MoeScoring::kSigmoidGrouped};
 }
 
 constexpr uint64_t kSeed = 20260;
@@ -124,7 +123,7 @@ constexpr uint64_t kSeed = 20260;
 // ||d-ref||/||ref||.
 double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m = 64,
                   std::string* order = nullptr) {
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int k = shape.hidden;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 0);  // w1: [256][512]
   const int n = w.w1.rows;
@@ -220,7 +219,7 @@ TEST(MoeFp8Gemm, ScaleLayoutProbe) {
 // and padding.
 TEST(MoeKernels, QuantizeRowsIsBitExact) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int src_rows = 37, k = shape.hidden, blocks = k / 128;
   const std::vector<uint16_t> x = rm::make_moe_input(shape, src_rows, kSeed + 2);
   std::vector<int32_t> rows;
@@ -270,7 +269,7 @@ TEST(MoeKernels, QuantizeRowsIsBitExact) {
 // code step.
 TEST(MoeKernels, SiluQuantizeMatchesReference) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int m = 24;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 1);
   const std::vector<uint16_t> x = rm::make_moe_input(shape, m, kSeed + 3);
@@ -307,7 +306,7 @@ TEST(MoeKernels, SiluQuantizeMatchesReference) {
   EXPECT_LT(max_s, 1e-2);
 }
 
-void check_router(const rm::MoeShape& shape, int n) {
+void check_router(const MoeShape& shape, int n) {
   const rm::MoeWeights w{.gate = rm::make_gate_weight(shape, kSeed),
                          .correction_bias = rm::make_correction_bias(shape, kSeed),
                          .experts = {},
@@ -329,7 +328,7 @@ void check_router(const rm::MoeShape& shape, int n) {
                       .num_groups = shape.num_groups,
                       .topk_groups = shape.topk_groups,
                       .routed_scaling = shape.routed_scaling,
-                      .grouped = shape.scoring == rm::Scoring::kSigmoidGrouped,
+                      .grouped = shape.scoring == MoeScoring::kSigmoidGrouped,
                       .ids = d_ids,
                       .weights = d_w},
                      nullptr);
@@ -351,7 +350,7 @@ void check_router(const rm::MoeShape& shape, int n) {
     // from the exact logits) are within 1e-5.
     const auto choice = [&](int e) {
       const float l = logits[size_t(t) * shape.num_experts + e];
-      if (shape.scoring == rm::Scoring::kSoftmax) return l;
+      if (shape.scoring == MoeScoring::kSoftmax) return l;
       return 1.0f / (1.0f + std::exp(-l)) + w.correction_bias[size_t(e)];
     };
     for (int j = 0; j < k; ++j) {
@@ -370,15 +369,15 @@ void check_router(const rm::MoeShape& shape, int n) {
 
 TEST(MoeKernels, RouterMatchesReference) {
   MOE_REQUIRE_GPU();
-  rm::MoeShape s = small_shape();
+  MoeShape s = small_shape();
   s.num_experts = 16;
   s.topk = 4;
   check_router(s, 64);  // sigmoid_grouped, 4 groups, best 2
-  s.scoring = rm::Scoring::kSoftmax;
+  s.scoring = MoeScoring::kSoftmax;
   s.num_groups = 1;
   s.topk_groups = 1;
   check_router(s, 64);
-  check_router(rm::MoeShape::deepseek_r1(),
+  check_router(MoeShape::deepseek_r1(),
                16);  // H 7168, 256 experts, 8 groups, top-8
 }
 
@@ -387,7 +386,7 @@ TEST(MoeKernels, RouterMatchesReference) {
 // in the last place).
 TEST(MoeKernels, OneExpertMatchesReference) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int m = 37, h = shape.hidden;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 2);
   const int i_dim = w.intermediate();
@@ -501,7 +500,6 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   constexpr int kWorld = 2;
   const int tokens[kWorld] = {40, 5};
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = moe::to_ref(shape);
   EpConfig cfg;
   cfg.world_size = kWorld;
   cfg.hidden = shape.hidden;
@@ -522,7 +520,7 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   std::vector<std::thread> threads;
   // Every rank's layer exists before any rank's first forward (moe.hpp).
   std::barrier constructed(kWorld);
-  for (int r = 0; r < kWorld; ++r) x[r] = rm::make_moe_input(rshape, tokens[r], kSeed + 10 + r);
+  for (int r = 0; r < kWorld; ++r) x[r] = rm::make_moe_input(shape, tokens[r], kSeed + 10 + r);
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       try {
@@ -567,20 +565,20 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(rshape, kSeed);
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   for (int r = 0; r < kWorld; ++r) {
     rm::RouterOutput routing{.num_tokens = tokens[r],
                              .topk = shape.topk,
                              .ids = ids[size_t(r)],
                              .weights = wts[size_t(r)]};
     const std::vector<float> want =
-        rm::moe_forward_routed(rshape, weights, x[size_t(r)], tokens[r], routing);
+        rm::moe_forward_routed(shape, weights, x[size_t(r)], tokens[r], routing);
     const double e = rel_error(bf16_to_f32(y[size_t(r)]), want);
     std::printf("%s rank %d: rel error %.3g\n", c.name, r, e);
     EXPECT_LT(e, 8e-2) << "rank " << r;
     // The routing itself must be the reference router's (near-ties aside, see
     // check_router).
-    const rm::RouterOutput ref_routing = rm::route(rshape, weights, x[size_t(r)], tokens[r]);
+    const rm::RouterOutput ref_routing = rm::route(shape, weights, x[size_t(r)], tokens[r]);
     int differing = 0;
     for (int t = 0; t < tokens[r]; ++t) {
       for (int j = 0; j < shape.topk; ++j) {
@@ -658,7 +656,6 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   const LayerCase c = GetParam();
   constexpr int kWorld = 2;
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = moe::to_ref(shape);
   const int h = shape.hidden, k = shape.topk;
   EpConfig cfg;
   cfg.world_size = kWorld;
@@ -681,7 +678,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
     for (int rep = 0; rep < kGraphReplays; ++rep) {
       for (int r = 0; r < kWorld; ++r) {
         x[size_t(index(ri, rep, r))] = rm::make_moe_input(
-            rshape, kGraphRounds[ri].tokens[r], kSeed + 1000 + uint64_t(index(ri, rep, r)));
+            shape, kGraphRounds[ri].tokens[r], kSeed + 1000 + uint64_t(index(ri, rep, r)));
       }
     }
   }
@@ -786,7 +783,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(rshape, kSeed);
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   for (int ri = 0; ri < kRounds; ++ri) {
     for (int rep = 0; rep < kGraphReplays; ++rep) {
       std::vector<int> rows_per_expert(size_t(shape.num_experts), 0);
@@ -805,7 +802,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
         const rm::RouterOutput routing{
             .num_tokens = n, .topk = k, .ids = ge.ids, .weights = ge.wts};
         const double e_ref =
-            n > 0 ? rel_error(gy, rm::moe_forward_routed(rshape, weights, x[i], n, routing)) : 0.0;
+            n > 0 ? rel_error(gy, rm::moe_forward_routed(shape, weights, x[i], n, routing)) : 0.0;
         std::printf(
             "%s round %d replay %d rank %d (%d tokens): vs eager %.3g (%d of %zu differ), "
             "vs reference %.3g\n",
