@@ -78,7 +78,7 @@ struct MoeLayer::Impl {
   int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
 
   Impl(const MoeShape& s, const EpConfig& e, int gemm_sms)
-      : shape(s), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(), size_t(32) << 20, gemm_sms) {}
+      : shape(s), ep(e), gemm(moe::Fp8ScaleLayouts{}, size_t(32) << 20, gemm_sms) {}
   ~Impl() {
     if (side) cudaStreamDestroy(side);
     for (void* p : allocations) cudaFree(p);

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,10 +120,10 @@ MoeShape small_shape() {
 
 constexpr uint64_t kSeed = 20260;
 
-// D = A . W^T for M 64, N 512, K 512 with the given scale layouts; returns
-// ||d-ref||/||ref||.
+// D = A . W^T for M 64, N 512, K 512 with the given scale layouts and operand order (`only`,
+// Fp8Gemm::set_operand_order; nullopt: the GEMM's own choice); returns ||d-ref||/||ref||.
 double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m = 64,
-                  std::string* order = nullptr) {
+                  std::string* order = nullptr, std::optional<moe::GemmOrder> only = std::nullopt) {
   const MoeShape shape = small_shape();
   const int k = shape.hidden;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 0);  // w1: [256][512]
@@ -142,6 +143,7 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
   const float* d_ws = buf.upload(moe::weight_scales_for_gemm(layouts.weight, w.w1.scales, n, k));
   void* d_out = buf.alloc<float>(size_t(moe::padded_rows(m)) * n);
   moe::Fp8Gemm gemm(layouts);
+  gemm.set_operand_order(only);
   const moe::Fp8GemmArgs args{.m = moe::padded_rows(m),
                               .n = n,
                               .k = k,
@@ -168,7 +170,7 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
 // element).
 TEST(MoeFp8Gemm, MatchesReferenceF32AndBf16) {
   MOE_REQUIRE_GPU();
-  const moe::Fp8ScaleLayouts layouts = moe::Fp8ScaleLayouts::from_env();
+  const moe::Fp8ScaleLayouts layouts;  // the defaults, as MoeLayer uses them
   for (int m : {64, 16, 40, 1, 4, 8, 12, 100}) {
     std::string order;
     const double e32 = gemm_error(layouts, moe::GemmOut::kF32, m, &order);
@@ -181,21 +183,20 @@ TEST(MoeFp8Gemm, MatchesReferenceF32AndBf16) {
 }
 
 // Which scale order does cuBLASLt read? Runs all four; exactly the matching one
-// should pass. If the default fails and another matches, set
-// EPX_FP8_SCALE_LAYOUTS to it (and change the default in fp8_gemm.hpp).
+// should pass. If the default fails and another matches, change the default in fp8_gemm.hpp
+// (and MoeLayer's use of the checkpoint's weight scales, moe.hpp).
 TEST(MoeFp8Gemm, ScaleLayoutProbe) {
   MOE_REQUIRE_GPU();
-  const moe::Fp8ScaleLayouts def = moe::Fp8ScaleLayouts::from_env();
+  const moe::Fp8ScaleLayouts def;
   double def_err = 1.0;
-  const char* saved = std::getenv("EPX_FP8_GEMM_ORDER");
-  const std::string saved_order = saved ? saved : "";
-  for (const char* order : {"weights_first", "acts_first"}) {
-    setenv("EPX_FP8_GEMM_ORDER", order, 1);
+  for (const moe::GemmOrder gemm_order :
+       {moe::GemmOrder::kWeightsFirst, moe::GemmOrder::kActsFirst}) {
+    const char* order = moe::to_string(gemm_order);
     for (auto act : {moe::ActScaleOrder::kBlockMajor, moe::ActScaleOrder::kRowMajor}) {
       for (auto weight : {moe::WeightScaleOrder::kRowMajor, moe::WeightScaleOrder::kTransposed}) {
         const moe::Fp8ScaleLayouts l{act, weight};
         try {
-          const double e = gemm_error(l, moe::GemmOut::kF32);
+          const double e = gemm_error(l, moe::GemmOut::kF32, 64, nullptr, gemm_order);
           std::printf("order %-13s scale layouts %-24s rel error %.3g%s\n", order,
                       moe::to_string(l).c_str(), e, e < 2e-3 ? "  <- matches" : "");
           if (l.act == def.act && l.weight == def.weight) def_err = std::min(def_err, e);
@@ -205,11 +206,6 @@ TEST(MoeFp8Gemm, ScaleLayoutProbe) {
         }
       }
     }
-  }
-  if (saved_order.empty()) {
-    unsetenv("EPX_FP8_GEMM_ORDER");
-  } else {
-    setenv("EPX_FP8_GEMM_ORDER", saved_order.c_str(), 1);
   }
   EXPECT_LT(def_err, 2e-3) << "default scale layouts " << moe::to_string(def)
                            << " do not match the reference; see the lines above";
