@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -28,6 +29,7 @@
 #include "moe/kernels.hpp"
 #include "reference/moe_ref.hpp"
 #include "reference/reference.hpp"
+#include "testing/moe_weights.hpp"
 
 namespace {
 // Ranks of an in-process world spin on each other's flags; a cuBLASLt kernel
@@ -460,6 +462,97 @@ TEST(MoeKernels, OneExpertMatchesReference) {
   EXPECT_LT(e, 2e-2);
 }
 
+// ---- the weights view (moe.hpp: MoeWeights) ----------------------------------------------------
+
+// The seeded generator's device weights of rank 1 of 2 hold the bytes of the reference's weight set
+// (its experts 4..7 and the shared one), byte for byte, whichever way they were made.
+TEST(MoeWeightsView, SeededUploadHoldsTheReferenceBytes) {
+  MOE_REQUIRE_GPU();
+  const MoeShape shape = small_shape();
+  const rm::MoeWeights want = rm::make_moe_weights(shape, kSeed);
+  const int rank = 1, world = 2, local = shape.num_experts / world;
+  for (const bool from_set : {true, false}) {
+    const testing::DeviceMoeWeights dev =
+        from_set ? testing::upload_moe_weights(shape, want, rank, world)
+                 : testing::make_device_moe_weights(shape, kSeed, rank, world);
+    const MoeWeights& v = dev.view();
+    const auto same_matrix = [&](const Fp8BlockWeight& got, const rm::Fp8BlockMatrix& m) {
+      return download(static_cast<const uint8_t*>(got.weight), m.q.size()) == m.q &&
+             download(got.scale_inv, m.scales.size()) == m.scales;
+    };
+    const auto same_expert = [&](const MoeExpertWeights& got, const rm::ExpertWeights& w) {
+      return same_matrix(got.gate, w.w1) && same_matrix(got.up, w.w3) &&
+             same_matrix(got.down, w.w2);
+    };
+    EXPECT_EQ(download(static_cast<const uint16_t*>(v.router), want.gate.size()), want.gate);
+    EXPECT_EQ(download(v.correction_bias, want.correction_bias.size()), want.correction_bias);
+    ASSERT_EQ(v.experts.size(), size_t(local));
+    for (int i = 0; i < local; ++i) {
+      EXPECT_TRUE(same_expert(v.experts[size_t(i)], want.experts[size_t(rank * local + i)]))
+          << "local expert " << i << (from_set ? " (uploaded set)" : " (generated)");
+    }
+    EXPECT_TRUE(same_expert(v.shared, *want.shared)) << (from_set ? "uploaded set" : "generated");
+  }
+}
+
+// MoeLayer refuses a bad view before any kernel reads it, naming the field; a good one builds.
+TEST(MoeWeightsView, BadViewsAreRefusedNamingTheField) {
+  MOE_REQUIRE_GPU();
+  const MoeShape shape = small_shape();
+  EpConfig cfg;
+  cfg.world_size = 1;
+  cfg.hidden = shape.hidden;
+  cfg.num_experts = shape.num_experts;
+  cfg.topk = shape.topk;
+  cfg.max_tokens_per_rank = 16;
+  const testing::DeviceMoeWeights dev = testing::make_device_moe_weights(shape, kSeed, 0, 1);
+  alignas(16) static uint8_t host_bytes[256];
+  // The InputError's message, or "" when the layer was built.
+  const auto build = [&](const MoeShape& s, const MoeWeights& w) -> std::string {
+    try {
+      MoeLayer layer(s, w, cfg);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  struct Case {
+    std::function<void(MoeShape&, MoeWeights&)> mutate;
+    std::vector<std::string> pieces;
+  };
+  const std::vector<Case> cases = {
+      {[](MoeShape&, MoeWeights& w) { w.router = nullptr; }, {"weights.router = null"}},
+      {[](MoeShape&, MoeWeights& w) { w.experts[1].up.scale_inv = nullptr; },
+       {"weights.experts[1].up.scale_inv = null"}},
+      {[](MoeShape&, MoeWeights& w) {
+         w.experts[7].down.weight = static_cast<const uint8_t*>(w.experts[7].down.weight) + 8;
+       },
+       {"weights.experts[7].down.weight", "16-byte aligned"}},
+      {[](MoeShape&, MoeWeights& w) { w.shared.gate.weight = host_bytes; },
+       {"weights.shared.gate.weight", "host memory", "memory of the current device"}},
+      {[](MoeShape&, MoeWeights& w) { w.experts.pop_back(); },
+       {"weights.experts.size() = 7", "8 local experts"}},
+      {[](MoeShape&, MoeWeights& w) { w.correction_bias = nullptr; },
+       {"weights.correction_bias = null"}},
+      {[](MoeShape& s, MoeWeights&) {
+         s.scoring = MoeScoring::kSoftmax;
+         s.num_groups = s.topk_groups = 1;
+       },
+       {"weights.correction_bias", "softmax scoring has no bias"}},
+      {[](MoeShape& s, MoeWeights&) { s.shared_intermediate = 0; },
+       {"weights.shared.gate.weight", "the shape has no shared expert"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    MoeShape s = shape;
+    MoeWeights w = dev.view();
+    cases[i].mutate(s, w);
+    const std::string what = build(s, w);
+    for (const std::string& piece : cases[i].pieces)
+      EXPECT_NE(what.find(piece), std::string::npos) << "case " << i << ": " << what;
+  }
+  EXPECT_EQ(build(shape, dev.view()), "");
+}
+
 // ---- the layer on an in-process world of 2 ranks
 // -----------------------------------------
 
@@ -507,6 +600,8 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  // The layers run on these weights (each rank's share uploaded), the reference too.
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   const int chunks = 3;
 
   std::vector<std::vector<uint16_t>> x(kWorld), y(kWorld);
@@ -523,6 +618,7 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
         // Everything that allocates or copies happens before the barrier: no rank's forward
         // (whose kernels spin on the peers) runs while another rank still sets up.
+        testing::DeviceMoeWeights rank_weights;  // outlives the layer
         std::unique_ptr<MoeLayer> layer;
         DeviceBuffers buf;
         const int n = tokens[r];
@@ -531,7 +627,8 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
         MoeRoutingOut routing;
         cudaStream_t stream = nullptr;
         try {
-          layer = std::make_unique<MoeLayer>(shape, kSeed, a2a[size_t(r)]->config(),
+          rank_weights = testing::upload_moe_weights(shape, weights, r, kWorld);
+          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), a2a[size_t(r)]->config(),
                                              world.sm_budget(r));
           d_x = buf.upload(x[size_t(r)]);
           d_y = buf.alloc<uint16_t>(size_t(n) * shape.hidden);
@@ -561,7 +658,6 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   for (int r = 0; r < kWorld; ++r) {
     rm::RouterOutput routing{.num_tokens = tokens[r],
                              .topk = shape.topk,
@@ -664,6 +760,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  // The layers run on these weights (each rank's share uploaded), the reference too.
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
 
   constexpr int kRounds = int(std::size(kGraphRounds));
   // [round][replay][rank]
@@ -686,6 +784,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
     threads.emplace_back([&, r] {
       try {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+        testing::DeviceMoeWeights rank_weights;  // outlives the layer
         std::unique_ptr<MoeLayer> layer;
         DeviceBuffers buf;
         uint16_t* d_x = nullptr;
@@ -693,7 +792,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
         MoeRoutingOut routing;
         cudaStream_t stream = nullptr;
         try {
-          layer = std::make_unique<MoeLayer>(shape, kSeed, a2a[size_t(r)]->config(),
+          rank_weights = testing::upload_moe_weights(shape, weights, r, kWorld);
+          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), a2a[size_t(r)]->config(),
                                              world.sm_budget(r));
           d_x = buf.alloc<uint16_t>(size_t(kGraphMaxTokens) * h);
           d_y = buf.alloc<uint16_t>(size_t(kGraphMaxTokens) * h);
@@ -779,7 +879,6 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   for (int ri = 0; ri < kRounds; ++ri) {
     for (int rep = 0; rep < kGraphReplays; ++rep) {
       std::vector<int> rows_per_expert(size_t(shape.num_experts), 0);
