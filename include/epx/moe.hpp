@@ -92,7 +92,9 @@ struct MoeExpertWeights {
 
 // The weights of one rank's layer: a view of device memory on the device that is current when
 // the layer is constructed (or managed memory). The names in the comments are those of a
-// DeepSeek-V3/R1 checkpoint's MoE layer (model.layers.N.mlp.*).
+// DeepSeek-V3/R1 checkpoint's MoE layer (model.layers.N.mlp.*). Each matrix may be a tensor of
+// its own or a slice of a larger one (an engine's stacked [E][2I][H] gate+up tensor: gate at
+// rows [0, I), up at rows [I, 2I) of expert e's slice, their scales likewise).
 // Alignment: every fp8 matrix, every scale tensor and the router weight on 16 bytes (cuBLASLt's
 // fp8 operands and block scales; any cudaMalloc or torch allocation is), the bias on 4.
 // Lifetime: the layer keeps the pointers and reads the memory on every forward and graph replay;
