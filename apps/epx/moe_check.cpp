@@ -41,6 +41,7 @@
 #include <cuda_runtime_api.h>
 
 #include "testing/harness.hpp"
+#include "testing/moe_weights.hpp"
 #include "core/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
@@ -335,17 +336,22 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   cfg1.rank = 0;
   cfg1.world_size = 1;
   auto group1 = make_all2all_group(backend, cfg1, world1, launch);
+  // [rank] then the one-rank layer's: the seeded weights the layers read (outlive them).
+  std::vector<testing::DeviceMoeWeights> layer_weights(static_cast<size_t>(f.world) + 1);
   std::vector<std::unique_ptr<MoeLayer>> layers(static_cast<size_t>(f.world));
   std::unique_ptr<MoeLayer> layer1;
   // Threads 0..W-1 build the ranks' layers, thread W the one-rank layer.
   parallel_for(f.world + 1, [&](int i) {
     if (i < f.world) {
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(i)));
-      layers[size_t(i)] = std::make_unique<MoeLayer>(shape, f.seed, group[size_t(i)]->config(),
-                                                     world.sm_budget(i));
+      layer_weights[size_t(i)] = testing::make_device_moe_weights(shape, f.seed, i, f.world);
+      layers[size_t(i)] = std::make_unique<MoeLayer>(
+          shape, layer_weights[size_t(i)].view(), group[size_t(i)]->config(), world.sm_budget(i));
     } else {
       EPX_CUDA_CHECK(cudaSetDevice(world1.device_of(0)));
-      layer1 = std::make_unique<MoeLayer>(shape, f.seed, group1[0]->config());
+      layer_weights[size_t(i)] = testing::make_device_moe_weights(shape, f.seed, 0, 1);
+      layer1 =
+          std::make_unique<MoeLayer>(shape, layer_weights[size_t(i)].view(), group1[0]->config());
     }
   });
   fmt::print("  built {} rank layer(s) and the one-rank layer in {:.1f} s\n", f.world,

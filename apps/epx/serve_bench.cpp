@@ -42,6 +42,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/cuda_check.hpp"
+#include "testing/moe_weights.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
 #include "epx/world.hpp"
@@ -443,6 +444,7 @@ struct Rank {
   void* x = nullptr;        // [2 * max_batched_tokens][H] bf16: input rows, a window per step
   void* y = nullptr;        // [max_batched_tokens][H] bf16: every layer's output
   void* x_graph = nullptr;  // [largest decode bucket][H] bf16: the decode graphs' input
+  std::vector<testing::DeviceMoeWeights> moe_weights;  // [layer] the seeded weights layers read
   std::vector<std::unique_ptr<MoeLayer>> layers;  // one per --layers, or one reused
   // decode bucket -> every layer's forward: one graph, or the pieces of --graph-split expert
   std::map<int, std::vector<cudaGraphExec_t>> graphs;
@@ -752,12 +754,15 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
     // Host generation of the weights is the slow, single-threaded part: one task per
     // (rank, layer), all built before any forward (moe.hpp).
     for (auto& r : ranks) r->layers.resize(size_t(first_layer + num_layers));
+    for (auto& r : ranks) r->moe_weights.resize(size_t(first_layer + num_layers));
     parallel_for(W * num_layers, threads, [&](int i) {
       const int r = i % W, l = first_layer + i / W;
       EpConfig ep = p.cfg;
       ep.rank = r;
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
-      auto layer = std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep, world.sm_budget(r));
+      testing::DeviceMoeWeights& weights = ranks[size_t(r)]->moe_weights[size_t(l)];
+      weights = testing::make_device_moe_weights(shape, p.seed + uint64_t(l), r, W);
+      auto layer = std::make_unique<MoeLayer>(shape, weights.view(), ep, world.sm_budget(r));
       layer->set_capture_experts(p.graph_experts);  // eager forwards ignore it
       ranks[size_t(r)]->layers[size_t(l)] = std::move(layer);
     });

@@ -6,10 +6,9 @@
 //      with 128x128 block scales, activations fp8 with 1x128 scales)
 //   -> router weights applied before combine (token-major partials) or by combine (expert-major)
 //   -> combine -> + shared expert on the rank's own tokens.
-// Numerics and weights are those of src/reference/moe_ref.hpp: the weights of
-// this rank's local experts, the gate, the correction bias and the shared
-// expert are generated on the host from the seed (the same bytes as
-// ref::moe::make_moe_weights) and uploaded once. Nothing is downloaded.
+// Numerics are those of the CPU reference (src/reference/moe_ref.hpp). The weights are the
+// caller's, in device memory laid out as a DeepSeek-V3/R1 checkpoint stores them (MoeWeights
+// below), read in place: the layer copies none of them. Nothing is downloaded.
 //
 // Host synchronisation, eager (stream not capturing): forward() synchronises
 // `stream` once per chunk after dispatch to read the received row count and the
@@ -58,16 +57,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "epx/all2all.hpp"
 #include "epx/config.hpp"
+#include "epx/moe_shape.hpp"
 
 namespace epx {
-
-enum class MoeScoring {
-  kSigmoidGrouped,  // DeepSeek-V3/R1: sigmoid + correction bias, best groups, top-k, scaled
-  kSoftmax,         // plain softmax top-k, weights renormalised to sum 1
-};
 
 // How forward() records the expert stage under capture (set_capture_experts).
 enum class CaptureExperts {
@@ -77,19 +73,41 @@ enum class CaptureExperts {
              // under the capture bound (rows beyond its count computed and dropped)
 };
 
-// Same fields and meaning as ref::moe::MoeShape (src/reference/moe_ref.hpp).
-struct MoeShape {
-  int hidden = 7168;
-  int intermediate = 2048;  // routed experts' I
-  int num_experts = 256;
-  int topk = 8;
-  int num_groups = 8;
-  int topk_groups = 4;
-  float routed_scaling = 2.5f;
-  int shared_intermediate = 2048;  // 0 = no shared expert
-  MoeScoring scoring = MoeScoring::kSigmoidGrouped;
+// ---- weights: device memory the caller owns, in a DeepSeek-V3/R1 checkpoint's layout ----------
 
-  static MoeShape deepseek_r1() { return MoeShape{}; }
+// An fp8 e4m3 matrix with one f32 scale per 128x128 block, as the checkpoint stores a linear
+// layer (`weight`, `weight_scale_inv`): element (r, c) is
+// fp8(weight[r][c]) * scale_inv[r / 128][c / 128].
+struct Fp8BlockWeight {
+  const void* weight = nullptr;      // [rows][cols] fp8 e4m3 (torch.float8_e4m3fn), row-major
+  const float* scale_inv = nullptr;  // [rows / 128][cols / 128] f32, row-major
+};
+
+// One SwiGLU expert: out = down(silu(gate(x)) * up(x)).
+struct MoeExpertWeights {
+  Fp8BlockWeight gate;  // w1, gate_proj: [I][H]
+  Fp8BlockWeight up;    // w3, up_proj:   [I][H]
+  Fp8BlockWeight down;  // w2, down_proj: [H][I]
+};
+
+// The weights of one rank's layer: a view of device memory on the device that is current when
+// the layer is constructed (or managed memory). The names in the comments are those of a
+// DeepSeek-V3/R1 checkpoint's MoE layer (model.layers.N.mlp.*). Each matrix may be a tensor of
+// its own or a slice of a larger one (an engine's stacked [E][2I][H] gate+up tensor: gate at
+// rows [0, I), up at rows [I, 2I) of expert e's slice, their scales likewise).
+// Alignment: every fp8 matrix, every scale tensor and the router weight on 16 bytes (cuBLASLt's
+// fp8 operands and block scales; any cudaMalloc or torch allocation is), the bias on 4.
+// Lifetime: the layer keeps the pointers and reads the memory on every forward and graph replay;
+// it never copies, writes or frees it. Keep it allocated until the layer is destroyed and its
+// last forward or replay has finished. Weights written in place between forwards (ordered with
+// them on the stream) are what the next forward reads.
+struct MoeWeights {
+  const void* router = nullptr;            // gate.weight: [E][H] bf16, row-major
+  const float* correction_bias = nullptr;  // gate.e_score_correction_bias: [E] f32
+                                           // (kSigmoidGrouped; null for kSoftmax, which has none)
+  // experts.{id}: [E / world_size] entries, entry i is global expert rank * E / world_size + i.
+  std::vector<MoeExpertWeights> experts;
+  MoeExpertWeights shared;  // shared_experts, I = shared_intermediate; all null when that is 0
 };
 
 // Device pointers the caller owns, filled by forward() with the routing of all
@@ -105,16 +123,20 @@ class MoeLayer {
   // GEMMs with K/128 a multiple of 4; DeepSeek-R1's 7168 and 2048 are),
   // ConfigError otherwise. `ep` is the All2All's config of this rank (rank,
   // world size, max_tokens_per_rank, hidden, experts, topk must agree with
-  // `shape`; ConfigError names the first mismatch). Allocates device memory on
-  // the current device, generates and uploads the weights (seconds for the
-  // DeepSeek-R1 shape: host generation is single-threaded), creates the
-  // cuBLASLt handle and loads the layer's kernels (see all2all.hpp on lazy
+  // `shape`; ConfigError names the first mismatch). `weights`: this rank's (MoeWeights above;
+  // the view is copied, the memory it points to is not); InputError names the first field
+  // (e.g. "weights.experts[3].up.scale_inv") that is null, misaligned or not memory of the
+  // current device, an expert count other than E / world_size, a correction bias missing for
+  // kSigmoidGrouped or given for kSoftmax, or shared-expert pointers for a shape without one.
+  // Allocates the layer's scratch on the current device, creates the cuBLASLt handle, loads
+  // the layer's kernels and runs every GEMM shape once on the weights (see all2all.hpp on lazy
   // loading).
   // `gemm_sms`: the multiprocessors the layer's GEMMs may count on. Ranks that share a GPU pass
   // their world's sm_budget(): a peer's dispatch or combine blocks spin on the SMs it holds until
   // this rank arrives, so a GEMM planned for the whole device could wait for blocks that never
   // become resident. 0 (one GPU per rank): the whole device. InputError when negative.
-  MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int gemm_sms = 0);
+  MoeLayer(const MoeShape& shape, const MoeWeights& weights, const EpConfig& ep,
+           int gemm_sms = 0);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;

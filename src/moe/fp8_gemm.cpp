@@ -5,8 +5,6 @@
 
 #include <cublasLt.h>
 
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "core/cuda_check.hpp"
@@ -38,32 +36,6 @@ std::string shape_text(int m, int n, int k, GemmOut out) {
 }
 
 }  // namespace
-
-Fp8ScaleLayouts Fp8ScaleLayouts::from_env() {
-  Fp8ScaleLayouts l;
-  const char* v = std::getenv("EPX_FP8_SCALE_LAYOUTS");
-  if (v == nullptr || *v == '\0') return l;
-  const std::string s(v);
-  const size_t comma = s.find(',');
-  const std::string act = s.substr(0, comma);
-  const std::string weight = comma == std::string::npos ? "" : s.substr(comma + 1);
-  const std::string allowed = "<block_major|row_major>,<row_major|transposed>";
-  if (act == "block_major") {
-    l.act = ActScaleOrder::kBlockMajor;
-  } else if (act == "row_major") {
-    l.act = ActScaleOrder::kRowMajor;
-  } else {
-    EPX_CHECK(false, InputError, "EPX_FP8_SCALE_LAYOUTS", s, allowed);
-  }
-  if (weight == "row_major") {
-    l.weight = WeightScaleOrder::kRowMajor;
-  } else if (weight == "transposed") {
-    l.weight = WeightScaleOrder::kTransposed;
-  } else {
-    EPX_CHECK(false, InputError, "EPX_FP8_SCALE_LAYOUTS", s, allowed);
-  }
-  return l;
-}
 
 std::string to_string(const Fp8ScaleLayouts& l) {
   std::string s = l.act == ActScaleOrder::kBlockMajor ? "block_major" : "row_major";
@@ -249,38 +221,6 @@ std::unique_ptr<Fp8Gemm::Plan> Fp8Gemm::try_plan(const Fp8GemmArgs& g, GemmOrder
     }
   }
   p->algo = result.algo;
-  if (const char* v = std::getenv("EPX_GEMM_LOG"); v != nullptr && std::string(v) == "1") {
-    // What cuBLASLt chose, for diagnosing GEMMs that run beside spinning kernels (split-K and
-    // cluster shapes need several blocks resident together).
-    // Each attribute has its own width (the cluster shape is 16 bits): ask with the width
-    // cuBLASLt reports.
-    auto attr = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
-      size_t size = 0;
-      if (cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, nullptr, 0, &size) !=
-              CUBLAS_STATUS_SUCCESS ||
-          size == 0 || size > sizeof(uint64_t)) {
-        return std::string("?");
-      }
-      uint64_t value = 0;  // little-endian: the low `size` bytes hold the value
-      size_t written = 0;
-      return cublasLtMatmulAlgoConfigGetAttribute(&p->algo, a, &value, size, &written) ==
-                     CUBLAS_STATUS_SUCCESS
-                 ? std::to_string(value)
-                 : std::string("?");
-    };
-    std::fprintf(stderr,
-                 "epx fp8 GEMM plan: m %d n %d k %d %s, sm target %d: algo %s tile %s splitk %s "
-                 "reduction %s stages %s cluster %s (candidate %d of %d), workspace %zu B, "
-                 "waves %.2f\n",
-                 m, n, k, to_string(order), sm_count_target_, attr(CUBLASLT_ALGO_CONFIG_ID).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_TILE_ID).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_SPLITK_NUM).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_STAGES_ID).c_str(),
-                 attr(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID).c_str(), pick + 1, found,
-                 result.workspaceSize,
-                 double(result.wavesCount));
-  }
   return p;
 }
 
@@ -288,12 +228,7 @@ Fp8Gemm::Plan& Fp8Gemm::plan(const Fp8GemmArgs& g) {
   const auto key = std::make_tuple(g.m, g.n, g.k, static_cast<int>(g.out));
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
   std::vector<GemmOrder> orders = {GemmOrder::kWeightsFirst, GemmOrder::kActsFirst};
-  if (const char* v = std::getenv("EPX_FP8_GEMM_ORDER"); v != nullptr && *v != '\0') {
-    const std::string s(v);
-    EPX_CHECK(s == "weights_first" || s == "acts_first", InputError, "EPX_FP8_GEMM_ORDER", s,
-              "weights_first | acts_first");
-    orders = {s == "weights_first" ? GemmOrder::kWeightsFirst : GemmOrder::kActsFirst};
-  }
+  if (only_order_) orders = {*only_order_};
   std::string why;
   for (GemmOrder o : orders) {
     if (auto p = try_plan(g, o, &why)) return *plans_.emplace(key, std::move(p)).first->second;

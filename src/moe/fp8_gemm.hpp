@@ -22,26 +22,26 @@
 //     cuBLAS D := M x N column-major (ld round_up(M, 16)) in a scratch buffer, then transposed
 //                 into our row-major [M][N] (launch_transpose)
 // The scale pointers are set before the heuristic is asked (block-scaled modes are refused
-// without them). EPX_FP8_GEMM_ORDER=weights_first|acts_first tries that order only.
+// without them). Tests that compare the two orders restrict a GEMM to one (set_operand_order).
 //
 // Scale tensor layouts. cuBLASLt documents block scales relative to its column-major view;
-// which of two plausible orders it reads has NOT been checked on a GPU from this code yet, so
-// both are implemented and chosen by Fp8ScaleLayouts (defaults below, overridable with the
-// environment variable EPX_FP8_SCALE_LAYOUTS=<act>,<weight>, e.g. "block_major,row_major"):
+// which of two plausible orders it reads is settled on a GPU (the test below; the defaults pass it
+// on an H200), so both are implemented and chosen by Fp8ScaleLayouts (defaults below):
 //   activations (VEC128_32F):
 //     kBlockMajor  [K/128][M_pad] f32, scale of (row m, block b) at b * M_pad + m  (default:
 //                  row index fastest, "outer-dimension major", as grouped fp8 GEMMs read)
 //     kRowMajor    [M_pad][K/128] f32, moe_ref's quantize_fp8 order (block fastest)
 //   weights (BLK128x128_32F):
-//     kRowMajor    [N/128][K/128] f32, moe_ref's Fp8BlockMatrix::scales as they are (default:
-//                  the column-major (K/128) x (N/128) grid of cuBLAS's stored A)
-//     kTransposed  [K/128][N/128] f32, transposed once at weight upload
-//                  (weight_scales_for_gemm)
-// tests/gpu/test_moe.cpp (MoeFp8Gemm.ScaleLayoutProbe) runs all four combinations against
-// moe_ref's fp8_gemm_nt and prints which one matches.
+//     kRowMajor    [N/128][K/128] f32, moe_ref's Fp8BlockMatrix::scales and a DeepSeek-V3/R1
+//                  checkpoint's weight_scale_inv as they are (default: the column-major
+//                  (K/128) x (N/128) grid of cuBLAS's stored A); MoeLayer relies on it
+//     kTransposed  [K/128][N/128] f32 (weight_scales_for_gemm transposes on the host)
+// tests/gpu/test_moe.cpp (MoeFp8Gemm.ScaleLayoutProbe) runs all four combinations in both operand
+// orders against moe_ref's fp8_gemm_nt and prints which one matches.
 //
-// EPX_GEMM_LOG=1 prints each plan cuBLASLt chose (algorithm, tile, split-K, reduction scheme,
-// stages, cluster shape) to stderr when it is first made.
+// Which algorithm cuBLASLt picked for each GEMM (tile, split-K, reduction scheme, stages,
+// cluster shape): cuBLASLt's own log, CUBLASLT_LOG_LEVEL=2 (every matmul it launches) or 4 (also
+// the heuristic's status), to stdout or CUBLASLT_LOG_FILE.
 //
 // Threading: one Fp8Gemm per rank; not thread-safe. Host-only; calls are asynchronous on
 // `stream`. The workspace and handle are created once; a matmul descriptor and the heuristic's
@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -66,7 +67,6 @@
 
 namespace epx::moe {
 
-
 enum class ActScaleOrder { kBlockMajor, kRowMajor };
 enum class WeightScaleOrder { kRowMajor, kTransposed };
 enum class GemmOut { kBF16, kF32 };
@@ -76,9 +76,6 @@ const char* to_string(GemmOrder o);
 struct Fp8ScaleLayouts {
   ActScaleOrder act = ActScaleOrder::kBlockMajor;
   WeightScaleOrder weight = WeightScaleOrder::kRowMajor;
-  // Defaults, overridden by EPX_FP8_SCALE_LAYOUTS (InputError on an unknown
-  // value).
-  static Fp8ScaleLayouts from_env();
 };
 std::string to_string(const Fp8ScaleLayouts& l);
 
@@ -115,8 +112,7 @@ class Fp8Gemm {
   // where it offers one, picks an algorithm without split-K reduction, whose blocks could wait on
   // blocks that cannot be resident, and the best candidate without a thread-block cluster (a
   // cluster needs several SMs of one GPC free at once). 0: the whole device.
-  explicit Fp8Gemm(Fp8ScaleLayouts layouts = Fp8ScaleLayouts::from_env(),
-                   size_t workspace_bytes = size_t(32) << 20, int sm_count_target = 0);
+  explicit Fp8Gemm(Fp8ScaleLayouts layouts = {}, size_t workspace_bytes = size_t(32) << 20, int sm_count_target = 0);
   ~Fp8Gemm();
   Fp8Gemm(const Fp8Gemm&) = delete;
   Fp8Gemm& operator=(const Fp8Gemm&) = delete;
@@ -135,6 +131,10 @@ class Fp8Gemm {
   // The operand order used for this shape (planning it if needed; throws like run()).
   GemmOrder order_for(const Fp8GemmArgs& args);
 
+  // Shapes planned from now on try only `order` (tests comparing the two); nullopt, the default:
+  // weights-first, else acts-first, whichever cuBLASLt offers an algorithm for first.
+  void set_operand_order(std::optional<GemmOrder> order) { only_order_ = order; }
+
  private:
   struct Plan;
   Plan& plan(const Fp8GemmArgs& g);  // cached; throws naming every order's refusal
@@ -145,6 +145,7 @@ class Fp8Gemm {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   int sm_count_target_ = 0;
+  std::optional<GemmOrder> only_order_;
   void* scratch_ = nullptr;  // kActsFirst: the column-major D before its transpose
   size_t scratch_bytes_ = 0;
   std::map<std::tuple<int, int, int, int>, std::unique_ptr<Plan>> plans_;

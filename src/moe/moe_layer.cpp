@@ -4,9 +4,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <functional>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.hpp"
@@ -14,20 +16,18 @@
 #include "epx/moe.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
-#include "moe/ref_shape.hpp"
 #include "moe/row_buckets.hpp"
-#include "reference/moe_ref.hpp"
 
 namespace epx {
 namespace {
 
 using moe::GemmOut;
 
-// One fp8 weight matrix on the device: codes [rows][cols] and scales in the
-// GEMM's order.
+// One fp8 weight matrix of the caller's: codes [rows][cols] and scales [rows/128][cols/128],
+// row-major, the order the GEMMs read.
 struct DeviceMatrix {
-  uint8_t* q = nullptr;
-  float* scales = nullptr;
+  const uint8_t* q = nullptr;
+  const float* scales = nullptr;
 };
 
 struct DeviceExpert {
@@ -35,18 +35,90 @@ struct DeviceExpert {
   DeviceMatrix w1, w3, w2;
 };
 
+// The GEMMs read the checkpoint's weight scales as they are, so the caller's weights need no
+// device copy in another layout (moe.hpp).
+static_assert(moe::Fp8ScaleLayouts{}.weight == moe::WeightScaleOrder::kRowMajor,
+              "MoeLayer reads [rows/128][cols/128] row-major weight scales in place");
+
+DeviceMatrix device_matrix(const Fp8BlockWeight& w) {
+  return DeviceMatrix{static_cast<const uint8_t*>(w.weight), w.scale_inv};
+}
+
+DeviceExpert device_expert(const MoeExpertWeights& w, int intermediate) {
+  return DeviceExpert{intermediate, device_matrix(w.gate), device_matrix(w.up),
+                      device_matrix(w.down)};
+}
+
+// Throws InputError naming `field` unless p is memory of `device` (or managed memory) on an
+// `align`-byte boundary.
+void check_pointer(const void* p, size_t align, const std::string& field, int device) {
+  EPX_CHECK(p != nullptr, InputError, field, "null", "a device pointer");
+  EPX_CHECK(reinterpret_cast<uintptr_t>(p) % align == 0, InputError, field, p,
+            std::to_string(align) + "-byte aligned");
+  cudaPointerAttributes attr{};
+  EPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  const bool here = (attr.type == cudaMemoryTypeDevice && attr.device == device) ||
+                    attr.type == cudaMemoryTypeManaged;
+  const char* kind = attr.type == cudaMemoryTypeDevice ? " (memory of another device)"
+                     : attr.type == cudaMemoryTypeHost ? " (pinned host memory)"
+                                                       : " (host memory)";
+  EPX_CHECK(here, InputError, field, detail::str(p) + kind,
+            "memory of the current device " + std::to_string(device) + " (or managed memory)");
+}
+
+void check_null(const void* p, const std::string& field, const std::string& why) {
+  EPX_CHECK(p == nullptr, InputError, field, p, "null (" + why + ")");
+}
+
+// The view's pointers, before any kernel reads them (moe.hpp: MoeWeights).
+void check_weights(const MoeShape& shape, const MoeWeights& w, const EpConfig& ep) {
+  int device = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&device));
+  // cuBLASLt's fp8 operands and block scales; the router's rows are then 16-byte aligned too.
+  constexpr size_t kAlign = 16;
+  const auto parts = [](const MoeExpertWeights& e) {
+    return std::array{std::pair{&e.gate, ".gate"}, std::pair{&e.up, ".up"},
+                      std::pair{&e.down, ".down"}};
+  };
+  const auto check_expert = [&](const MoeExpertWeights& e, const std::string& name) {
+    for (const auto& [m, part] : parts(e)) {
+      check_pointer(m->weight, kAlign, name + part + ".weight", device);
+      check_pointer(m->scale_inv, kAlign, name + part + ".scale_inv", device);
+    }
+  };
+  check_pointer(w.router, kAlign, "weights.router", device);
+  if (shape.scoring == MoeScoring::kSigmoidGrouped) {
+    check_pointer(w.correction_bias, alignof(float), "weights.correction_bias", device);
+  } else {
+    check_null(w.correction_bias, "weights.correction_bias", "softmax scoring has no bias");
+  }
+  const int local = ep.num_local_experts();
+  EPX_CHECK(w.experts.size() == size_t(local), InputError, "weights.experts.size()",
+            w.experts.size(), "E / world_size = " + std::to_string(local) + " local experts");
+  for (size_t i = 0; i < w.experts.size(); ++i)
+    check_expert(w.experts[i], "weights.experts[" + std::to_string(i) + "]");
+  if (shape.has_shared_expert()) {
+    check_expert(w.shared, "weights.shared");
+  } else {
+    for (const auto& [m, part] : parts(w.shared)) {
+      const std::string name = std::string("weights.shared") + part;
+      check_null(m->weight, name + ".weight", "the shape has no shared expert");
+      check_null(m->scale_inv, name + ".scale_inv", "the shape has no shared expert");
+    }
+  }
+}
+
 }  // namespace
 
 struct MoeLayer::Impl {
   MoeShape shape;
-  ref::moe::MoeShape ref_shape;
   EpConfig ep;
   moe::Fp8Gemm gemm;
   GemmOut out_type = GemmOut::kF32;
   std::vector<void*> allocations;
 
-  uint16_t* gate = nullptr;           // [E][H] bf16
-  float* bias = nullptr;              // [E]
+  const uint16_t* gate = nullptr;     // [E][H] bf16 (the caller's)
+  const float* bias = nullptr;        // [E] (the caller's; null for softmax)
   std::vector<DeviceExpert> experts;  // local experts, then (if any) the shared one last
   bool has_shared = false;
 
@@ -80,8 +152,7 @@ struct MoeLayer::Impl {
   int32_t* graph_rows = nullptr;       // token-major: [local][capacity] source rows
 
   Impl(const MoeShape& s, const EpConfig& e, int gemm_sms)
-      : shape(s), ref_shape(moe::to_ref(s)), ep(e), gemm(moe::Fp8ScaleLayouts::from_env(),
-                                                    size_t(32) << 20, gemm_sms) {}
+      : shape(s), ep(e), gemm(moe::Fp8ScaleLayouts{}, size_t(32) << 20, gemm_sms) {}
   ~Impl() {
     if (side) cudaStreamDestroy(side);
     for (void* p : allocations) cudaFree(p);
@@ -97,24 +168,6 @@ struct MoeLayer::Impl {
     return static_cast<T*>(p);
   }
   void* alloc_bytes(size_t bytes) { return alloc<uint8_t>(bytes); }
-
-  template <typename T>
-  T* upload(const std::vector<T>& v) {
-    T* d = alloc<T>(v.size());
-    EPX_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  }
-
-  DeviceMatrix upload(const ref::moe::Fp8BlockMatrix& m) {
-    DeviceMatrix d;
-    d.q = upload(m.q);
-    d.scales = upload(moe::weight_scales_for_gemm(gemm.layouts().weight, m.scales, m.rows, m.cols));
-    return d;
-  }
-
-  DeviceExpert upload(const ref::moe::ExpertWeights& w) {
-    return DeviceExpert{w.intermediate(), upload(w.w1), upload(w.w3), upload(w.w2)};
-  }
 
   // SwiGLU of one expert on m rows taken from `src` (rows [0, m) of the
   // quantise source). out: [padded_rows(m)][H] in out_type.
@@ -194,10 +247,11 @@ struct MoeLayer::Impl {
   void captured_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
 };
 
-MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int gemm_sms)
+MoeLayer::MoeLayer(const MoeShape& shape, const MoeWeights& weights, const EpConfig& ep,
+                   int gemm_sms)
     : impl_(std::make_unique<Impl>(shape, ep, gemm_sms)) {
   Impl& m = *impl_;
-  m.ref_shape.validate();
+  shape.validate();
   ep.validate();
   EPX_CHECK(ep.hidden == shape.hidden, ConfigError, "EpConfig.hidden", ep.hidden,
             "MoeShape.hidden = " + std::to_string(shape.hidden));
@@ -216,6 +270,7 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int
   EPX_CHECK(shape.shared_intermediate % 512 == 0, ConfigError, "shared_intermediate",
             shape.shared_intermediate,
             "0 or a multiple of 512 (fp8 GEMM: K / 128 a multiple of 4)");
+  check_weights(shape, weights, ep);
   moe::preload_moe_kernels();
 
   const int h = shape.hidden;
@@ -234,28 +289,12 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int
   if (!m.gemm.supports(m.rows_pad, shape.intermediate, h, GemmOut::kF32))
     m.out_type = GemmOut::kBF16;
 
-  // Weights: this rank's experts and the shared one, the reference generator's
-  // bytes.
-  m.gate = m.upload(ref::moe::make_gate_weight(m.ref_shape, seed));
-  m.bias = m.upload(ref::moe::make_correction_bias(m.ref_shape, seed));
-  // Host generation is the slow part (seconds per DeepSeek-R1 expert): batches of experts are
-  // generated on all cores, then uploaded in order.
-  std::vector<int> ids;
-  for (int e = 0; e < local; ++e) ids.push_back(ep.rank * local + e);
-  if (m.has_shared) ids.push_back(ref::moe::kSharedExpert);
-  const size_t batch = std::max(1u, std::thread::hardware_concurrency());
-  for (size_t b0 = 0; b0 < ids.size(); b0 += batch) {
-    const size_t nb = std::min(batch, ids.size() - b0);
-    std::vector<ref::moe::ExpertWeights> gen(nb);
-    std::vector<std::thread> workers;
-    for (size_t i = 0; i < nb; ++i) {
-      workers.emplace_back([&, i] {
-        gen[i] = ref::moe::make_expert_weights(m.ref_shape, seed, ids[b0 + i]);
-      });
-    }
-    for (auto& w : workers) w.join();
-    for (const auto& w : gen) m.experts.push_back(m.upload(w));
-  }
+  // Weights: the caller's, read in place.
+  m.gate = static_cast<const uint16_t*>(weights.router);
+  m.bias = weights.correction_bias;
+  for (const MoeExpertWeights& w : weights.experts)
+    m.experts.push_back(device_expert(w, shape.intermediate));
+  if (m.has_shared) m.experts.push_back(device_expert(weights.shared, shape.shared_intermediate));
 
   const size_t groups = size_t(h) / 128;
   m.route_ids = m.alloc<int32_t>(size_t(t) * k);
@@ -286,8 +325,7 @@ MoeLayer::MoeLayer(const MoeShape& shape, uint64_t seed, const EpConfig& ep, int
   // allocate.
   m.warm_up_gemms();
   // No device-wide synchronisation here: in an in-process world other ranks'
-  // kernels may be spinning on this device (cudaMemcpy from pageable memory
-  // above is synchronous already).
+  // kernels may be spinning on this device.
 }
 
 void MoeLayer::Impl::warm_up_gemms() {

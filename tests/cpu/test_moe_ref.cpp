@@ -24,6 +24,7 @@
 #include <numeric>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -246,6 +247,10 @@ RouterOutput route_one(const MoeShape& shape, const std::vector<float>& logits,
 }
 
 // ---- shape validation -----------------------------------------------------------------------
+
+// The reference and the layer share one shape type (include/epx/moe_shape.hpp).
+static_assert(std::is_same_v<MoeShape, epx::MoeShape>);
+static_assert(std::is_same_v<Scoring, epx::MoeScoring>);
 
 TEST(MoeShape, ValidShapes) {
   const MoeShape r1 = MoeShape::deepseek_r1();

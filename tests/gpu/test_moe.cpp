@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,9 +27,9 @@
 #include "epx/world.hpp"
 #include "moe/fp8_gemm.hpp"
 #include "moe/kernels.hpp"
-#include "moe/ref_shape.hpp"
 #include "reference/moe_ref.hpp"
 #include "reference/reference.hpp"
+#include "testing/moe_weights.hpp"
 
 namespace {
 // Ranks of an in-process world spin on each other's flags; a cuBLASLt kernel
@@ -106,8 +108,8 @@ std::vector<float> act_scales_for(moe::ActScaleOrder o, const std::vector<float>
   return out;
 }
 
-rm::MoeShape small_shape() {
-  return rm::MoeShape{.hidden = 512,
+MoeShape small_shape() {
+  return MoeShape{.hidden = 512,
                       .intermediate = 512,
                       .num_experts = 8,
                       .topk = 4,
@@ -115,16 +117,16 @@ rm::MoeShape small_shape() {
                       .topk_groups = 2,
                       .routed_scaling = 2.5f,
                       .shared_intermediate = 512,
-                      .scoring = rm::Scoring::kSigmoidGrouped};
+                      .scoring = MoeScoring::kSigmoidGrouped};
 }
 
 constexpr uint64_t kSeed = 20260;
 
-// D = A . W^T for M 64, N 512, K 512 with the given scale layouts; returns
-// ||d-ref||/||ref||.
+// D = A . W^T for M 64, N 512, K 512 with the given scale layouts and operand order (`only`,
+// Fp8Gemm::set_operand_order; nullopt: the GEMM's own choice); returns ||d-ref||/||ref||.
 double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m = 64,
-                  std::string* order = nullptr) {
-  const rm::MoeShape shape = small_shape();
+                  std::string* order = nullptr, std::optional<moe::GemmOrder> only = std::nullopt) {
+  const MoeShape shape = small_shape();
   const int k = shape.hidden;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 0);  // w1: [256][512]
   const int n = w.w1.rows;
@@ -143,6 +145,7 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
   const float* d_ws = buf.upload(moe::weight_scales_for_gemm(layouts.weight, w.w1.scales, n, k));
   void* d_out = buf.alloc<float>(size_t(moe::padded_rows(m)) * n);
   moe::Fp8Gemm gemm(layouts);
+  gemm.set_operand_order(only);
   const moe::Fp8GemmArgs args{.m = moe::padded_rows(m),
                               .n = n,
                               .k = k,
@@ -169,7 +172,7 @@ double gemm_error(const moe::Fp8ScaleLayouts& layouts, moe::GemmOut out, int m =
 // element).
 TEST(MoeFp8Gemm, MatchesReferenceF32AndBf16) {
   MOE_REQUIRE_GPU();
-  const moe::Fp8ScaleLayouts layouts = moe::Fp8ScaleLayouts::from_env();
+  const moe::Fp8ScaleLayouts layouts;  // the defaults, as MoeLayer uses them
   for (int m : {64, 16, 40, 1, 4, 8, 12, 100}) {
     std::string order;
     const double e32 = gemm_error(layouts, moe::GemmOut::kF32, m, &order);
@@ -182,21 +185,20 @@ TEST(MoeFp8Gemm, MatchesReferenceF32AndBf16) {
 }
 
 // Which scale order does cuBLASLt read? Runs all four; exactly the matching one
-// should pass. If the default fails and another matches, set
-// EPX_FP8_SCALE_LAYOUTS to it (and change the default in fp8_gemm.hpp).
+// should pass. If the default fails and another matches, change the default in fp8_gemm.hpp
+// (and MoeLayer's use of the checkpoint's weight scales, moe.hpp).
 TEST(MoeFp8Gemm, ScaleLayoutProbe) {
   MOE_REQUIRE_GPU();
-  const moe::Fp8ScaleLayouts def = moe::Fp8ScaleLayouts::from_env();
+  const moe::Fp8ScaleLayouts def;
   double def_err = 1.0;
-  const char* saved = std::getenv("EPX_FP8_GEMM_ORDER");
-  const std::string saved_order = saved ? saved : "";
-  for (const char* order : {"weights_first", "acts_first"}) {
-    setenv("EPX_FP8_GEMM_ORDER", order, 1);
+  for (const moe::GemmOrder gemm_order :
+       {moe::GemmOrder::kWeightsFirst, moe::GemmOrder::kActsFirst}) {
+    const char* order = moe::to_string(gemm_order);
     for (auto act : {moe::ActScaleOrder::kBlockMajor, moe::ActScaleOrder::kRowMajor}) {
       for (auto weight : {moe::WeightScaleOrder::kRowMajor, moe::WeightScaleOrder::kTransposed}) {
         const moe::Fp8ScaleLayouts l{act, weight};
         try {
-          const double e = gemm_error(l, moe::GemmOut::kF32);
+          const double e = gemm_error(l, moe::GemmOut::kF32, 64, nullptr, gemm_order);
           std::printf("order %-13s scale layouts %-24s rel error %.3g%s\n", order,
                       moe::to_string(l).c_str(), e, e < 2e-3 ? "  <- matches" : "");
           if (l.act == def.act && l.weight == def.weight) def_err = std::min(def_err, e);
@@ -207,11 +209,6 @@ TEST(MoeFp8Gemm, ScaleLayoutProbe) {
       }
     }
   }
-  if (saved_order.empty()) {
-    unsetenv("EPX_FP8_GEMM_ORDER");
-  } else {
-    setenv("EPX_FP8_GEMM_ORDER", saved_order.c_str(), 1);
-  }
   EXPECT_LT(def_err, 2e-3) << "default scale layouts " << moe::to_string(def)
                            << " do not match the reference; see the lines above";
 }
@@ -220,7 +217,7 @@ TEST(MoeFp8Gemm, ScaleLayoutProbe) {
 // and padding.
 TEST(MoeKernels, QuantizeRowsIsBitExact) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int src_rows = 37, k = shape.hidden, blocks = k / 128;
   const std::vector<uint16_t> x = rm::make_moe_input(shape, src_rows, kSeed + 2);
   std::vector<int32_t> rows;
@@ -270,7 +267,7 @@ TEST(MoeKernels, QuantizeRowsIsBitExact) {
 // code step.
 TEST(MoeKernels, SiluQuantizeMatchesReference) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int m = 24;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 1);
   const std::vector<uint16_t> x = rm::make_moe_input(shape, m, kSeed + 3);
@@ -307,7 +304,7 @@ TEST(MoeKernels, SiluQuantizeMatchesReference) {
   EXPECT_LT(max_s, 1e-2);
 }
 
-void check_router(const rm::MoeShape& shape, int n) {
+void check_router(const MoeShape& shape, int n) {
   const rm::MoeWeights w{.gate = rm::make_gate_weight(shape, kSeed),
                          .correction_bias = rm::make_correction_bias(shape, kSeed),
                          .experts = {},
@@ -329,7 +326,7 @@ void check_router(const rm::MoeShape& shape, int n) {
                       .num_groups = shape.num_groups,
                       .topk_groups = shape.topk_groups,
                       .routed_scaling = shape.routed_scaling,
-                      .grouped = shape.scoring == rm::Scoring::kSigmoidGrouped,
+                      .grouped = shape.scoring == MoeScoring::kSigmoidGrouped,
                       .ids = d_ids,
                       .weights = d_w},
                      nullptr);
@@ -351,7 +348,7 @@ void check_router(const rm::MoeShape& shape, int n) {
     // from the exact logits) are within 1e-5.
     const auto choice = [&](int e) {
       const float l = logits[size_t(t) * shape.num_experts + e];
-      if (shape.scoring == rm::Scoring::kSoftmax) return l;
+      if (shape.scoring == MoeScoring::kSoftmax) return l;
       return 1.0f / (1.0f + std::exp(-l)) + w.correction_bias[size_t(e)];
     };
     for (int j = 0; j < k; ++j) {
@@ -370,15 +367,15 @@ void check_router(const rm::MoeShape& shape, int n) {
 
 TEST(MoeKernels, RouterMatchesReference) {
   MOE_REQUIRE_GPU();
-  rm::MoeShape s = small_shape();
+  MoeShape s = small_shape();
   s.num_experts = 16;
   s.topk = 4;
   check_router(s, 64);  // sigmoid_grouped, 4 groups, best 2
-  s.scoring = rm::Scoring::kSoftmax;
+  s.scoring = MoeScoring::kSoftmax;
   s.num_groups = 1;
   s.topk_groups = 1;
   check_router(s, 64);
-  check_router(rm::MoeShape::deepseek_r1(),
+  check_router(MoeShape::deepseek_r1(),
                16);  // H 7168, 256 experts, 8 groups, top-8
 }
 
@@ -387,7 +384,7 @@ TEST(MoeKernels, RouterMatchesReference) {
 // in the last place).
 TEST(MoeKernels, OneExpertMatchesReference) {
   MOE_REQUIRE_GPU();
-  const rm::MoeShape shape = small_shape();
+  const MoeShape shape = small_shape();
   const int m = 37, h = shape.hidden;
   const rm::ExpertWeights w = rm::make_expert_weights(shape, kSeed, 2);
   const int i_dim = w.intermediate();
@@ -465,6 +462,97 @@ TEST(MoeKernels, OneExpertMatchesReference) {
   EXPECT_LT(e, 2e-2);
 }
 
+// ---- the weights view (moe.hpp: MoeWeights) ----------------------------------------------------
+
+// The seeded generator's device weights of rank 1 of 2 hold the bytes of the reference's weight set
+// (its experts 4..7 and the shared one), byte for byte, whichever way they were made.
+TEST(MoeWeightsView, SeededUploadHoldsTheReferenceBytes) {
+  MOE_REQUIRE_GPU();
+  const MoeShape shape = small_shape();
+  const rm::MoeWeights want = rm::make_moe_weights(shape, kSeed);
+  const int rank = 1, world = 2, local = shape.num_experts / world;
+  for (const bool from_set : {true, false}) {
+    const testing::DeviceMoeWeights dev =
+        from_set ? testing::upload_moe_weights(shape, want, rank, world)
+                 : testing::make_device_moe_weights(shape, kSeed, rank, world);
+    const MoeWeights& v = dev.view();
+    const auto same_matrix = [&](const Fp8BlockWeight& got, const rm::Fp8BlockMatrix& m) {
+      return download(static_cast<const uint8_t*>(got.weight), m.q.size()) == m.q &&
+             download(got.scale_inv, m.scales.size()) == m.scales;
+    };
+    const auto same_expert = [&](const MoeExpertWeights& got, const rm::ExpertWeights& w) {
+      return same_matrix(got.gate, w.w1) && same_matrix(got.up, w.w3) &&
+             same_matrix(got.down, w.w2);
+    };
+    EXPECT_EQ(download(static_cast<const uint16_t*>(v.router), want.gate.size()), want.gate);
+    EXPECT_EQ(download(v.correction_bias, want.correction_bias.size()), want.correction_bias);
+    ASSERT_EQ(v.experts.size(), size_t(local));
+    for (int i = 0; i < local; ++i) {
+      EXPECT_TRUE(same_expert(v.experts[size_t(i)], want.experts[size_t(rank * local + i)]))
+          << "local expert " << i << (from_set ? " (uploaded set)" : " (generated)");
+    }
+    EXPECT_TRUE(same_expert(v.shared, *want.shared)) << (from_set ? "uploaded set" : "generated");
+  }
+}
+
+// MoeLayer refuses a bad view before any kernel reads it, naming the field; a good one builds.
+TEST(MoeWeightsView, BadViewsAreRefusedNamingTheField) {
+  MOE_REQUIRE_GPU();
+  const MoeShape shape = small_shape();
+  EpConfig cfg;
+  cfg.world_size = 1;
+  cfg.hidden = shape.hidden;
+  cfg.num_experts = shape.num_experts;
+  cfg.topk = shape.topk;
+  cfg.max_tokens_per_rank = 16;
+  const testing::DeviceMoeWeights dev = testing::make_device_moe_weights(shape, kSeed, 0, 1);
+  alignas(16) static uint8_t host_bytes[256];
+  // The InputError's message, or "" when the layer was built.
+  const auto build = [&](const MoeShape& s, const MoeWeights& w) -> std::string {
+    try {
+      MoeLayer layer(s, w, cfg);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  struct Case {
+    std::function<void(MoeShape&, MoeWeights&)> mutate;
+    std::vector<std::string> pieces;
+  };
+  const std::vector<Case> cases = {
+      {[](MoeShape&, MoeWeights& w) { w.router = nullptr; }, {"weights.router = null"}},
+      {[](MoeShape&, MoeWeights& w) { w.experts[1].up.scale_inv = nullptr; },
+       {"weights.experts[1].up.scale_inv = null"}},
+      {[](MoeShape&, MoeWeights& w) {
+         w.experts[7].down.weight = static_cast<const uint8_t*>(w.experts[7].down.weight) + 8;
+       },
+       {"weights.experts[7].down.weight", "16-byte aligned"}},
+      {[](MoeShape&, MoeWeights& w) { w.shared.gate.weight = host_bytes; },
+       {"weights.shared.gate.weight", "host memory", "memory of the current device"}},
+      {[](MoeShape&, MoeWeights& w) { w.experts.pop_back(); },
+       {"weights.experts.size() = 7", "8 local experts"}},
+      {[](MoeShape&, MoeWeights& w) { w.correction_bias = nullptr; },
+       {"weights.correction_bias = null"}},
+      {[](MoeShape& s, MoeWeights&) {
+         s.scoring = MoeScoring::kSoftmax;
+         s.num_groups = s.topk_groups = 1;
+       },
+       {"weights.correction_bias", "softmax scoring has no bias"}},
+      {[](MoeShape& s, MoeWeights&) { s.shared_intermediate = 0; },
+       {"weights.shared.gate.weight", "the shape has no shared expert"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    MoeShape s = shape;
+    MoeWeights w = dev.view();
+    cases[i].mutate(s, w);
+    const std::string what = build(s, w);
+    for (const std::string& piece : cases[i].pieces)
+      EXPECT_NE(what.find(piece), std::string::npos) << "case " << i << ": " << what;
+  }
+  EXPECT_EQ(build(shape, dev.view()), "");
+}
+
 // ---- the layer on an in-process world of 2 ranks
 // -----------------------------------------
 
@@ -501,7 +589,6 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   constexpr int kWorld = 2;
   const int tokens[kWorld] = {40, 5};
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = moe::to_ref(shape);
   EpConfig cfg;
   cfg.world_size = kWorld;
   cfg.hidden = shape.hidden;
@@ -513,6 +600,8 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  // The layers run on these weights (each rank's share uploaded), the reference too.
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   const int chunks = 3;
 
   std::vector<std::vector<uint16_t>> x(kWorld), y(kWorld);
@@ -522,13 +611,14 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   std::vector<std::thread> threads;
   // Every rank's layer exists before any rank's first forward (moe.hpp).
   std::barrier constructed(kWorld);
-  for (int r = 0; r < kWorld; ++r) x[r] = rm::make_moe_input(rshape, tokens[r], kSeed + 10 + r);
+  for (int r = 0; r < kWorld; ++r) x[r] = rm::make_moe_input(shape, tokens[r], kSeed + 10 + r);
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       try {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
         // Everything that allocates or copies happens before the barrier: no rank's forward
         // (whose kernels spin on the peers) runs while another rank still sets up.
+        testing::DeviceMoeWeights rank_weights;  // outlives the layer
         std::unique_ptr<MoeLayer> layer;
         DeviceBuffers buf;
         const int n = tokens[r];
@@ -537,7 +627,8 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
         MoeRoutingOut routing;
         cudaStream_t stream = nullptr;
         try {
-          layer = std::make_unique<MoeLayer>(shape, kSeed, a2a[size_t(r)]->config(),
+          rank_weights = testing::upload_moe_weights(shape, weights, r, kWorld);
+          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), a2a[size_t(r)]->config(),
                                              world.sm_budget(r));
           d_x = buf.upload(x[size_t(r)]);
           d_y = buf.alloc<uint16_t>(size_t(n) * shape.hidden);
@@ -567,20 +658,19 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(rshape, kSeed);
   for (int r = 0; r < kWorld; ++r) {
     rm::RouterOutput routing{.num_tokens = tokens[r],
                              .topk = shape.topk,
                              .ids = ids[size_t(r)],
                              .weights = wts[size_t(r)]};
     const std::vector<float> want =
-        rm::moe_forward_routed(rshape, weights, x[size_t(r)], tokens[r], routing);
+        rm::moe_forward_routed(shape, weights, x[size_t(r)], tokens[r], routing);
     const double e = rel_error(bf16_to_f32(y[size_t(r)]), want);
     std::printf("%s rank %d: rel error %.3g\n", c.name, r, e);
     EXPECT_LT(e, 8e-2) << "rank " << r;
     // The routing itself must be the reference router's (near-ties aside, see
     // check_router).
-    const rm::RouterOutput ref_routing = rm::route(rshape, weights, x[size_t(r)], tokens[r]);
+    const rm::RouterOutput ref_routing = rm::route(shape, weights, x[size_t(r)], tokens[r]);
     int differing = 0;
     for (int t = 0; t < tokens[r]; ++t) {
       for (int j = 0; j < shape.topk; ++j) {
@@ -658,7 +748,6 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   const LayerCase c = GetParam();
   constexpr int kWorld = 2;
   const MoeShape shape = layer_shape(c);
-  const rm::MoeShape rshape = moe::to_ref(shape);
   const int h = shape.hidden, k = shape.topk;
   EpConfig cfg;
   cfg.world_size = kWorld;
@@ -671,6 +760,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  // The layers run on these weights (each rank's share uploaded), the reference too.
+  const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
 
   constexpr int kRounds = int(std::size(kGraphRounds));
   // [round][replay][rank]
@@ -681,7 +772,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
     for (int rep = 0; rep < kGraphReplays; ++rep) {
       for (int r = 0; r < kWorld; ++r) {
         x[size_t(index(ri, rep, r))] = rm::make_moe_input(
-            rshape, kGraphRounds[ri].tokens[r], kSeed + 1000 + uint64_t(index(ri, rep, r)));
+            shape, kGraphRounds[ri].tokens[r], kSeed + 1000 + uint64_t(index(ri, rep, r)));
       }
     }
   }
@@ -693,6 +784,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
     threads.emplace_back([&, r] {
       try {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+        testing::DeviceMoeWeights rank_weights;  // outlives the layer
         std::unique_ptr<MoeLayer> layer;
         DeviceBuffers buf;
         uint16_t* d_x = nullptr;
@@ -700,7 +792,8 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
         MoeRoutingOut routing;
         cudaStream_t stream = nullptr;
         try {
-          layer = std::make_unique<MoeLayer>(shape, kSeed, a2a[size_t(r)]->config(),
+          rank_weights = testing::upload_moe_weights(shape, weights, r, kWorld);
+          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), a2a[size_t(r)]->config(),
                                              world.sm_budget(r));
           d_x = buf.alloc<uint16_t>(size_t(kGraphMaxTokens) * h);
           d_y = buf.alloc<uint16_t>(size_t(kGraphMaxTokens) * h);
@@ -786,7 +879,6 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
   if (HasFailure()) return;
 
-  const rm::MoeWeights weights = rm::make_moe_weights(rshape, kSeed);
   for (int ri = 0; ri < kRounds; ++ri) {
     for (int rep = 0; rep < kGraphReplays; ++rep) {
       std::vector<int> rows_per_expert(size_t(shape.num_experts), 0);
@@ -805,7 +897,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
         const rm::RouterOutput routing{
             .num_tokens = n, .topk = k, .ids = ge.ids, .weights = ge.wts};
         const double e_ref =
-            n > 0 ? rel_error(gy, rm::moe_forward_routed(rshape, weights, x[i], n, routing)) : 0.0;
+            n > 0 ? rel_error(gy, rm::moe_forward_routed(shape, weights, x[i], n, routing)) : 0.0;
         std::printf(
             "%s round %d replay %d rank %d (%d tokens): vs eager %.3g (%d of %zu differ), "
             "vs reference %.3g\n",
