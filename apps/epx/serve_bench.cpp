@@ -153,23 +153,6 @@ void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
                         flag, value, zero_ok ? "0 (none) or " : "", kMaxHidden));
 }
 
-// Largest decode batch per rank that --cuda-graph captures: the chunk, the step budget, and
-// kMaxGraphBatch, beyond which a decode step runs eagerly (a captured layer holds one body per
-// GEMM row bucket and local expert, so graphs of large batches grow to tens of thousands of nodes).
-constexpr int kMaxGraphBatch = 128;
-int largest_decode_bucket(const serve::Workload& w) {
-  return std::min({w.chunk_size, w.max_batched_tokens, kMaxGraphBatch});
-}
-
-// Decode batch buckets of --cuda-graph: 1, 2, 4, ... below `largest`, then `largest` (the
-// smaller of --chunk-size and --max-batched-tokens: one chunk).
-std::vector<int> decode_buckets(int largest) {
-  std::vector<int> out;
-  for (int b = 1; b < largest; b *= 2) out.push_back(b);
-  out.push_back(largest);
-  return out;
-}
-
 ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
   ServePlan p;
   p.cuda_graph = f.cuda_graph;
@@ -277,16 +260,16 @@ ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
     EPX_THROW(ConfigError, fmt::format("--graph-experts = '{}', expected auto, switch or all-rows",
                                        f.graph_experts));
   }
-  const int largest = largest_decode_bucket(p.workload);
+  const int largest = serve::largest_decode_bucket(p.workload);
   if (f.graph_buckets.empty()) {
-    p.graph_buckets = decode_buckets(largest);
+    p.graph_buckets = serve::decode_buckets(largest);
   } else {
     if (!f.cuda_graph)
       EPX_THROW(ConfigError, "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
     // Integers in [1, largest], each once (named when not), then ascending.
     p.graph_buckets = parse_int_list(
         f.graph_buckets, "--graph-buckets", 1, largest,
-        fmt::format("the smaller of --chunk-size, --max-batched-tokens and {}", kMaxGraphBatch));
+        fmt::format("the smaller of --chunk-size, --max-batched-tokens and {}", serve::kMaxGraphBatch));
     if (!std::is_sorted(p.graph_buckets.begin(), p.graph_buckets.end())) {
       EPX_THROW(ConfigError,
                 fmt::format("--graph-buckets = '{}', expected ascending batch sizes", f.graph_buckets));
@@ -478,13 +461,6 @@ struct RankStep {
   size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
   int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
 };
-
-// The smallest bucket holding `tokens` (>= 1), or 0 when none does.
-int decode_bucket(const std::vector<int>& buckets, int tokens) {
-  for (int b : buckets)
-    if (b >= std::max(tokens, 1)) return b;
-  return 0;
-}
 
 // A host call that takes longer than this while enqueueing a step is reported (stderr).
 constexpr double kSlowEnqueueMs = 100.0;
@@ -880,7 +856,7 @@ BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
       // the largest rank's batch; anything else runs eagerly.
       const int most = *std::max_element(plan.tokens.begin(), plan.tokens.end());
       const int bucket = cuda_graph && !plan.has_prefill() && plan.num_chunks == 1
-                             ? decode_bucket(buckets, most)
+                             ? serve::decode_bucket(buckets, most)
                              : 0;
       for (int r = 0; r < W; ++r)
         steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row, bucket};
