@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -37,6 +38,7 @@
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "reference/moe_ref.hpp"
+#include "serve_flags.hpp"
 #include "serve_sched.hpp"
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -51,233 +53,6 @@ namespace epx::cli {
 namespace {
 
 constexpr double kProgressEveryS = 5.0;
-constexpr int kDeepSeekMoeLayers = 58;  // DeepSeek-R1: 61 layers, the first 3 dense
-
-enum class WeightsMode { kAuto, kDistinct, kShared };
-
-struct ServeFlags {
-  serve::Workload workload;  // defaults: serve_sched.hpp
-  std::string backends = "naive,allgather_reducescatter,low_latency";
-  int hidden = 7168;
-  int intermediate = 2048;
-  int experts = 256;
-  int topk = 8;
-  int shared_intermediate = 2048;
-  int layers = 2;
-  std::string weights = "auto";
-  std::string dtype = "bf16-to-fp8";
-  std::string layout = "token";
-  uint64_t seed = 1;
-  std::string json_path;
-  std::string preset;
-  bool cuda_graph = false;
-  std::string graph_buckets;  // --graph-buckets: comma list, empty = 1, 2, 4, ... up to the largest
-  std::string graph_scope = "rank";  // --graph-scope
-  std::string graph_split;    // --graph-split: empty = expert (rank scope)
-  std::string graph_experts;  // --graph-experts: empty = auto
-};
-
-struct ServePlan {
-  serve::Workload workload;
-  std::vector<Backend> backends;
-  ref::moe::MoeShape shape;
-  EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
-  int layers = 2;
-  WeightsMode weights = WeightsMode::kAuto;
-  LaunchSource launch;
-  uint64_t seed = 1;
-  std::string json_path;
-  std::string preset_note;  // empty unless --preset
-  bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
-  std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
-  bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
-  bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
-  CaptureExperts graph_experts = CaptureExperts::kSwitch;  // --graph-experts
-};
-
-// --graph-experts auto: all-rows whenever ranks share the GPU. Measured on an H200 (32 hardware
-// queues), decode graphs with SWITCH nodes stop from 20 in-process ranks (split or not; at 16 one
-// run of two), and once at 8 ranks with two layers sharing one MoeLayer (a rank late by one call,
-// 10 s); graphs without conditional nodes replayed every time, at 8 and 32 ranks.
-
-// --preset original: the original test's numbers, scaled to one GPU (see the help text).
-constexpr int kOrigPrompts = 2000, kOrigIsl = 2000, kOrigOsl = 100, kOrigConcurrency = 2000,
-              kOrigChunk = 1024, kOrigBatched = 32768;
-
-std::string preset_help() {
-  return fmt::format(
-      "original: the DeepSeek-R1 DP{0}/EP{0} test of the system we descend from ({1} prompts, "
-      "ISL {2}, OSL {3}, concurrency {4}, chunk {5}, {6} batched tokens per rank) scaled to one "
-      "GPU: the --world ranks share one GPU, so prompts, concurrency and batched tokens are "
-      "divided by --world ({7}, {7}, {8} at 8 ranks: the GPU carries per step the tokens one "
-      "GPU of the original carried); ISL, OSL and chunk are kept; the model's {9} MoE layers "
-      "become --layers. Flags given explicitly win over the preset",
-      8, kOrigPrompts, kOrigIsl, kOrigOsl, kOrigConcurrency, kOrigChunk, kOrigBatched,
-      (kOrigPrompts + 7) / 8, kOrigBatched / 8, kDeepSeekMoeLayers);
-}
-
-// Sets the workload flags the user did not give (`given` holds the names of those given);
-// returns the line that says what it did.
-std::string apply_preset(ServeFlags& f, const std::map<std::string, bool>& given) {
-  if (f.preset.empty()) return "";
-  if (f.preset != "original") {
-    EPX_THROW(ConfigError, fmt::format("--preset = '{}', expected original", f.preset));
-  }
-  serve::Workload& w = f.workload;
-  check_range("--world", w.world, 1, 32, "in-process ranks on one GPU");
-  const int div = w.world;
-  auto set = [&](const char* flag, int& field, int value) {
-    if (!given.count(flag)) field = value;
-  };
-  set("--num-prompts", w.num_prompts, (kOrigPrompts + div - 1) / div);
-  set("--concurrency", w.concurrency, (kOrigConcurrency + div - 1) / div);
-  set("--max-batched-tokens", w.max_batched_tokens, std::max(1, kOrigBatched / div));
-  set("--isl", w.isl, kOrigIsl);
-  set("--osl", w.osl, kOrigOsl);
-  set("--chunk-size", w.chunk_size, kOrigChunk);
-  return fmt::format(
-      "preset original: {} prompts -> {}, concurrency {} -> {}, batched tokens/rank {} -> {} "
-      "(divided by the {} ranks sharing one GPU), ISL {}, OSL {}, chunk {} (kept: {}), "
-      "{} MoE layers -> {}",
-      kOrigPrompts, w.num_prompts, kOrigConcurrency, w.concurrency, kOrigBatched,
-      w.max_batched_tokens, div, w.isl, w.osl, w.chunk_size,
-      given.empty() ? "no workload flag given" : "explicit flags win", kDeepSeekMoeLayers,
-      f.layers);
-}
-
-void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
-  if ((zero_ok && value == 0) || (value >= 512 && value <= kMaxHidden && value % 512 == 0)) return;
-  EPX_THROW(ConfigError,
-            fmt::format("--{} = {}, expected {}a multiple of 512 in [512, {}] (the MoE layer's fp8 "
-                        "GEMMs: K / 128 a multiple of 4)",
-                        flag, value, zero_ok ? "0 (none) or " : "", kMaxHidden));
-}
-
-ServePlan validate(ServeFlags f, const std::map<std::string, bool>& given) {
-  ServePlan p;
-  p.cuda_graph = f.cuda_graph;
-  p.preset_note = apply_preset(f, given);
-  p.workload = f.workload;
-  serve::validate(p.workload);
-  const int W = p.workload.world;
-  check_range("--layers", f.layers, 1, 1024);
-  check_multiple_of_512("hidden", f.hidden, false);
-  check_multiple_of_512("intermediate", f.intermediate, false);
-  check_multiple_of_512("shared-intermediate", f.shared_intermediate, true);
-  check_range("--experts", f.experts, W, 1 << 16, "at least --world");
-  if (f.experts % W != 0) {
-    EPX_THROW(ConfigError, fmt::format("--experts = {}, expected a multiple of --world = {} "
-                                       "(every rank holds E/W experts)",
-                                       f.experts, W));
-  }
-  check_range("--topk", f.topk, 1, std::min(kMaxTopk, f.experts), "at most min(32, --experts)");
-  for (const std::string& name : split_list(f.backends, "--backends")) {
-    const Backend b = parse_backend_flag(name, "--backends");
-    if (std::find(p.backends.begin(), p.backends.end(), b) != p.backends.end()) {
-      EPX_THROW(ConfigError, fmt::format("--backends = '{}' lists {} twice, expected each "
-                                         "backend once",
-                                         f.backends, name));
-    }
-    p.backends.push_back(b);
-  }
-  if (f.weights == "auto") {
-    p.weights = WeightsMode::kAuto;
-  } else if (f.weights == "distinct") {
-    p.weights = WeightsMode::kDistinct;
-  } else if (f.weights == "shared") {
-    p.weights = WeightsMode::kShared;
-  } else {
-    EPX_THROW(ConfigError,
-              fmt::format("--weights = '{}', expected one of auto, distinct, shared", f.weights));
-  }
-
-  // DeepSeek-R1 routing (sigmoid, best 4 of 8 groups) where the expert count allows it,
-  // otherwise one group (plain sigmoid top-k).
-  ref::moe::MoeShape& s = p.shape;
-  s.hidden = f.hidden;
-  s.intermediate = f.intermediate;
-  s.num_experts = f.experts;
-  s.topk = f.topk;
-  s.shared_intermediate = f.shared_intermediate;
-  s.scoring = ref::moe::Scoring::kSigmoidGrouped;
-  s.routed_scaling = 2.5f;
-  const bool grouped = f.experts % 8 == 0 && f.experts / 8 >= 2 && f.topk <= 4 * (f.experts / 8);
-  s.num_groups = grouped ? 8 : 1;
-  s.topk_groups = grouped ? 4 : 1;
-  s.validate();
-
-  EpConfig& cfg = p.cfg;
-  cfg.world_size = W;
-  cfg.hidden = f.hidden;
-  cfg.num_experts = f.experts;
-  cfg.topk = f.topk;
-  cfg.max_tokens_per_rank = p.workload.chunk_size;
-  try {
-    cfg.dtype = parse_dispatch_dtype(f.dtype);
-  } catch (const ConfigError&) {
-    EPX_THROW(ConfigError,
-              fmt::format("--dtype = '{}', expected one of bf16, fp8, bf16-to-fp8", f.dtype));
-  }
-  try {
-    cfg.layout = parse_output_layout(f.layout);
-  } catch (const ConfigError&) {
-    EPX_THROW(ConfigError, fmt::format("--layout = '{}', expected token or expert", f.layout));
-  }
-  const EnvSettings env = read_env();  // throws ConfigError naming the variable
-  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
-  cfg.validate();  // anything the checks above missed, named by field
-  p.launch = launch_from_env();
-  p.layers = f.layers;
-  p.seed = f.seed;
-  p.json_path = f.json_path;
-  if (f.graph_scope != "rank" && f.graph_scope != "world") {
-    EPX_THROW(ConfigError,
-              fmt::format("--graph-scope = '{}', expected rank or world", f.graph_scope));
-  }
-  if (f.graph_scope == "world" && !f.cuda_graph)
-    EPX_THROW(ConfigError, "--graph-scope = 'world', expected only with --cuda-graph");
-  p.world_graphs = f.graph_scope == "world";
-  for (const auto& [flag, value] : {std::pair{"--graph-split", &f.graph_split},
-                                     std::pair{"--graph-experts", &f.graph_experts}}) {
-    if (!value->empty() && !f.cuda_graph) {
-      EPX_THROW(ConfigError,
-                fmt::format("{} = '{}', expected only with --cuda-graph", flag, *value));
-    }
-  }
-  if (!f.graph_split.empty() && f.graph_split != "expert" && f.graph_split != "none") {
-    EPX_THROW(ConfigError,
-              fmt::format("--graph-split = '{}', expected expert or none", f.graph_split));
-  }
-  if (f.graph_split == "expert" && p.world_graphs) {
-    EPX_THROW(ConfigError, "--graph-split = 'expert', expected only with --graph-scope rank");
-  }
-  p.split_graphs = f.graph_split != "none" && !p.world_graphs;
-  if (f.graph_experts.empty() || f.graph_experts == "auto") {
-    p.graph_experts = W > 1 ? CaptureExperts::kAllRows : CaptureExperts::kSwitch;
-  } else if (f.graph_experts == "switch" || f.graph_experts == "all-rows") {
-    p.graph_experts = f.graph_experts == "switch" ? CaptureExperts::kSwitch : CaptureExperts::kAllRows;
-  } else {
-    EPX_THROW(ConfigError, fmt::format("--graph-experts = '{}', expected auto, switch or all-rows",
-                                       f.graph_experts));
-  }
-  const int largest = serve::largest_decode_bucket(p.workload);
-  if (f.graph_buckets.empty()) {
-    p.graph_buckets = serve::decode_buckets(largest);
-  } else {
-    if (!f.cuda_graph)
-      EPX_THROW(ConfigError, "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
-    // Integers in [1, largest], each once (named when not), then ascending.
-    p.graph_buckets = parse_int_list(
-        f.graph_buckets, "--graph-buckets", 1, largest,
-        fmt::format("the smaller of --chunk-size, --max-batched-tokens and {}", serve::kMaxGraphBatch));
-    if (!std::is_sorted(p.graph_buckets.begin(), p.graph_buckets.end())) {
-      EPX_THROW(ConfigError,
-                fmt::format("--graph-buckets = '{}', expected ascending batch sizes", f.graph_buckets));
-    }
-  }
-  return p;
-}
-
 [[maybe_unused]] std::string backend_names(const std::vector<Backend>& backends) {
   std::string out;
   for (Backend b : backends) out += (out.empty() ? "" : ",") + std::string(to_string(b));
@@ -719,7 +494,7 @@ size_t free_device_bytes(int device) {
 // Builds every rank's layers: one per --layers with distinct weights (seed + layer), or one
 // shared by all layers. kAuto builds the first layer everywhere, measures what it took, and
 // builds the rest only if they fit next to the backends' buffers. Returns the distinct count.
-int build_layers(const ServePlan& p, const InProcessWorld& world,
+int build_layers(const serve::Plan& p, const InProcessWorld& world,
                  std::vector<std::unique_ptr<Rank>>& ranks, std::string& note) {
   const int W = p.workload.world;
   const MoeShape shape = to_layer_shape(p.shape);
@@ -734,7 +509,9 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
       ep.rank = r;
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
       auto layer = std::make_unique<MoeLayer>(shape, p.seed + uint64_t(l), ep, world.sm_budget(r));
-      layer->set_capture_experts(p.graph_experts);  // eager forwards ignore it
+      layer->set_capture_experts(p.graph_experts == serve::GraphExperts::kSwitch
+                                      ? CaptureExperts::kSwitch
+                                      : CaptureExperts::kAllRows);  // eager forwards ignore it
       ranks[size_t(r)]->layers[size_t(l)] = std::move(layer);
     });
   };
@@ -743,8 +520,8 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
   build(0, 1);
   const size_t after = free_device_bytes(dev);
   const size_t per_layer = before > after ? before - after : 0;
-  int distinct = p.weights == WeightsMode::kShared ? 1 : p.layers;
-  if (p.weights == WeightsMode::kAuto && p.layers > 1) {
+  int distinct = p.weights == serve::WeightsMode::kShared ? 1 : p.layers;
+  if (p.weights == serve::WeightsMode::kAuto && p.layers > 1) {
     size_t reserve = size_t(2) << 30;  // CUDA / cuBLASLt workspaces and slack
     for (int r = 0; r < W; ++r) {
       EpConfig ep = p.cfg;
@@ -765,13 +542,13 @@ int build_layers(const ServePlan& p, const InProcessWorld& world,
                             "{} layer(s) sharing one MoeLayer per rank (weights reused by every "
                             "layer{}; {:.1f} GiB per layer over all ranks)",
                             p.layers,
-                            p.weights == WeightsMode::kShared ? ", --weights shared"
+                            p.weights == serve::WeightsMode::kShared ? ", --weights shared"
                                                               : ": distinct layers do not fit",
                             double(per_layer) / double(1 << 30));
   return distinct;
 }
 
-BackendResult run_backend(const ServePlan& p, Backend backend, bool cuda_graph,
+BackendResult run_backend(const serve::Plan& p, Backend backend, bool cuda_graph,
                           const InProcessWorld& world, std::vector<std::unique_ptr<Rank>>& ranks,
                           RankThreads& threads) {
   BackendResult br;
@@ -956,7 +733,7 @@ nlohmann::json summary_json(const serve::Summary& s) {
           {"p50", 1e3 * s.p50}, {"p75", 1e3 * s.p75},   {"max", 1e3 * s.max}};
 }
 
-nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const GpuInfo& gpu,
+nlohmann::json make_json(const serve::Plan& p, const InProcessWorld& world, const GpuInfo& gpu,
                          const std::string& weights_note, int distinct_layers,
                          const std::vector<BackendResult>& results) {
   using nlohmann::json;
@@ -1006,7 +783,7 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
       {"graph_split", p.cuda_graph ? json(p.split_graphs ? "expert" : "none") : json(nullptr)},
       {"graph_experts",
        p.cuda_graph
-           ? json(p.graph_experts == CaptureExperts::kSwitch ? "switch" : "all-rows")
+           ? json(serve::graph_experts_name(p.graph_experts))
            : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
@@ -1047,8 +824,8 @@ nlohmann::json make_json(const ServePlan& p, const InProcessWorld& world, const 
   return doc;
 }
 
-bool run_serve_bench(const ServePlan& plan) {
-  ServePlan p = plan;
+bool run_serve_bench(const serve::Plan& plan) {
+  serve::Plan p = plan;
   const auto t_start = std::chrono::steady_clock::now();
   // Before any CUDA call (moe.hpp: cuBLASLt loads its kernels lazily, and a lazy load waits for
   // the other ranks' spinning kernels).
@@ -1107,7 +884,7 @@ bool run_serve_bench(const ServePlan& plan) {
         : p.split_graphs ? "per-rank graphs, each launched from its rank's thread; each layer's "
                            "expert stage in a graph of its own, 2 x layers + 1 launches per step"
                          : "per-rank graphs, each launched from its rank's thread, one per step",
-        p.graph_experts == CaptureExperts::kSwitch
+        p.graph_experts == serve::GraphExperts::kSwitch
             ? "experts: a SWITCH node each picks the GEMM rows from the received count"
             : "experts: no conditional nodes, every local expert's GEMMs at the most rows it "
               "can receive");
@@ -1182,76 +959,18 @@ bool run_serve_bench(const ServePlan& plan) {
 }  // namespace
 
 void add_serve_bench(CLI::App& app, int& exit_code) {
-  auto f = std::make_shared<ServeFlags>();
+  auto f = std::make_shared<serve::Flags>();
   CLI::App* c = app.add_subcommand(
       "serve-bench",
       "inter-token latency of a simulated serving workload (chunked prefill + decode of N "
       "requests over W data-parallel ranks, DeepSeek-R1-shaped MoE layers) per backend; only "
       "the MoE layers are simulated (honours EPX_CONFIG_PATH and EPX_TIMEOUT_MS)");
-  serve::Workload& w = f->workload;
-  std::vector<CLI::Option*> workload_opts = {
-      c->add_option("--world", w.world, "data-parallel ranks, in-process, all on GPU 0 (1..32)"),
-      c->add_option("--num-prompts", w.num_prompts, "requests, all submitted at t = 0"),
-      c->add_option("--isl", w.isl, "input (prompt) tokens per request"),
-      c->add_option("--osl", w.osl, "output tokens per request"),
-      c->add_option("--concurrency", w.concurrency, "requests in flight over all ranks"),
-      c->add_option("--max-batched-tokens", w.max_batched_tokens,
-                    "token budget per rank per step (decodes first, then prefill chunks)"),
-      c->add_option("--chunk-size", w.chunk_size,
-                    "DP chunk = the All2All's max_tokens_per_rank; a rank's tokens beyond it go "
-                    "in further chunks")};
-  for (CLI::Option* o : workload_opts) o->capture_default_str();
-  c->add_option("--backends", f->backends,
-                "comma list of naive | allgather_reducescatter | low_latency")
-      ->capture_default_str();
-  c->add_option("--hidden", f->hidden, "hidden size H (multiple of 512)")->capture_default_str();
-  c->add_option("--intermediate", f->intermediate, "routed experts' I (multiple of 512)")
-      ->capture_default_str();
-  c->add_option("--experts", f->experts, "global experts E (multiple of --world)")
-      ->capture_default_str();
-  c->add_option("--topk", f->topk, "experts per token K")->capture_default_str();
-  c->add_option("--shared-intermediate", f->shared_intermediate,
-                "shared expert's I (0 = none, else a multiple of 512)")
-      ->capture_default_str();
-  c->add_option("--layers", f->layers, "MoE layers per step")->capture_default_str();
-  c->add_option("--weights", f->weights,
-                "auto | distinct | shared: one MoeLayer per layer, or one per rank reused by "
-                "every layer (auto: distinct when they fit in device memory)")
-      ->capture_default_str();
-  c->add_option("--dtype", f->dtype, "dispatch wire dtype: bf16 | fp8 | bf16-to-fp8")
-      ->capture_default_str();
-  c->add_option("--layout", f->layout, "token | expert (dispatch output layout)")
-      ->capture_default_str();
-  c->add_option("--seed", f->seed, "seed of weights and activations")->capture_default_str();
-  c->add_option("--json", f->json_path, "also write the results as JSON to FILE");
-  c->add_option("--preset", f->preset, preset_help());
-  c->add_flag("--cuda-graph", f->cuda_graph,
-              "run every backend twice, eager then with decode-only steps (one chunk) replayed "
-              "as CUDA graphs captured per batch bucket (--graph-buckets, --graph-scope; "
-              "batches padded with dummy tokens); prefill and mixed steps stay eager");
-  c->add_option("--graph-scope", f->graph_scope,
-                "with --cuda-graph: rank (every rank captures and replays its own graphs from its "
-                "own thread, as engines do) | world (one graph per bucket holding every rank's "
-                "forward as parallel branches, replayed from one thread)")
-      ->capture_default_str();
-  c->add_option("--graph-split", f->graph_split,
-                "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage in a "
-                "graph of its own, apart from dispatch and combine, as an engine that runs other "
-                "work between them would capture; the default) | none (one graph per step)");
-  c->add_option("--graph-experts", f->graph_experts,
-                "with --cuda-graph: switch (a SWITCH node per local expert picks its GEMM rows "
-                "from the received count) | all-rows (no conditional nodes: every local expert's "
-                "GEMMs at the most rows it can receive) | auto (all-rows when ranks share the "
-                "GPU: graphs with SWITCH nodes have stopped there, from 20 ranks and once at 8; "
-                "the default)");
-  c->add_option("--graph-buckets", f->graph_buckets,
-                "with --cuda-graph: the decode batch sizes captured, ascending comma list "
-                "(default 1, 2, 4, ... up to the largest); larger decode batches run eagerly");
+  const std::vector<CLI::Option*> workload_opts = serve::add_flags(c, *f);
   c->callback([f, workload_opts, &exit_code] {
-    std::map<std::string, bool> given;
+    std::set<std::string> given;
     for (CLI::Option* o : workload_opts)
-      if (o->count() > 0 && o->get_name() != "--world") given[o->get_name()] = true;
-    const ServePlan plan = validate(*f, given);
+      if (o->count() > 0 && o->get_name() != "--world") given.insert(o->get_name());
+    const serve::Plan plan = serve::make_plan(*f, given);
 #if EPX_HAVE_CUDA
     exit_code = run_serve_bench(plan) ? 0 : 1;
 #else
