@@ -164,7 +164,7 @@ void plan_graphs(const Flags& f, Plan& p) {
     EPX_THROW(ConfigError, "--graph-scope = 'world', expected only with --cuda-graph");
   p.world_graphs = f.graph_scope == "world";
   for (const auto& [flag, value] : {std::pair{"--graph-split", &f.graph_split},
-                                     std::pair{"--graph-experts", &f.graph_experts}}) {
+                                    std::pair{"--graph-experts", &f.graph_experts}}) {
     if (!value->empty() && !f.cuda_graph) {
       EPX_THROW(ConfigError,
                 fmt::format("{} = '{}', expected only with --cuda-graph", flag, *value));
@@ -192,14 +192,15 @@ void plan_graphs(const Flags& f, Plan& p) {
     return;
   }
   if (!f.cuda_graph)
-    EPX_THROW(ConfigError, "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
+    EPX_THROW(ConfigError,
+              "--graph-buckets = '" + f.graph_buckets + "', expected only with --cuda-graph");
   // Integers in [1, largest], each once (named when not), then ascending.
   p.graph_buckets = parse_int_list(
       f.graph_buckets, "--graph-buckets", 1, largest,
       fmt::format("the smaller of --chunk-size, --max-batched-tokens and {}", kMaxGraphBatch));
   if (!std::is_sorted(p.graph_buckets.begin(), p.graph_buckets.end())) {
-    EPX_THROW(ConfigError,
-              fmt::format("--graph-buckets = '{}', expected ascending batch sizes", f.graph_buckets));
+    EPX_THROW(ConfigError, fmt::format("--graph-buckets = '{}', expected ascending batch sizes",
+                                       f.graph_buckets));
   }
 }
 

@@ -58,8 +58,8 @@ struct Plan {
   LaunchSource launch;
   uint64_t seed = 1;
   std::string json_path;
-  std::string preset_note;  // empty unless --preset
-  bool cuda_graph = false;  // also run every backend with decode steps as CUDA graph replays
+  std::string preset_note;         // empty unless --preset
+  bool cuda_graph = false;         // also run every backend with decode steps as CUDA graph replays
   std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
   bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
   bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
