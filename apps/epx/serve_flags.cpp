@@ -271,24 +271,32 @@ std::vector<CLI::Option*> add_flags(CLI::App* c, Flags& f) {
               "run every backend twice, eager then with decode-only steps (one chunk) replayed "
               "as CUDA graphs captured per batch bucket (--graph-buckets, --graph-scope; "
               "batches padded with dummy tokens); prefill and mixed steps stay eager");
+  // How the decode graphs are built: defaults that run; the others diagnose graph replay.
   c->add_option("--graph-scope", f.graph_scope,
-                "with --cuda-graph: rank (every rank captures and replays its own graphs from its "
-                "own thread, as engines do) | world (one graph per bucket holding every rank's "
-                "forward as parallel branches, replayed from one thread)")
+                "with --cuda-graph, who captures and launches the decode graphs: rank (the "
+                "default: every rank its own graphs, from its own thread, as engines do) | world "
+                "(one graph per bucket holding every rank's forward as parallel branches, "
+                "launched from one thread)")
       ->capture_default_str();
   c->add_option("--graph-split", f.graph_split,
-                "with --cuda-graph and --graph-scope rank: expert (each layer's expert stage in a "
-                "graph of its own, apart from dispatch and combine, as an engine that runs other "
-                "work between them would capture; the default) | none (one graph per step)");
+                "with --cuda-graph and --graph-scope rank, where a step's graph is cut: expert "
+                "(the default: each layer's expert stage in a graph of its own, apart from "
+                "dispatch and combine, as an engine that runs other work between them would "
+                "capture; the table shows each piece's GPU time) | none (one graph per step)");
   c->add_option("--graph-experts", f.graph_experts,
-                "with --cuda-graph: switch (a SWITCH node per local expert picks its GEMM rows "
-                "from the received count) | all-rows (no conditional nodes: every local expert's "
-                "GEMMs at the most rows it can receive) | auto (all-rows when ranks share the "
-                "GPU: graphs with SWITCH nodes have stopped there, from 20 ranks and once at 8; "
-                "the default)");
+                "with --cuda-graph, how a graph holds the expert GEMMs, whose row counts are "
+                "known only on the device: switch (a SWITCH node per local expert picks its GEMM "
+                "rows from the received count) | all-rows (no conditional nodes: every local "
+                "expert's GEMMs at the most rows it can receive) | auto (the default: all-rows "
+                "when ranks share the GPU, where graphs with SWITCH nodes have hung, from 20 "
+                "ranks and once at 8; else switch)");
   c->add_option("--graph-buckets", f.graph_buckets,
-                "with --cuda-graph: the decode batch sizes captured, ascending comma list "
-                "(default 1, 2, 4, ... up to the largest); larger decode batches run eagerly");
+                fmt::format("with --cuda-graph, the decode batch sizes (tokens per rank) "
+                            "captured: an ascending comma list, each at most the smallest of "
+                            "--chunk-size, --max-batched-tokens and {} (default 1, 2, 4, ... up to "
+                            "that bound); a decode step replays the smallest bucket that holds "
+                            "the largest rank's batch, larger ones run eagerly",
+                            kMaxGraphBatch));
   return workload_opts;
 }
 
