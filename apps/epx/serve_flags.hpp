@@ -55,7 +55,7 @@ struct Plan {
   EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
   int layers = 2;
   WeightsMode weights = WeightsMode::kAuto;
-  LaunchSource launch;
+  LaunchSource launch;  // EPX_CONFIG_PATH, else backend defaults (blocks halved on a shared GPU)
   uint64_t seed = 1;
   std::string json_path;
   std::string preset_note;         // empty unless --preset
