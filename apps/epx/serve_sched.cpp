@@ -179,6 +179,25 @@ LatencyReport latency_report(const std::vector<RequestRecord>& requests) {
   return rep;
 }
 
+// ---- decode graph buckets ----------------------------------------------------------------------
+
+int largest_decode_bucket(const Workload& w) {
+  return std::min({w.chunk_size, w.max_batched_tokens, kMaxGraphBatch});
+}
+
+std::vector<int> decode_buckets(int largest) {
+  std::vector<int> out;
+  for (int b = 1; b < largest; b *= 2) out.push_back(b);
+  out.push_back(largest);
+  return out;
+}
+
+int decode_bucket(const std::vector<int>& buckets, int tokens) {
+  for (int b : buckets)
+    if (b >= std::max(tokens, 1)) return b;
+  return 0;
+}
+
 std::string graph_piece_name(int i, int num_pieces) {
   EPX_CHECK(num_pieces >= 1 && num_pieces % 2 == 1, InputError, "num_pieces", num_pieces,
             "odd (2 x layers + 1)");

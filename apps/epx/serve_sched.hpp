@@ -116,6 +116,20 @@ struct LatencyReport {
 };
 LatencyReport latency_report(const std::vector<RequestRecord>& requests);
 
+// ---- decode graph buckets (--cuda-graph) -------------------------------------------------------
+
+// Largest decode batch per rank that --cuda-graph captures: the chunk, the step budget, and
+// kMaxGraphBatch, beyond which a decode step runs eagerly (a captured layer holds one body per
+// GEMM row bucket and local expert, so graphs of large batches grow to tens of thousands of nodes).
+inline constexpr int kMaxGraphBatch = 128;
+int largest_decode_bucket(const Workload& w);
+
+// The default buckets: 1, 2, 4, ... below `largest`, then `largest` (one chunk at most).
+std::vector<int> decode_buckets(int largest);
+
+// The smallest of `buckets` (ascending) that holds `tokens` (at least 1), or 0 when none does.
+int decode_bucket(const std::vector<int>& buckets, int tokens);
+
 // The name of piece i of a decode graph step captured split at the expert stages (2 x layers + 1
 // pieces): piece 0 is layer 1's router, shared expert and dispatch ("L1 dispatch"); odd pieces a
 // layer's expert stage ("L2 experts"); even ones a layer's combine and the next layer's router,

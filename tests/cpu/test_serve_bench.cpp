@@ -1,6 +1,6 @@
 // `epx serve-bench`'s CPU half (apps/epx/serve_sched.hpp): the chunked-prefill scheduler on a
 // hand-checked workload and on random ones (invariants), the percentile definition against
-// numpy's default ("linear") values, and the latency report.
+// numpy's default ("linear") values, the latency report, and the decode graph buckets and pieces.
 
 #include <gtest/gtest.h>
 
@@ -223,6 +223,26 @@ TEST(ServeStats, SummaryAndLatencyReport) {
   EXPECT_EQ(rep.output_tokens, 5);
   EXPECT_DOUBLE_EQ(rep.end_s, 6);
   EXPECT_DOUBLE_EQ(rep.output_tokens_per_s, 5.0 / 6.0);
+}
+
+// The decode batch sizes --cuda-graph captures, and the bucket a decode step replays.
+TEST(ServeGraphBuckets, DefaultBucketsAndTheBucketOfAStep) {
+  Workload w;  // chunk 128, budget 512
+  EXPECT_EQ(largest_decode_bucket(w), 128);
+  w.chunk_size = 1024;
+  EXPECT_EQ(largest_decode_bucket(w), kMaxGraphBatch);  // graphs stay small
+  w.max_batched_tokens = 48;
+  EXPECT_EQ(largest_decode_bucket(w), 48);  // one step's budget
+  EXPECT_EQ(decode_buckets(48), (std::vector<int>{1, 2, 4, 8, 16, 32, 48}));
+  EXPECT_EQ(decode_buckets(64), (std::vector<int>{1, 2, 4, 8, 16, 32, 64}));
+  EXPECT_EQ(decode_buckets(1), (std::vector<int>{1}));
+
+  const std::vector<int> buckets = {1, 4, 16};
+  EXPECT_EQ(decode_bucket(buckets, 0), 1);  // counted as one token
+  EXPECT_EQ(decode_bucket(buckets, 1), 1);
+  EXPECT_EQ(decode_bucket(buckets, 2), 4);
+  EXPECT_EQ(decode_bucket(buckets, 16), 16);
+  EXPECT_EQ(decode_bucket(buckets, 17), 0);  // runs eagerly
 }
 
 // The pieces of a split decode graph step, as serve-bench names them in its table and JSON.

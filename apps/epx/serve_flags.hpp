@@ -1,0 +1,78 @@
+#pragma once
+// `epx serve-bench`'s flags (no CUDA): the options, --preset (the original test's workload scaled
+// to one GPU), and their validation into the Plan that a run follows.
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "epx/config.hpp"
+#include "reference/moe_ref.hpp"
+#include "serve_sched.hpp"
+
+namespace epx::cli::serve {
+
+// The flags as given; the defaults are DeepSeek-R1's MoE layer (the workload's: serve_sched.hpp).
+struct Flags {
+  Workload workload;
+  std::string backends = "naive,allgather_reducescatter,low_latency";
+  int hidden = 7168;
+  int intermediate = 2048;
+  int experts = 256;
+  int topk = 8;
+  int shared_intermediate = 2048;
+  int layers = 2;
+  std::string weights = "auto";
+  std::string dtype = "bf16-to-fp8";
+  std::string layout = "token";
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string preset;
+  bool cuda_graph = false;
+  std::string graph_buckets;         // comma list; empty = 1, 2, 4, ... up to the largest
+  std::string graph_scope = "rank";  // rank | world
+  std::string graph_split;           // expert | none; empty = expert (rank scope)
+  std::string graph_experts;         // auto | switch | all-rows; empty = auto
+};
+
+// --weights: one MoeLayer per layer, or one per rank that every layer reuses.
+enum class WeightsMode { kAuto, kDistinct, kShared };
+
+// --graph-experts, auto resolved: how a decode graph holds a layer's expert stage (MoeLayer's
+// CaptureExperts of the same names).
+enum class GraphExperts { kSwitch, kAllRows };
+const char* graph_experts_name(GraphExperts g);  // "switch" | "all-rows"
+
+// What a run does, validated.
+struct Plan {
+  Workload workload;
+  std::vector<Backend> backends;
+  ref::moe::MoeShape shape;
+  EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
+  int layers = 2;
+  WeightsMode weights = WeightsMode::kAuto;
+  LaunchSource launch;  // EPX_CONFIG_PATH, else backend defaults (blocks halved on a shared GPU)
+  uint64_t seed = 1;
+  std::string json_path;
+  std::string preset_note;         // empty unless --preset
+  bool cuda_graph = false;         // also run every backend with decode steps as CUDA graph replays
+  std::vector<int> graph_buckets;  // with cuda_graph: the decode batch sizes captured
+  bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
+  bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
+  GraphExperts graph_experts = GraphExperts::kSwitch;
+};
+
+// Registers serve-bench's options on `c`, bound to `f`. Returns the workload options (--world,
+// --num-prompts, ...): those that --preset fills unless given.
+std::vector<CLI::Option*> add_flags(CLI::App* c, Flags& f);
+
+// Applies --preset to the workload flags not in `given` (option names, e.g. "--isl"), then
+// validates every flag, EPX_TIMEOUT_MS and EPX_CONFIG_PATH. Throws ConfigError naming the flag
+// (or variable), the value and the bound.
+Plan make_plan(Flags f, const std::set<std::string>& given);
+
+}  // namespace epx::cli::serve
