@@ -32,7 +32,7 @@
 #include <thread>
 #include <utility>
 
-#include "core/env_parse.hpp"
+#include "core/env.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -419,45 +419,15 @@ void BootstrapOptions::validate() const {
 
 BootstrapOptions BootstrapOptions::parse_env(const char* rank, const char* world_size,
                                              const char* address, const char* timeout_ms) {
-  BootstrapOptions o;
-  if (timeout_ms != nullptr) o.timeout_ms = *::epx::parse_env(nullptr, timeout_ms, nullptr).timeout_ms;
-  if (rank != nullptr && world_size == nullptr) {
-    EPX_THROW(ConfigError, fmt::format("EPX_RANK = \"{}\" is set but EPX_WORLD_SIZE is not, "
-                                       "expected both (or neither, for a single rank)",
-                                       rank));
-  }
-  if (rank == nullptr && world_size != nullptr) {
-    EPX_THROW(ConfigError, fmt::format("EPX_WORLD_SIZE = \"{}\" is set but EPX_RANK is not, "
-                                       "expected both (or neither, for a single rank)",
-                                       world_size));
-  }
-  if (world_size != nullptr) {
-    o.world_size = detail::parse_env_decimal("EPX_WORLD_SIZE", world_size, 1, kMaxRanks,
-                                             fmt::format("a decimal integer in [1, {}]", kMaxRanks));
-    o.rank = detail::parse_env_decimal(
-        "EPX_RANK", rank, 0, uint64_t(o.world_size - 1),
-        fmt::format("a decimal integer in [0, EPX_WORLD_SIZE = {})", o.world_size));
-  }
-  if (address != nullptr) {
-    o.address = address;
-    if (o.address.empty()) {
-      EPX_THROW(ConfigError, "EPX_BOOTSTRAP = \"\", expected \"@name\" or a socket file path");
-    }
-  }
-  if (o.world_size > 1 && o.address.empty()) {
-    EPX_THROW(ConfigError,
-              fmt::format("EPX_BOOTSTRAP is not set, expected the socket address that all "
-                          "EPX_WORLD_SIZE = {} ranks share (\"@name\" or a socket file path; "
-                          "`epx launch` sets it)",
-                          o.world_size));
-  }
+  BootstrapOptions o = env::parse_bootstrap(rank, world_size, address, timeout_ms);
   validate_address("EPX_BOOTSTRAP", o.address, o.world_size);
   return o;
 }
 
 BootstrapOptions BootstrapOptions::from_env() {
-  return parse_env(std::getenv("EPX_RANK"), std::getenv("EPX_WORLD_SIZE"),
-                   std::getenv("EPX_BOOTSTRAP"), std::getenv("EPX_TIMEOUT_MS"));
+  BootstrapOptions o = env::bootstrap();
+  validate_address("EPX_BOOTSTRAP", o.address, o.world_size);
+  return o;
 }
 
 std::string unique_bootstrap_address() {
