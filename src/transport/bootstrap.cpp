@@ -1,12 +1,8 @@
 // UnixSocketBootstrap, CallbackBootstrap and the job environment (include/epx/bootstrap.hpp).
 //
-// Wire format: every message is a frame {type, sequence number, payload length} + payload, with
-// file descriptors (SCM_RIGHTS) attached to the frame's first bytes. Connections exist only
-// between rank 0 and each other rank (a star); rank 0 gathers each collective and sends the
-// result to everyone, or an Abort frame carrying the error that every rank then throws.
-// Sockets stay blocking; every read and write is MSG_DONTWAIT + poll() against a deadline, so no
-// call can wait longer than the timeout, and MSG_NOSIGNAL keeps a dead peer from raising
-// SIGPIPE.
+// Connections exist only between rank 0 and each other rank (a star); rank 0 gathers each
+// collective and sends the result to everyone, or an Abort frame carrying the error that every
+// rank then throws. The frames themselves are bootstrap_frames.hpp's.
 
 #include "epx/bootstrap.hpp"
 
@@ -34,6 +30,8 @@
 
 #include "core/env.hpp"
 #include "epx/error.hpp"
+#include "transport/bootstrap_address.hpp"
+#include "transport/bootstrap_frames.hpp"
 
 namespace epx {
 
@@ -52,8 +50,33 @@ std::vector<UniqueFd> Bootstrap::all_gather_fds(int /*fd*/) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using Deadline = Clock::time_point;
+using transport::after_ms;
+using transport::Clock;
+using transport::collective_name;
+using transport::Deadline;
+using transport::decode_hello;
+using transport::encode_error;
+using transport::encode_hello;
+using transport::errno_text;
+using transport::Frame;
+using transport::FrameType;
+using transport::Hello;
+using transport::IoFailure;
+using transport::kProtocol;
+using transport::ms_left;
+using transport::put;
+using transport::recv_frame;
+using transport::remove_if_stale;
+using transport::resolve;
+using transport::send_frame;
+using transport::SocketAddress;
+using transport::someone_listens;
+using transport::take;
+using transport::throw_coded;
+using transport::throw_encoded_error;
+using transport::unlink_if_same;
+using transport::validate_address;
+using transport::wait_fd;
 
 // Non-zero ranks wait this much longer than rank 0 for rank 0's verdict, so that when a rank is
 // missing everyone hears rank 0 name it instead of timing out on their own a moment earlier.
@@ -62,345 +85,12 @@ constexpr int kConnectRetryMs = 10;
 constexpr int kStaleFileGraceMs = 200;   // see remove_if_stale
 constexpr int kAbortSendMs = 200;        // best effort: telling the others about a failure
 constexpr int kNewcomerReplyMs = 500;    // rank 0's answer to a connection after start-up
-constexpr size_t kMaxFrameBytes = size_t(1) << 30;
-constexpr uint32_t kHelloMagic = 0x42585045;  // "EPXB"
-constexpr uint32_t kProtocol = 1;
-
-Deadline after_ms(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
-
-int ms_left(Deadline deadline) {
-  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return int(std::clamp<long long>(left, 0, INT_MAX));
-}
-
-std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
-
-[[noreturn]] void throw_coded(ErrorCode code, const std::string& msg) {
-  switch (code) {
-    case ErrorCode::kConfig: EPX_THROW(ConfigError, msg);
-    case ErrorCode::kTimeout: EPX_THROW(TimeoutError, msg);
-    case ErrorCode::kInput: EPX_THROW(InputError, msg);
-    case ErrorCode::kState: EPX_THROW(StateError, msg);
-    case ErrorCode::kUnsupported: EPX_THROW(UnsupportedError, msg);
-    case ErrorCode::kCuda: EPX_THROW(CudaError, msg);
-    default: EPX_THROW(PeerError, msg);
-  }
-}
 
 // "rank 2" or "ranks 2, 3, 5".
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
   return out;
-}
-
-// ---- addresses ---------------------------------------------------------------------------------
-
-struct SocketAddress {
-  sockaddr_un addr{};
-  socklen_t len = 0;
-  bool abstract = false;
-  std::string path;  // filesystem sockets only
-};
-
-constexpr size_t kMaxAddressBytes = sizeof(sockaddr_un::sun_path) - 1;  // 107 on Linux
-
-std::string_view strip_scheme(std::string_view a) {
-  if (a.substr(0, 5) == "unix:") a.remove_prefix(5);
-  return a;
-}
-
-// Throws ConfigError naming `what` (a field or an environment variable).
-void validate_address(std::string_view what, const std::string& address, int world_size) {
-  if (address.empty()) {
-    if (world_size > 1) {
-      EPX_THROW(ConfigError,
-                fmt::format("{} is empty, expected the socket address that all {} ranks share "
-                            "(\"@name\" for the abstract namespace, or a socket file path; "
-                            "`epx launch` sets EPX_BOOTSTRAP)",
-                            what, world_size));
-    }
-    return;
-  }
-  const std::string_view a = strip_scheme(address);
-  if (a.empty() || a == "@") {
-    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected \"@name\" or a socket file path",
-                                       what, address));
-  }
-  const size_t bytes = a[0] == '@' ? a.size() - 1 : a.size();
-  if (bytes > kMaxAddressBytes) {
-    EPX_THROW(ConfigError,
-              fmt::format("{} = \"{}\" is {} bytes long, expected at most {} (sockaddr_un)", what,
-                          address, bytes, kMaxAddressBytes));
-  }
-  if (a.find('\0') != std::string_view::npos) {
-    EPX_THROW(ConfigError, fmt::format("{} contains a NUL byte, expected a name or a path", what));
-  }
-}
-
-SocketAddress resolve(const std::string& address) {
-  const std::string_view a = strip_scheme(address);
-  SocketAddress s;
-  s.addr.sun_family = AF_UNIX;
-  if (a[0] == '@') {
-    // Abstract namespace: sun_path[0] = 0, then the name, no terminator; the length says where
-    // the name ends.
-    s.abstract = true;
-    std::memcpy(s.addr.sun_path + 1, a.data() + 1, a.size() - 1);
-    s.len = socklen_t(offsetof(sockaddr_un, sun_path) + a.size());
-  } else {
-    s.path = std::string(a);
-    std::memcpy(s.addr.sun_path, a.data(), a.size());
-    s.len = socklen_t(offsetof(sockaddr_un, sun_path) + a.size() + 1);
-  }
-  return s;
-}
-
-// Whether something accepts connections at `s` (a live listener), probing with a connect.
-bool someone_listens(const SocketAddress& s) {
-  UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!probe.valid()) return false;
-  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&s.addr), s.len) == 0) return true;
-  // A full backlog (EAGAIN) still means a live listener.
-  return errno == EAGAIN || errno == EINPROGRESS;
-}
-
-// Removes the socket file at `path` if it is still the one identified by (dev, ino).
-void unlink_if_same(const std::string& path, dev_t dev, ino_t ino) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && st.st_dev == dev && st.st_ino == ino &&
-      S_ISSOCK(st.st_mode)) {
-    (void)::unlink(path.c_str());
-  }
-}
-
-// A socket file nobody listens on any more (its rank 0 died): remove it. A process that dies
-// closes its descriptors one by one, so a survivor that saw its connection close may still find
-// the dying rank 0's listener for a moment: `grace_ms` is how long to keep looking.
-bool remove_if_stale(const SocketAddress& s, int grace_ms = 0) {
-  if (s.abstract) return false;
-  const Deadline deadline = after_ms(grace_ms);
-  for (;;) {
-    struct stat st {};
-    if (::lstat(s.path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
-    if (!someone_listens(s)) {
-      unlink_if_same(s.path, st.st_dev, st.st_ino);
-      return true;
-    }
-    if (ms_left(deadline) == 0) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
-
-// ---- frames ------------------------------------------------------------------------------------
-
-enum class FrameType : uint32_t {
-  kHello = 1,   // rank r -> rank 0: Hello
-  kWelcome,     // rank 0 -> rank r: every rank's pid (int64 each); start-up succeeded
-  kReject,      // rank 0 -> rank r: int32 code + message; start-up failed
-  kData,        // rank r -> rank 0: all_gather bytes
-  kResult,      // rank 0 -> rank r: all_gather result, per rank uint64 length + bytes
-  kFds,         // rank r -> rank 0: one descriptor
-  kFdsResult,   // rank 0 -> rank r: every rank's descriptor, in rank order
-  kAbort,       // rank 0 -> rank r: int32 code + message; the collective failed
-};
-constexpr uint32_t kLastFrameType = uint32_t(FrameType::kAbort);
-
-const char* collective_name(FrameType t) {
-  switch (t) {
-    case FrameType::kData: return "all_gather";
-    case FrameType::kFds: return "all_gather_fds";
-    default: return "an unexpected message";
-  }
-}
-
-struct FrameHeader {
-  uint32_t type;
-  uint32_t seq;
-  uint64_t length;
-};
-
-struct Frame {
-  FrameType type{};
-  uint32_t seq = 0;
-  std::string payload;
-  std::vector<UniqueFd> fds;
-};
-
-// Raised by the frame layer, turned into an epx error with rank names by the caller.
-struct IoFailure {
-  enum Kind { kClosed, kTimeout, kProtocol, kSystem } kind;
-  std::string detail;
-};
-
-// Waits until `fd` is ready for `events` (or hung up: the next call reports that).
-void wait_fd(int fd, short events, Deadline deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, ms_left(deadline));
-    if (rc > 0) return;
-    if (rc == 0) throw IoFailure{IoFailure::kTimeout, "timed out"};
-    if (errno != EINTR) throw IoFailure{IoFailure::kSystem, "poll: " + errno_text(errno)};
-  }
-}
-
-void send_frame(int fd, FrameType type, uint32_t seq, std::string_view payload, Deadline deadline,
-                const int* fds = nullptr, size_t num_fds = 0) {
-  const FrameHeader header{uint32_t(type), seq, payload.size()};
-  const size_t total = sizeof(header) + payload.size();
-  size_t sent = 0;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxRanks)];
-  while (sent < total) {
-    iovec iov[2];
-    int num_iov = 0;
-    if (sent < sizeof(header)) {
-      iov[num_iov++] = {reinterpret_cast<char*>(const_cast<FrameHeader*>(&header)) + sent,
-                        sizeof(header) - sent};
-      if (!payload.empty()) iov[num_iov++] = {const_cast<char*>(payload.data()), payload.size()};
-    } else {
-      const size_t off = sent - sizeof(header);
-      iov[num_iov++] = {const_cast<char*>(payload.data()) + off, payload.size() - off};
-    }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = num_iov;
-    if (sent == 0 && num_fds > 0) {
-      // The descriptors travel with the frame's first byte.
-      std::memset(control, 0, sizeof(control));
-      msg.msg_control = control;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * num_fds);
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * num_fds);
-      std::memcpy(CMSG_DATA(c), fds, sizeof(int) * num_fds);
-    }
-    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n >= 0) {
-      sent += size_t(n);
-      continue;
-    }
-    const int err = errno;
-    if (err == EINTR) continue;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      wait_fd(fd, POLLOUT, deadline);
-    } else if (err == ETOOMANYREFS) {
-      // Too many descriptors in flight for this user: the receivers are draining them.
-      if (ms_left(deadline) == 0) throw IoFailure{IoFailure::kTimeout, "descriptors in flight"};
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    } else if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) {
-      throw IoFailure{IoFailure::kClosed, "connection closed"};
-    } else {
-      throw IoFailure{IoFailure::kSystem, "sendmsg: " + errno_text(err)};
-    }
-  }
-}
-
-void recv_bytes(int fd, char* buf, size_t size, Deadline deadline, std::vector<UniqueFd>& fds) {
-  size_t got = 0;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxRanks)];
-  while (got < size) {
-    iovec iov{buf + got, size - got};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-    const ssize_t n = ::recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n > 0) {
-      for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < count; ++i) {
-          int received = -1;
-          std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          fds.emplace_back(received);
-        }
-      }
-      if ((msg.msg_flags & MSG_CTRUNC) != 0) {
-        throw IoFailure{IoFailure::kProtocol, "more descriptors than expected"};
-      }
-      got += size_t(n);
-      continue;
-    }
-    if (n == 0) throw IoFailure{IoFailure::kClosed, "connection closed"};
-    const int err = errno;
-    if (err == EINTR) continue;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      wait_fd(fd, POLLIN, deadline);
-    } else if (err == ECONNRESET || err == ENOTCONN) {
-      throw IoFailure{IoFailure::kClosed, "connection reset"};
-    } else {
-      throw IoFailure{IoFailure::kSystem, "recvmsg: " + errno_text(err)};
-    }
-  }
-}
-
-Frame recv_frame(int fd, Deadline deadline) {
-  Frame f;
-  FrameHeader h{};
-  recv_bytes(fd, reinterpret_cast<char*>(&h), sizeof(h), deadline, f.fds);
-  if (h.type < 1 || h.type > kLastFrameType || h.length > kMaxFrameBytes) {
-    throw IoFailure{IoFailure::kProtocol,
-                    fmt::format("malformed frame (type {}, {} bytes)", h.type, h.length)};
-  }
-  f.type = FrameType(h.type);
-  f.seq = h.seq;
-  f.payload.resize(h.length);
-  recv_bytes(fd, f.payload.data(), h.length, deadline, f.fds);
-  return f;
-}
-
-// Fixed-width fields in host byte order: both ends are on the same machine.
-template <typename T>
-void put(std::string& out, T v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
-}
-template <typename T>
-bool take(std::string_view& in, T& v) {
-  if (in.size() < sizeof(T)) return false;
-  std::memcpy(&v, in.data(), sizeof(T));
-  in.remove_prefix(sizeof(T));
-  return true;
-}
-
-struct Hello {
-  uint32_t magic = kHelloMagic;
-  uint32_t protocol = kProtocol;
-  int32_t rank = 0;
-  int32_t world_size = 0;
-  int64_t pid = 0;
-};
-
-std::string encode_hello(const Hello& h) {
-  std::string out;
-  put(out, h.magic);
-  put(out, h.protocol);
-  put(out, h.rank);
-  put(out, h.world_size);
-  put(out, h.pid);
-  return out;
-}
-
-bool decode_hello(const Frame& f, Hello& h) {
-  std::string_view in = f.payload;
-  return f.type == FrameType::kHello && take(in, h.magic) && take(in, h.protocol) &&
-         take(in, h.rank) && take(in, h.world_size) && take(in, h.pid) && in.empty() &&
-         h.magic == kHelloMagic;
-}
-
-std::string encode_error(ErrorCode code, const std::string& msg) {
-  std::string out;
-  put(out, int32_t(code));
-  out += msg;
-  return out;
-}
-
-[[noreturn]] void throw_encoded_error(const Frame& f) {
-  std::string_view in = f.payload;
-  int32_t code = int32_t(ErrorCode::kPeer);
-  if (!take(in, code)) code = int32_t(ErrorCode::kPeer);
-  throw_coded(ErrorCode(code), std::string(in));
 }
 
 }  // namespace
@@ -430,17 +120,6 @@ BootstrapOptions BootstrapOptions::from_env() {
   return o;
 }
 
-std::string unique_bootstrap_address() {
-  static std::mt19937_64 rng{std::random_device{}() ^
-                             uint64_t(Clock::now().time_since_epoch().count())};
-  return fmt::format("@epx-{}-{:016x}", long(::getpid()), rng());
-}
-
-bool remove_stale_socket_file(const std::string& address) {
-  validate_address("address", address, 1);
-  if (address.empty()) return false;
-  return remove_if_stale(resolve(address));
-}
 
 // ---- UnixSocketBootstrap ------------------------------------------------------------------------
 
