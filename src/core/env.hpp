@@ -1,13 +1,14 @@
 #pragma once
-// The process environment: every variable epx reads is read here and nowhere else.
+// The variables of the process environment that configure epx, each read here and nowhere else:
 //
-//   EPX_BACKEND                  backend by name               settings()
-//   EPX_TIMEOUT_MS               bound of every wait           settings(), timeout_ms(), bootstrap()
-//   EPX_CONFIG_PATH              JSON launch file              settings()
-//   EPX_RANK, EPX_WORLD_SIZE,    where a process rank meets    bootstrap()
+//   EPX_BACKEND                  backend by name                settings()
+//   EPX_TIMEOUT_MS               bound of every wait            settings(), timeout_ms(),
+//                                                               bootstrap()
+//   EPX_CONFIG_PATH              JSON launch file               settings()
+//   EPX_RANK, EPX_WORLD_SIZE,    where a process's rank meets   bootstrap()
 //   EPX_BOOTSTRAP                its peers (`epx launch` sets them)
-//   EPX_NCCL_LIBRARY             libnccl to open               nccl_library()
-//   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU       hardware_queues_per_gpu()
+//   EPX_NCCL_LIBRARY             libnccl to open                nccl_library()
+//   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU        hardware_queues_per_gpu()
 //
 // Each variable has a pure parser, which takes the variable's text (nullptr = unset) and never
 // looks at the process environment, so that tests can feed it any value, and a getter, which
