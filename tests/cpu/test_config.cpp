@@ -469,6 +469,18 @@ TEST(Env, ReadsTheProcessEnvironment) {
   }
 }
 
+TEST(HardwareQueues, ParsesCudaDeviceMaxConnections) {
+  EXPECT_EQ(hardware_queues_per_gpu(nullptr), 8);  // CUDA's default
+  EXPECT_EQ(hardware_queues_per_gpu("1"), 1);
+  EXPECT_EQ(hardware_queues_per_gpu("32"), 32);
+  for (const char* bad : {"0", "33", "", "8x", "-4", "1000"}) {
+    EXPECT_TRUE(throws_config_error([bad] { (void)hardware_queues_per_gpu(bad); },
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS = \"" + std::string(bad) + "\"",
+                                     "1..32"}))
+        << bad;
+  }
+}
+
 TEST(Env, StrictDecimal) {
   EXPECT_EQ(env::parse_decimal("EPX_X", "0", 0, 10, "in [0, 10]"), 0);
   EXPECT_EQ(env::parse_decimal("EPX_X", "007", 0, 10, "in [0, 10]"), 7);
