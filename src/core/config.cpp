@@ -1,4 +1,4 @@
-// EpConfig::validate(), the JSON launch file (DESIGN §6) and the EPX_* environment.
+// EpConfig::validate(), the JSON launch file (DESIGN §6) and the names of the enums.
 
 #include "epx/config.hpp"
 
@@ -6,11 +6,7 @@
 
 #include <algorithm>
 #include <array>
-#include <cctype>
-#include <charconv>
-#include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -20,7 +16,7 @@
 #include <system_error>
 #include <vector>
 
-#include "core/env_parse.hpp"
+#include "core/env.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -90,14 +86,20 @@ Enum parse_named(const std::array<NamedValue<Enum>, N>& table, std::string_view 
 
 }  // namespace
 
+namespace detail {
+
+Backend parse_backend_as(std::string_view what, const std::string& text) {
+  return parse_named(kBackendNames, what, text);
+}
+
+}  // namespace detail
+
 const char* to_string(Backend b) { return name_of(kBackendNames, b); }
 const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
 const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
 
-Backend parse_backend(const std::string& name) {
-  return parse_named(kBackendNames, "backend", name);
-}
+Backend parse_backend(const std::string& name) { return detail::parse_backend_as("backend", name); }
 DispatchDtype parse_dispatch_dtype(const std::string& name) {
   return parse_named(kDtypeNames, "dtype", name);
 }
@@ -341,60 +343,6 @@ std::string to_json(const LaunchConfigs& configs) {
   doc["dispatch"] = section(configs.dispatch);
   doc["combine"] = section(configs.combine);
   return doc.dump(2) + "\n";
-}
-
-// ---- environment -----------------------------------------------------------------------------
-
-namespace detail {
-
-int parse_env_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
-                      const std::string& bound) {
-  EPX_CHECK(lo <= hi && hi <= uint64_t(INT_MAX), InputError, "hi", hi, "in [lo, INT_MAX]");
-  const bool digits_only = !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
-    return std::isdigit(static_cast<unsigned char>(c)) != 0;
-  });
-  uint64_t value = 0;
-  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (!digits_only || err != std::errc() || end != text.data() + text.size() || value < lo ||
-      value > hi) {
-    EPX_THROW(ConfigError, fmt::format("{} = \"{}\", expected {}", name, text, bound));
-  }
-  return static_cast<int>(value);
-}
-
-}  // namespace detail
-
-namespace {
-
-int parse_timeout_ms(std::string_view name, std::string_view text) {
-  return detail::parse_env_decimal(name, text, 1, static_cast<uint64_t>(kMaxTimeoutMs),
-                       fmt::format("a decimal integer in [1, {}]", kMaxTimeoutMs));
-}
-
-}  // namespace
-
-EnvSettings parse_env(const char* backend, const char* timeout_ms, const char* config_path) {
-  EnvSettings out;
-  if (backend != nullptr) out.backend = parse_named(kBackendNames, "EPX_BACKEND", backend);
-  if (timeout_ms != nullptr) out.timeout_ms = parse_timeout_ms("EPX_TIMEOUT_MS", timeout_ms);
-  if (config_path != nullptr) {
-    if (*config_path == '\0') {
-      EPX_THROW(ConfigError, "EPX_CONFIG_PATH = \"\", expected the path of a JSON launch file");
-    }
-    out.config_path = std::string(config_path);
-  }
-  return out;
-}
-
-int hardware_queues_per_gpu(const char* max_connections) {
-  if (max_connections == nullptr) return 8;  // CUDA's default
-  return detail::parse_env_decimal("CUDA_DEVICE_MAX_CONNECTIONS", max_connections, 1, 32,
-                                   "an integer in 1..32");
-}
-
-EnvSettings read_env() {
-  return parse_env(std::getenv("EPX_BACKEND"), std::getenv("EPX_TIMEOUT_MS"),
-                   std::getenv("EPX_CONFIG_PATH"));
 }
 
 }  // namespace epx

@@ -1,10 +1,10 @@
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include <fmt/format.h>
 
 #include "core/cuda_check.hpp"
+#include "core/env.hpp"
 #include "epx/config.hpp"
 #include "epx/world.hpp"
 
@@ -26,7 +26,7 @@ InProcessWorld::InProcessWorld(int num_ranks, std::vector<int> devices)
     EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
     sms_.push_back(prop.multiProcessorCount);
   }
-  const int queues = hardware_queues_per_gpu(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
+  const int queues = env::hardware_queues_per_gpu();
   for (int d : devices_) {
     const int n = ranks_on_device(d);
     if (n > queues) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "core/cuda_check.hpp"
+#include "core/env.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/config.hpp"
 #include "epx/symmetric.hpp"
@@ -62,8 +63,7 @@ const Nccl& nccl() {
   static std::string error;
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* env = std::getenv("EPX_NCCL_LIBRARY");
-    const std::string name = env != nullptr && *env != '\0' ? env : "libnccl.so.2";
+    const std::string name = env::nccl_library();
     void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
       const char* why = dlerror();
@@ -112,7 +112,7 @@ void nccl_check(ncclResult_t r, const char* call) {
 // The communicator is non-blocking, so that no NCCL call waits without a bound: a call returns
 // ncclSuccess or ncclInProgress, and then the communicator's state is polled until it is done,
 // an error, or EPX_TIMEOUT_MS has passed (TimeoutError; the caller aborts the communicator).
-int nccl_timeout_ms() { return read_env().timeout_ms.value_or(EpConfig{}.timeout_ms); }
+int nccl_timeout_ms() { return env::timeout_ms(); }
 
 void nccl_finish(ncclResult_t r, ncclComm_t comm, const char* call) {
   if (r != ncclInProgress) nccl_check(r, call);

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "core/env.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 
@@ -465,6 +466,93 @@ TEST(Env, ReadsTheProcessEnvironment) {
     } else {
       ::unsetenv(names[i]);
     }
+  }
+}
+
+TEST(HardwareQueues, ParsesCudaDeviceMaxConnections) {
+  EXPECT_EQ(hardware_queues_per_gpu(nullptr), 8);  // CUDA's default
+  EXPECT_EQ(hardware_queues_per_gpu("1"), 1);
+  EXPECT_EQ(hardware_queues_per_gpu("32"), 32);
+  for (const char* bad : {"0", "33", "", "8x", "-4", "1000"}) {
+    EXPECT_TRUE(throws_config_error([bad] { (void)hardware_queues_per_gpu(bad); },
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS = \"" + std::string(bad) + "\"",
+                                     "1..32"}))
+        << bad;
+  }
+}
+
+TEST(Env, StrictDecimal) {
+  EXPECT_EQ(env::parse_decimal("EPX_X", "0", 0, 10, "in [0, 10]"), 0);
+  EXPECT_EQ(env::parse_decimal("EPX_X", "007", 0, 10, "in [0, 10]"), 7);
+  EXPECT_EQ(env::parse_decimal("EPX_X", "10", 0, 10, "in [0, 10]"), 10);
+  for (const char* text : {"11", "", "-1", "+1", " 1", "1 ", "1e1", "0x1", "1.0", "ten"}) {
+    EXPECT_TRUE(throws_config_error([&] { env::parse_decimal("EPX_X", text, 0, 10, "in [0, 10]"); },
+                                    {"EPX_X = \"" + std::string(text) + "\", expected in [0, 10]"}))
+        << '"' << text << '"';
+  }
+  EXPECT_EQ(env::parse_timeout_ms("EPX_TIMEOUT_MS", "250"), 250);
+  EXPECT_TRUE(throws_config_error([] { env::parse_timeout_ms("EPX_TIMEOUT_MS", "0"); },
+                                  {"EPX_TIMEOUT_MS = \"0\"", "[1, 86400000]"}));
+}
+
+TEST(Env, NcclLibrary) {
+  EXPECT_EQ(env::parse_nccl_library(nullptr), "libnccl.so.2");
+  EXPECT_EQ(env::parse_nccl_library(""), "libnccl.so.2");
+  EXPECT_EQ(env::parse_nccl_library("/opt/nccl/lib/libnccl.so.2"), "/opt/nccl/lib/libnccl.so.2");
+}
+
+// Sets (or, with nullptr, unsets) one variable for the life of the object, then restores it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* was = std::getenv(name);
+    had_ = was != nullptr;
+    if (had_) saved_ = was;
+    if (value != nullptr) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, saved_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string saved_;
+};
+
+TEST(Env, GettersReadTheProcessEnvironment) {
+  {
+    ScopedEnv timeout("EPX_TIMEOUT_MS", nullptr);
+    ScopedEnv library("EPX_NCCL_LIBRARY", nullptr);
+    ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", nullptr);
+    EXPECT_EQ(env::timeout_ms(), EpConfig{}.timeout_ms);
+    EXPECT_EQ(env::nccl_library(), "libnccl.so.2");
+    EXPECT_EQ(env::hardware_queues_per_gpu(), 8);
+  }
+  {
+    ScopedEnv timeout("EPX_TIMEOUT_MS", "4321");
+    ScopedEnv library("EPX_NCCL_LIBRARY", "/x/libnccl.so");
+    ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    EXPECT_EQ(env::timeout_ms(), 4321);
+    EXPECT_EQ(env::nccl_library(), "/x/libnccl.so");
+    EXPECT_EQ(env::hardware_queues_per_gpu(), 32);
+  }
+  {
+    ScopedEnv timeout("EPX_TIMEOUT_MS", "1s");
+    ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", "64");
+    EXPECT_TRUE(throws_config_error([] { env::timeout_ms(); }, {"EPX_TIMEOUT_MS = \"1s\""}));
+    EXPECT_TRUE(throws_config_error([] { env::hardware_queues_per_gpu(); },
+                                    {"CUDA_DEVICE_MAX_CONNECTIONS = \"64\"", "1..32"}));
   }
 }
 

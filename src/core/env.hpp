@@ -1,0 +1,65 @@
+#pragma once
+// The variables of the process environment that configure epx, each read here and nowhere else:
+//
+//   EPX_BACKEND                  backend by name                settings()
+//   EPX_TIMEOUT_MS               bound of every wait            settings(), timeout_ms(),
+//                                                               bootstrap()
+//   EPX_CONFIG_PATH              JSON launch file               settings()
+//   EPX_RANK, EPX_WORLD_SIZE,    where a process's rank meets   bootstrap()
+//   EPX_BOOTSTRAP                its peers (`epx launch` sets them)
+//   EPX_NCCL_LIBRARY             libnccl to open                nccl_library()
+//   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU        hardware_queues_per_gpu()
+//
+// Each variable has a pure parser, which takes the variable's text (nullptr = unset) and never
+// looks at the process environment, so that tests can feed it any value, and a getter, which
+// reads the process environment and parses. A malformed value is a ConfigError naming the
+// variable, its value and the bound. The public entry points (epx/config.hpp: read_env,
+// parse_env, hardware_queues_per_gpu; epx/bootstrap.hpp: BootstrapOptions::from_env, parse_env)
+// are defined on top of these.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "epx/bootstrap.hpp"
+#include "epx/config.hpp"
+
+namespace epx::env {
+
+// ---- parsers --------------------------------------------------------------------------------
+
+// Strict decimal in [lo, hi]: digits only, no sign, no spaces, no suffix, no exponent.
+// ConfigError "NAME = "text", expected BOUND".
+int parse_decimal(std::string_view name, std::string_view text, uint64_t lo, uint64_t hi,
+                  const std::string& bound);
+
+// A timeout in milliseconds: a decimal integer in [1, kMaxTimeoutMs].
+int parse_timeout_ms(std::string_view name, std::string_view text);
+
+// EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP and EPX_TIMEOUT_MS as BootstrapOptions. Neither rank
+// nor world size set: a world of one rank. Refuses one of the two without the other, a rank
+// outside [0, world size), and an empty or, for several ranks, missing address. The address's
+// form (length, "@name") is the bootstrap's to check: BootstrapOptions::parse_env does.
+BootstrapOptions parse_bootstrap(const char* rank, const char* world_size, const char* address,
+                                 const char* timeout_ms);
+
+// EPX_NCCL_LIBRARY: the NCCL library to open; unset or empty = "libnccl.so.2".
+std::string parse_nccl_library(const char* text);
+
+// ---- getters: the process environment, parsed as above ----------------------------------------
+
+EnvSettings settings();  // EPX_BACKEND, EPX_TIMEOUT_MS, EPX_CONFIG_PATH
+int timeout_ms();        // EPX_TIMEOUT_MS, else EpConfig's default (10 s)
+BootstrapOptions bootstrap();
+std::string nccl_library();
+int hardware_queues_per_gpu();  // CUDA_DEVICE_MAX_CONNECTIONS, else CUDA's default 8
+
+}  // namespace epx::env
+
+namespace epx::detail {
+
+// parse_backend() with `what` naming where the text came from (a field or a variable); defined
+// in config.cpp beside the other names.
+Backend parse_backend_as(std::string_view what, const std::string& text);
+
+}  // namespace epx::detail
