@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # serve-bench at 8 in-process ranks on one GPU, small shape, under several launch shapes: which
 # ones finish, every rank's error for those that do not, and the cuBLASLt algorithms chosen
-# (EPX_GEMM_LOG=1). Logs to $OUT (or serve-diag/). Usage: tools/diag/serve_diag.sh [build-dir]
+# (CUBLASLT_LOG_LEVEL=2). Logs to $OUT (or serve-diag/). Usage: tools/diag/serve_diag.sh [build-dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/diag/diag_env.sh serve-diag "${1:-build}"
@@ -15,7 +15,7 @@ one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]
     cfg=(EPX_CONFIG_PATH="$out/$name.launch.json")
   fi
   echo "=== $name (launch: $launch)"
-  env "${cfg[@]}" EPX_GEMM_LOG=1 timeout 90 "$build/epx" serve-bench $S "$@" >"$out/$name.log" 2>&1
+  env "${cfg[@]}" CUBLASLT_LOG_LEVEL=2 timeout 90 "$build/epx" serve-bench $S "$@" >"$out/$name.log" 2>&1
   echo "rc $?"
   grep -E "^  rank [0-9]+:|error|launch shapes|^(naive|allgather|low_latency)" "$out/$name.log" | head -20
   grep -E "epx fp8 GEMM plan" "$out/$name.log" | sort -u | head -12
