@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
       }
       int bad = 0;
       if (has && (id < -1 || id >= S.num_experts)) {
-        dev::record_error(wait, 2 /* kInput */, Phase::kDispatchRoute, -1, S.num_experts, id, n, k);
+        dev::record_error(wait, StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id, n, k);
         bad = 1;
       }
       const bool expert = has && id >= 0 && !bad;
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
       const uint32_t same = __match_any_sync(0xffffffffu, key);
       if (expert && (same & lt) != 0) {
         // expected = the earlier slot holding the same expert
-        dev::record_error(wait, 2, Phase::kDispatchRoute, -1, (__ffs(same) - 1) - sub * G, id, n, k);
+        dev::record_error(wait, StatusCode::kInput, Phase::kDispatchRoute, -1, (__ffs(same) - 1) - sub * G, id, n, k);
         bad = 1;
       }
       uint64_t bits = expert && !bad ? uint64_t(1) << (id / experts_per_rank) : 0;

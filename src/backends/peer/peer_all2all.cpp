@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include "backends/peer/kernels.hpp"
@@ -141,26 +142,23 @@ class PeerAll2All final : public All2All {
 
   void poll() override {
     check_usable();
-    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
-    if (st->valid == 0) return;
+    const std::optional<DeviceStatus> recorded = recorded_status(*host_status_);
+    if (!recorded) return;
     failed_ = true;
     try {
-      raise_recorded();
+      raise_recorded(*recorded);
     } catch (const Error& e) {
       first_error_ = e.what();
       throw;
     }
   }
 
-  void raise_recorded() {
-    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
-    const DeviceStatus s{st->code, st->phase, st->rank, st->peer, st->expected,
-                         st->seen, st->token, st->slot, st->valid, st->call};
+  void raise_recorded(const DeviceStatus& s) const {
     const std::string where =
         s.call > 0 ? fmt::format("rank {} in {} (call {})", s.rank, to_string(Phase(s.phase)), s.call)
                    : fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
-    switch (ErrorCode(s.code)) {
-      case ErrorCode::kTimeout:
+    switch (StatusCode(s.code)) {
+      case StatusCode::kTimeout:
         if (Phase(s.phase) == Phase::kGridBarrier) {
           EPX_THROW(TimeoutError,
                     fmt::format("{}: the blocks of this rank's own kernel did not all become "
@@ -172,7 +170,7 @@ class PeerAll2All final : public All2All {
                   fmt::format("{}: waited {} ms for rank {} (expected {}, saw {}); rank {} did "
                               "not take part in this call or failed",
                               where, cfg_.timeout_ms, s.peer, s.expected, s.seen, s.peer));
-      case ErrorCode::kInput:
+      case StatusCode::kInput:
         if (s.expected >= 0 && s.expected < cfg_.topk && s.seen >= 0 && s.seen < cfg_.num_experts) {
           EPX_THROW(InputError,
                     fmt::format("{}: topk_ids[{}][{}] = {} repeats the expert of slot {}; each "
