@@ -26,6 +26,7 @@
 
 #include "backends/peer/kernels.hpp"
 #include "core/cuda_check.hpp"
+#include "core/fp8.cuh"
 #include "core/sync_device.cuh"
 
 namespace epx::peer {
@@ -69,28 +70,6 @@ __device__ __forceinline__ void bf16x8_to_float(const int4 v, float (&f)[8]) {
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
-}
-
-// Quantises 8 floats of one lane with the half-warp's shared 1x128 scale (all 32 lanes call).
-__device__ __forceinline__ uint2 quantize8(const float (&f)[8], bool active, float& scale_out) {
-  float amax = 0.f;
-  if (active) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-  }
-#pragma unroll
-  for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float a = amax > 0.f ? amax : 1.f;
-  scale_out = a / 448.0f;
-  const float inv = 448.0f / a;
-  uint2 out;
-  uint16_t* o = reinterpret_cast<uint16_t*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv),
-                                    __NV_SATFINITE, __NV_E4M3);
-  }
-  return out;
 }
 
 // 16-byte vectors per lane that one payload item loads before its stores (all in flight).
@@ -147,12 +126,11 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* c
     float sc[kMaxSteps];
 #pragma unroll
     for (int u = 0; u < kMaxSteps; ++u) {
-      const int col = ((step0 + u) * kWarp + lane) * kPer;
       float f[8];
       bf16x8_to_float(v[u], f);  // zeros where nothing was loaded
       q[u] = make_uint2(0, 0);
       sc[u] = 0.f;
-      if (u < nsteps) q[u] = quantize8(f, col < H, sc[u]);  // u < nsteps is warp-uniform
+      if (u < nsteps) q[u] = dev::quantize_fp8_block<8>(f, sc[u]);  // u < nsteps is warp-uniform
     }
     for (uint64_t m = dmask; m; m &= m - 1) {
       const int r = __ffsll(static_cast<long long>(m)) - 1;
@@ -164,7 +142,8 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* c
         const int col = ((step0 + u) * kWarp + lane) * kPer;
         if (u < nsteps && col < H) {
           *reinterpret_cast<uint2*>(dst + col) = q[u];
-          if ((lane & 15) == 0) dsc[scale_index(S, slot, col / 128, S.capacity)] = sc[u];
+          if (lane % (kFp8BlockSize / kPer) == 0)  // the block's first lane
+            dsc[scale_index(S, slot, col / kFp8BlockSize, S.capacity)] = sc[u];
         }
       }
     }
