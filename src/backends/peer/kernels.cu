@@ -332,7 +332,10 @@ __global__ void __launch_bounds__(1024) dispatch_kernel(const DispatchParams p) 
 
   // 3b. payload: one warp per (token, column range), so that every warp has loads in flight
   // even when the block owns fewer tokens than it has warps.
-  if (!(S.ablate & kAblatePayload)) {
+#if EPX_MEASUREMENT
+  if (!(S.ablate & kAblatePayload))
+#endif
+  {
     constexpr int kPer = kDtype == DispatchDtype::kFP8 ? 16 : 8;
     const int steps = (S.hidden + kWarp * kPer - 1) / (kWarp * kPer);
     const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
@@ -650,7 +653,10 @@ __global__ void __launch_bounds__(1024) combine_kernel(const CombineParams p) {
       const int v = chunk * kChunkVecs + u * kWarp + lane;
       const bool active = v < vecs;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      uint64_t m = (S.ablate & kAblatePull) ? 0 : rmask;  // warp-uniform
+      uint64_t m = rmask;  // warp-uniform
+#if EPX_MEASUREMENT
+      if (S.ablate & kAblatePull) m = 0;
+#endif
       while (m != 0) {
         int4 raw[kBatch][kVecInts] = {};
         int got = 0;

@@ -28,16 +28,21 @@ struct Shape {
   int32_t wire_row_bytes;
   int32_t every_rank;        // dispatch every valid token to every rank
   int32_t all_reduce;        // combine by all-reduce + slice
+#if EPX_MEASUREMENT
   int32_t ablate;            // kAblate* bits: stages left out to time the rest (wrong results)
+#endif
 };
 
-// Measuring aids (EPX_ABLATE): leave one stage out so that a benchmark can attribute time.
-// Results are wrong by design; never set outside measurements.
+#if EPX_MEASUREMENT
+// Measuring aids of a measurement build (CMake EPX_MEASUREMENT_BUILD; a release build has neither
+// the switches nor their branches): EPX_ABLATE leaves one stage out so that a benchmark can
+// attribute time. Results are wrong by design; never set outside measurements.
 inline constexpr int32_t kAblatePayload = 1;  // dispatch writes metadata but no rows
 inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 0)
 
 // Parses EPX_ABLATE ("", "payload", "pull", "payload,pull"); ConfigError names the bad item.
 int32_t ablate_from_env();
+#endif
 
 struct Waits {
   DeviceStatus* host_status;  // mapped host mirror

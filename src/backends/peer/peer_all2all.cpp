@@ -3,10 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
+#if EPX_MEASUREMENT
+#include <cstdlib>
 #include <sstream>
+#endif
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
@@ -217,21 +219,24 @@ class PeerAll2All final : public All2All {
                           attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host"));
   }
   Shape shape() const {
-    return Shape{cfg_.world_size,
-                 cfg_.rank,
-                 cfg_.hidden,
-                 cfg_.num_experts,
-                 cfg_.num_local_experts(),
-                 cfg_.topk,
-                 cfg_.max_tokens_per_rank,
-                 cfg_.capacity(),
-                 cfg_.num_scale_groups(),
-                 cfg_.layout == OutputLayout::kExpertMajor,
-                 cfg_.scale_layout == ScaleLayout::kColumnMajor,
-                 int32_t(cfg_.wire_row_bytes()),
-                 algo_.every_rank,
-                 algo_.all_reduce,
-                 ablate_};
+    return Shape{.world = cfg_.world_size,
+                 .rank = cfg_.rank,
+                 .hidden = cfg_.hidden,
+                 .num_experts = cfg_.num_experts,
+                 .num_local = cfg_.num_local_experts(),
+                 .topk = cfg_.topk,
+                 .max_tokens = cfg_.max_tokens_per_rank,
+                 .capacity = cfg_.capacity(),
+                 .groups = cfg_.num_scale_groups(),
+                 .expert_major = cfg_.layout == OutputLayout::kExpertMajor,
+                 .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
+                 .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
+                 .every_rank = algo_.every_rank,
+                 .all_reduce = algo_.all_reduce,
+#if EPX_MEASUREMENT
+                 .ablate = ablate_,
+#endif
+    };
   }
   Waits waits() const {
     return Waits{host_status_dev_, uint64_t(cfg_.timeout_ms) * 1000000ull};
@@ -270,7 +275,9 @@ class PeerAll2All final : public All2All {
   bool failed_ = false;
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
   std::string first_error_;
+#if EPX_MEASUREMENT
   int32_t ablate_ = ablate_from_env();
+#endif
 };
 
 // Default warps per dispatch block. Measured on an H200 (8 in-process ranks, DeepSeek-R1 shape,
@@ -384,6 +391,7 @@ std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
   return make_process_rank(cfg, world, launch, algo);
 }
 
+#if EPX_MEASUREMENT
 int32_t ablate_from_env() {
   const char* env = std::getenv("EPX_ABLATE");
   if (env == nullptr || *env == 0) return 0;
@@ -403,6 +411,7 @@ int32_t ablate_from_env() {
   }
   return bits;
 }
+#endif
 
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {
   return make_layout(cfg, algo).total;
