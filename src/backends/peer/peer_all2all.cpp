@@ -307,9 +307,9 @@ LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int 
 void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   cfg.validate();
   // Expert-major expansion keeps one counter per local expert in shared memory.
-  EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= 12 * 1024,
+  EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= kMaxExpertMajorLocal,
             ConfigError, "num_experts / world_size", cfg.num_local_experts(),
-            "at most 12288 for the expert-major layout");
+            fmt::format("at most {} for the expert-major layout", kMaxExpertMajorLocal));
   // The baselines deliver every token of every rank in the token-major layout only.
   EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
             ConfigError, "layout", to_string(cfg.layout),
@@ -318,6 +318,15 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
 }
 
 }  // namespace
+
+void preload_kernels(int device) {
+  int prev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&prev));
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  load_dispatch_kernels();
+  load_combine_kernels();
+  EPX_CUDA_CHECK(cudaSetDevice(prev));
+}
 
 std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
                                                             const InProcessWorld& world,
