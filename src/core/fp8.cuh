@@ -56,7 +56,8 @@ __device__ __forceinline__ Fp8Lane<kPerLane> quantize_fp8_block(const float (&v)
   Fp8Lane<kPerLane> out;
   uint16_t* pairs = reinterpret_cast<uint16_t*>(&out);
 #pragma unroll
-  for (int i = 0; i < kPerLane / 2; ++i) pairs[i] = fp8x2_e4m3(v[2 * i] * s.inv, v[2 * i + 1] * s.inv);
+  for (int i = 0; i < kPerLane / 2; ++i)
+    pairs[i] = fp8x2_e4m3(v[2 * i] * s.inv, v[2 * i + 1] * s.inv);
   return out;
 }
 

@@ -30,9 +30,9 @@ struct CombineCall {
   uint8_t* const* peers;  // every rank's buffer (block-shared)
   State* state;
   dev::WaitContext wait;
-  uint32_t epoch;         // this call (1 = the first)
-  int M;                  // rows the last dispatch received: the partials' rows
-  int N;                  // tokens of the last dispatch: y's rows
+  uint32_t epoch;  // this call (1 = the first)
+  int M;           // rows the last dispatch received: the partials' rows
+  int N;           // tokens of the last dispatch: y's rows
 };
 
 // Combine's flag round: the last block of this rank to arrive at `ticket` tells every rank
@@ -157,8 +157,8 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
             m &= m - 1;
             const int slot = slots.of(r);
             if (active) {
-              const int4* src = reinterpret_cast<const int4*>(
-                  at<PartialT>(c.peers[r], L.partials) + size_t(slot) * H + v * 8);
+              const int4* src = reinterpret_cast<const int4*>(at<PartialT>(c.peers[r], L.partials) +
+                                                              size_t(slot) * H + v * 8);
 #pragma unroll
               for (int t = 0; t < kVecInts; ++t) raw[i][t] = src[t];
             }
@@ -235,7 +235,8 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
   // ... and takes its own tokens' rows.
   const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
   int4* y = static_cast<int4*>(c.p.y);
-  for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs; i += size_t(nb) * blockDim.x) {
+  for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
+       i += size_t(nb) * blockDim.x) {
     const int n = int(i / vecs), v = int(i % vecs);
     const int row = send_slot[size_t(n) * W + s];  // -1: an invalid token, sent nowhere
     y[i] = row >= 0 ? gathered[size_t(row) * vecs + v] : make_int4(0, 0, 0, 0);

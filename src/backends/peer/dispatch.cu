@@ -30,21 +30,21 @@ namespace {
 // What every phase of one dispatch call on one block knows.
 struct DispatchCall {
   const DispatchParams& p;
-  uint8_t* local;        // this rank's buffer
+  uint8_t* local;  // this rank's buffer
   State* state;
   dev::WaitContext wait;
-  uint32_t epoch;        // this call (1 = the first)
-  int par;               // epoch parity: the half of the double-buffered words this call uses
-  int t0, t1;            // this block's tokens [t0, t1)
+  uint32_t epoch;  // this call (1 = the first)
+  int par;         // epoch parity: the half of the double-buffered words this call uses
+  int t0, t1;      // this block's tokens [t0, t1)
 };
 
 // Block-shared values of one dispatch call.
 struct DispatchShared {
-  uint8_t* peers[kMaxRanks];   // every rank's buffer
-  int32_t base[kMaxRanks];     // row in rank r's receive area of this block's first row for r
-  int32_t total[kMaxRanks];    // rows this rank sends to r (block 0 only)
-  int32_t recv_total;          // rows every rank sends to this rank: M
-  int32_t failed;              // a wait of this block failed
+  uint8_t* peers[kMaxRanks];  // every rank's buffer
+  int32_t base[kMaxRanks];    // row in rank r's receive area of this block's first row for r
+  int32_t total[kMaxRanks];   // rows this rank sends to r (block 0 only)
+  int32_t recv_total;         // rows every rank sends to this rank: M
+  int32_t failed;             // a wait of this block failed
 };
 
 __device__ __forceinline__ int64_t load_topk_id(const DispatchParams& p, int n, int k) {
@@ -79,8 +79,8 @@ __device__ __forceinline__ void route(const DispatchCall& c) {
     const int64_t id = has ? load_topk_id(p, n, k) : -1;
     int bad = 0;
     if (has && (id < -1 || id >= S.num_experts)) {
-      dev::record_error(c.wait, StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id,
-                        n, k);
+      dev::record_error(c.wait, StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id, n,
+                        k);
       bad = 1;
     }
     const bool expert = has && id >= 0 && !bad;
@@ -142,8 +142,8 @@ __device__ __forceinline__ bool exchange_counts(const DispatchCall& c, DispatchS
   if (b == 0) {
     for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
       const int d = i / W, r = i % W;
-      uint64_t* dst = at<uint64_t>(sh.peers[d], L.count_matrix) + size_t(c.par) * W * W +
-                      size_t(s) * W + r;
+      uint64_t* dst =
+          at<uint64_t>(sh.peers[d], L.count_matrix) + size_t(c.par) * W * W + size_t(s) * W + r;
       dev::st_release_sys(dst, (uint64_t(c.epoch) << 32) | uint32_t(sh.total[r]));
     }
   }
@@ -186,9 +186,9 @@ inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
 // item, then stores them to every destination. The item with step0 == 0 also sends the token's
 // fp8 scales. Called by one whole warp.
 template <DispatchDtype kDtype>
-__device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* const* peers,
-                                             int n, const RankSlots& slots, uint64_t dmask,
-                                             int lane, int step0, int nsteps) {
+__device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* const* peers, int n,
+                                             const RankSlots& slots, uint64_t dmask, int lane,
+                                             int step0, int nsteps) {
   const Shape& S = p.shape;
   const Layout& L = p.layout;
   const int H = S.hidden;
@@ -200,7 +200,8 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* c
   for (int u = 0; u < kMaxSteps; ++u) {
     const int col = ((step0 + u) * kWarpSize + lane) * kPer;
     v[u] = make_int4(0, 0, 0, 0);
-    if (u < nsteps && col < H) v[u] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * kInBytes));
+    if (u < nsteps && col < H)
+      v[u] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * kInBytes));
   }
   if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
     constexpr int kOutBytes = kInBytes;
@@ -421,7 +422,8 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < num_local; e += blockDim.x) bec[b * num_local + e] = expert_scratch[e];
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x)
+    bec[b * num_local + e] = expert_scratch[e];
   if (!dev::grid_barrier(&c.state->barrier, c.wait)) return false;
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
     int32_t acc = 0, total = 0;
