@@ -1,8 +1,10 @@
+// make_all2all*: from a Backend to the engine that implements it. Every backend today runs on
+// the peer engine (src/backends/peer), which takes what distinguishes them as an Algorithm: a
+// backend is a row of kPeerBackends.
+
 #include <string>
 
-#include "backends/allgather_reducescatter/allgather_reducescatter.hpp"
-#include "backends/low_latency/low_latency.hpp"
-#include "backends/naive/naive.hpp"
+#include "backends/peer/peer_all2all.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 
@@ -10,11 +12,24 @@ namespace epx {
 
 namespace {
 
+constexpr peer::Algorithm kPeerBackends[] = {
+    // naive: every rank broadcasts every token (with ids and weights) to every rank; combine is
+    // an all-reduce of all rows' partials (reduce-scatter + all-gather over the peers' buffers),
+    // after which each rank takes its own tokens' rows. The yardstick of vLLM's naive backend.
+    {.backend = Backend::kNaive, .every_rank = true, .all_reduce = true},
+    // allgather_reducescatter: dispatch all-gathers every token (with ids and weights) to every
+    // rank; combine is a reduce-scatter: each rank pulls its own tokens' rows from every rank and
+    // sums them in rank order. The yardstick of vLLM's allgather_reducescatter backend.
+    {.backend = Backend::kAllgatherReduceScatter, .every_rank = true, .all_reduce = false},
+    // low_latency: each token goes once to each rank that holds one of its experts
+    // (deduplicated per rank), written straight into the peer's receive area; combine pulls the
+    // partials of the ranks that got the token and sums them in rank order.
+    {.backend = Backend::kLowLatency, .every_rank = false, .all_reduce = false},
+};
+
 const peer::Algorithm& algorithm_of(Backend backend) {
-  switch (backend) {
-    case Backend::kLowLatency: return low_latency::algorithm();
-    case Backend::kNaive: return naive::algorithm();
-    case Backend::kAllgatherReduceScatter: return allgather_reducescatter::algorithm();
+  for (const peer::Algorithm& algo : kPeerBackends) {
+    if (algo.backend == backend) return algo;
   }
   EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
                          "allgather_reducescatter, low_latency");
@@ -43,7 +58,7 @@ size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
 }
 
 size_t low_latency_buffer_bytes(const EpConfig& cfg) {
-  return peer::buffer_bytes(cfg, low_latency::algorithm());
+  return peer::buffer_bytes(cfg, algorithm_of(Backend::kLowLatency));
 }
 
 }  // namespace epx

@@ -36,9 +36,6 @@ __device__ __forceinline__ void st_release_sys(int32_t* p, int32_t v) {
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ void st_relaxed_sys(int32_t* p, int32_t v) {
-  asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ int32_t atomic_add_release_sys(int32_t* p, int32_t v) {
   int32_t old;
   asm volatile("atom.add.release.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -62,12 +59,23 @@ struct WaitContext {
 };
 
 // First error wins; later ones are dropped. Safe to call from any thread.
-__device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase phase, int32_t peer,
-                                    int64_t expected, int64_t seen, int32_t token = -1,
-                                    int32_t slot = -1) {
-  if (atomicCAS(&ctx.status->code, 0, code) != 0) return;
-  DeviceStatus s{code,     static_cast<int32_t>(phase), ctx.rank, peer, expected, seen, token,
-                 slot, 1, static_cast<int32_t>(ctx.call)};
+__device__ inline void record_error(const WaitContext& ctx, StatusCode code, Phase phase,
+                                    int32_t peer, int64_t expected, int64_t seen,
+                                    int32_t token = -1, int32_t slot = -1) {
+  if (atomicCAS(&ctx.status->code, int32_t(StatusCode::kNone), int32_t(code)) !=
+      int32_t(StatusCode::kNone)) {
+    return;
+  }
+  const DeviceStatus s{.code = int32_t(code),
+                       .phase = int32_t(phase),
+                       .rank = ctx.rank,
+                       .peer = peer,
+                       .expected = expected,
+                       .seen = seen,
+                       .token = token,
+                       .slot = slot,
+                       .valid = 1,
+                       .call = int32_t(ctx.call)};
   ctx.status->phase = s.phase;
   ctx.status->rank = s.rank;
   ctx.status->peer = s.peer;
@@ -88,7 +96,7 @@ __device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase 
     h->slot = s.slot;
     h->call = s.call;
     __threadfence_system();
-    st_release_sys(const_cast<int32_t*>(&ctx.host_status->valid), 1);
+    st_release_sys(&ctx.host_status->valid, 1);
   }
 }
 
@@ -96,8 +104,8 @@ __device__ inline void record_error(const WaitContext& ctx, int32_t code, Phase 
 // Bad input does not: the call completes without the bad tokens, so no peer waits in vain, and
 // the host refuses further eager calls once it has raised the error.
 __device__ __forceinline__ bool aborted(const WaitContext& ctx) {
-  const int32_t code = ld_relaxed_sys(&ctx.status->code);
-  return code != 0 && code != 2 /* ErrorCode::kInput */;
+  const StatusCode code{ld_relaxed_sys(&ctx.status->code)};
+  return code != StatusCode::kNone && code != StatusCode::kInput;
 }
 
 // Spins until pred() holds. Returns false (after recording a timeout unless another error was
@@ -114,7 +122,7 @@ __device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t
     if ((iter & 255u) == 0) {
       if (aborted(ctx)) return false;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
-        record_error(ctx, 3 /* ErrorCode::kTimeout */, phase, peer, expected, seen());
+        record_error(ctx, StatusCode::kTimeout, phase, peer, expected, seen());
         return false;
       }
     }
@@ -123,9 +131,7 @@ __device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t
 
 // Grid-wide barrier over the blocks of one kernel (all resident by construction). Works across
 // launches with different grid sizes: `count` returns to 0 at each generation.
-using GridBarrier = GridBarrierWord;
-
-__device__ inline bool grid_barrier(GridBarrier* bar, const WaitContext& ctx) {
+__device__ inline bool grid_barrier(GridBarrierWord* bar, const WaitContext& ctx) {
   __shared__ int32_t ok;
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -2,9 +2,9 @@
 // weighted partials.
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
 #include "core/cuda_check.hpp"
+#include "core/fp8.cuh"
 #include "epx/error.hpp"
 #include "moe/kernels.hpp"
 #include "moe/row_buckets.hpp"
@@ -12,8 +12,7 @@
 namespace epx::moe {
 namespace {
 
-constexpr float kFp8Max = 448.0f;
-constexpr int kBlock = 128;  // 1x128 activation blocks: one warp, 4 values per lane
+constexpr int kBlock = kFp8BlockSize;  // 1x128 activation blocks: one warp, 4 values per lane
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
@@ -24,35 +23,19 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
   return *reinterpret_cast<const uint16_t*>(&b);
 }
 
-// Saturating e4m3 (NaN -> 0x7F), the conversion of ref::fp8_from_float.
-__device__ __forceinline__ uint8_t fp8_bits(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
 __device__ __forceinline__ float load(const void* p, size_t i, bool bf16) {
   return bf16 ? bf16_bits_to_float(static_cast<const uint16_t*>(p)[i])
               : static_cast<const float*>(p)[i];
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // Quantises the 4 values v of this lane (block of 128 spread over the warp,
-// lane holds elements 4*lane .. 4*lane+3) as ref::quantize_fp8: amax, a = amax
-// > 0 ? amax : 1, q = fp8(v * (448/a)).
+// lane holds elements 4*lane .. 4*lane+3) as ref::quantize_fp8 (core/fp8.cuh).
 __device__ __forceinline__ void quantize_block(const float (&v)[4], uint8_t* q, float* scale) {
-  float amax = 0.0f;
-  for (int j = 0; j < 4; ++j) amax = fmaxf(amax, fabsf(v[j]));  // fmaxf drops NaN, as the ref
-  amax = warp_max(amax);
-  const float a = amax > 0.0f ? amax : 1.0f;
-  const float inv = kFp8Max / a;
+  float block_scale;
+  const uint32_t packed = dev::quantize_fp8_block<4>(v, block_scale);
   const int lane = threadIdx.x & 31;
-  uint32_t packed = 0;
-  for (int j = 0; j < 4; ++j) packed |= uint32_t(fp8_bits(v[j] * inv)) << (8 * j);
   *reinterpret_cast<uint32_t*>(q + 4 * lane) = packed;
-  if (lane == 0) *scale = a / kFp8Max;
+  if (lane == 0) *scale = block_scale;
 }
 
 // One warp per (output row, 128-block).

@@ -1,10 +1,12 @@
 #pragma once
-// Launch parameters of the peer-to-peer dispatch/combine kernels and their launchers (host-callable, defined in
-// kernels.cu). One params struct per kernel (STYLE §7); everything trivially copyable.
+// Launch parameters of the peer engine's dispatch and combine kernels and their launchers
+// (host-callable, defined in dispatch.cu and combine.cu). One params struct per kernel (STYLE §7);
+// everything trivially copyable.
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/peer/layout.hpp"
 #include "core/device_status.hpp"
@@ -22,22 +24,27 @@ struct Shape {
   int32_t topk;
   int32_t max_tokens;
   int32_t capacity;
-  int32_t groups;            // hidden / 128
+  int32_t groups;            // hidden / kFp8BlockSize: fp8 scale blocks per row
   int32_t expert_major;      // output layout
   int32_t scale_col_major;   // recv scale layout
   int32_t wire_row_bytes;
   int32_t every_rank;        // dispatch every valid token to every rank
   int32_t all_reduce;        // combine by all-reduce + slice
+#if EPX_MEASUREMENT
   int32_t ablate;            // kAblate* bits: stages left out to time the rest (wrong results)
+#endif
 };
 
-// Measuring aids (EPX_ABLATE): leave one stage out so that a benchmark can attribute time.
-// Results are wrong by design; never set outside measurements.
+#if EPX_MEASUREMENT
+// Measuring aids of a measurement build (CMake EPX_MEASUREMENT_BUILD; a release build has neither
+// the switches nor their branches): EPX_ABLATE leaves one stage out so that a benchmark can
+// attribute time. Results are wrong by design; never set outside measurements.
 inline constexpr int32_t kAblatePayload = 1;  // dispatch writes metadata but no rows
 inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 0)
 
 // Parses EPX_ABLATE ("", "payload", "pull", "payload,pull"); ConfigError names the bad item.
 int32_t ablate_from_env();
+#endif
 
 struct Waits {
   DeviceStatus* host_status;  // mapped host mirror
@@ -66,7 +73,21 @@ struct CombineParams {
   void* y;                 // [N][H] bf16
 };
 
-// Loads every kernel of this file on `device` (see kernels.cu: lazy loading can deadlock ranks).
+// Kernels take their params by value: trivially copyable, within the 4 KiB of kernel arguments.
+static_assert(std::is_trivially_copyable_v<DispatchParams> && sizeof(DispatchParams) <= 4096);
+static_assert(std::is_trivially_copyable_v<CombineParams> && sizeof(CombineParams) <= 4096);
+
+// Expert-major dispatch keeps one int32 counter per local expert in shared memory: at most the
+// 48 KiB a kernel gets without opting in to more.
+inline constexpr int kMaxExpertMajorLocal = 12 * 1024;
+static_assert(kMaxExpertMajorLocal * sizeof(int32_t) <= 48 * 1024);
+
+// Load the kernels of dispatch.cu / combine.cu on the current device (cudaFuncGetAttributes).
+void load_dispatch_kernels();
+void load_combine_kernels();
+// Both, on `device`. With lazy module loading (the CUDA default), the first launch of a kernel
+// loads its module and waits for the work already running on the device: if that work is
+// another rank's kernel spinning on this one, the two wait for each other. Load up front.
 void preload_kernels(int device);
 void launch_dispatch(const DispatchParams& p, DispatchDtype dtype, LaunchConfig lc,
                      cudaStream_t stream);

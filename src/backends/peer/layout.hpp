@@ -11,7 +11,8 @@
 
 namespace epx::peer {
 
-// What distinguishes the backends built on these kernels.
+// What distinguishes the backends built on these kernels: one row per backend in
+// src/backends/all2all.cpp.
 struct Algorithm {
   Backend backend;
   bool every_rank;  // dispatch: every valid token to every rank (all-gather), not only routed

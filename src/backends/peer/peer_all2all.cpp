@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
+#include <optional>
+#if EPX_MEASUREMENT
+#include <cstdlib>
 #include <sstream>
+#endif
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
@@ -141,26 +144,23 @@ class PeerAll2All final : public All2All {
 
   void poll() override {
     check_usable();
-    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
-    if (st->valid == 0) return;
+    const std::optional<DeviceStatus> recorded = recorded_status(*host_status_);
+    if (!recorded) return;
     failed_ = true;
     try {
-      raise_recorded();
+      raise_recorded(*recorded);
     } catch (const Error& e) {
       first_error_ = e.what();
       throw;
     }
   }
 
-  void raise_recorded() {
-    const auto* st = static_cast<volatile DeviceStatus*>(host_status_);
-    const DeviceStatus s{st->code, st->phase, st->rank, st->peer, st->expected,
-                         st->seen, st->token, st->slot, st->valid, st->call};
+  void raise_recorded(const DeviceStatus& s) const {
     const std::string where =
         s.call > 0 ? fmt::format("rank {} in {} (call {})", s.rank, to_string(Phase(s.phase)), s.call)
                    : fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
-    switch (ErrorCode(s.code)) {
-      case ErrorCode::kTimeout:
+    switch (StatusCode(s.code)) {
+      case StatusCode::kTimeout:
         if (Phase(s.phase) == Phase::kGridBarrier) {
           EPX_THROW(TimeoutError,
                     fmt::format("{}: the blocks of this rank's own kernel did not all become "
@@ -172,7 +172,7 @@ class PeerAll2All final : public All2All {
                   fmt::format("{}: waited {} ms for rank {} (expected {}, saw {}); rank {} did "
                               "not take part in this call or failed",
                               where, cfg_.timeout_ms, s.peer, s.expected, s.seen, s.peer));
-      case ErrorCode::kInput:
+      case StatusCode::kInput:
         if (s.expected >= 0 && s.expected < cfg_.topk && s.seen >= 0 && s.seen < cfg_.num_experts) {
           EPX_THROW(InputError,
                     fmt::format("{}: topk_ids[{}][{}] = {} repeats the expert of slot {}; each "
@@ -219,21 +219,24 @@ class PeerAll2All final : public All2All {
                           attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host"));
   }
   Shape shape() const {
-    return Shape{cfg_.world_size,
-                 cfg_.rank,
-                 cfg_.hidden,
-                 cfg_.num_experts,
-                 cfg_.num_local_experts(),
-                 cfg_.topk,
-                 cfg_.max_tokens_per_rank,
-                 cfg_.capacity(),
-                 cfg_.num_scale_groups(),
-                 cfg_.layout == OutputLayout::kExpertMajor,
-                 cfg_.scale_layout == ScaleLayout::kColumnMajor,
-                 int32_t(cfg_.wire_row_bytes()),
-                 algo_.every_rank,
-                 algo_.all_reduce,
-                 ablate_};
+    return Shape{.world = cfg_.world_size,
+                 .rank = cfg_.rank,
+                 .hidden = cfg_.hidden,
+                 .num_experts = cfg_.num_experts,
+                 .num_local = cfg_.num_local_experts(),
+                 .topk = cfg_.topk,
+                 .max_tokens = cfg_.max_tokens_per_rank,
+                 .capacity = cfg_.capacity(),
+                 .groups = cfg_.num_scale_groups(),
+                 .expert_major = cfg_.layout == OutputLayout::kExpertMajor,
+                 .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
+                 .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
+                 .every_rank = algo_.every_rank,
+                 .all_reduce = algo_.all_reduce,
+#if EPX_MEASUREMENT
+                 .ablate = ablate_,
+#endif
+    };
   }
   Waits waits() const {
     return Waits{host_status_dev_, uint64_t(cfg_.timeout_ms) * 1000000ull};
@@ -272,7 +275,9 @@ class PeerAll2All final : public All2All {
   bool failed_ = false;
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
   std::string first_error_;
+#if EPX_MEASUREMENT
   int32_t ablate_ = ablate_from_env();
+#endif
 };
 
 // Default warps per dispatch block. Measured on an H200 (8 in-process ranks, DeepSeek-R1 shape,
@@ -302,9 +307,9 @@ LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int 
 void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   cfg.validate();
   // Expert-major expansion keeps one counter per local expert in shared memory.
-  EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= 12 * 1024,
+  EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= kMaxExpertMajorLocal,
             ConfigError, "num_experts / world_size", cfg.num_local_experts(),
-            "at most 12288 for the expert-major layout");
+            fmt::format("at most {} for the expert-major layout", kMaxExpertMajorLocal));
   // The baselines deliver every token of every rank in the token-major layout only.
   EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
             ConfigError, "layout", to_string(cfg.layout),
@@ -313,6 +318,15 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
 }
 
 }  // namespace
+
+void preload_kernels(int device) {
+  int prev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&prev));
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  load_dispatch_kernels();
+  load_combine_kernels();
+  EPX_CUDA_CHECK(cudaSetDevice(prev));
+}
 
 std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
                                                             const InProcessWorld& world,
@@ -386,6 +400,7 @@ std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
   return make_process_rank(cfg, world, launch, algo);
 }
 
+#if EPX_MEASUREMENT
 int32_t ablate_from_env() {
   const char* env = std::getenv("EPX_ABLATE");
   if (env == nullptr || *env == 0) return 0;
@@ -405,6 +420,7 @@ int32_t ablate_from_env() {
   }
   return bits;
 }
+#endif
 
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {
   return make_layout(cfg, algo).total;

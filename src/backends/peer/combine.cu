@@ -1,0 +1,304 @@
+// The peer engine's combine kernel (every backend: naive, allgather_reducescatter, low_latency).
+//
+// One kernel on every rank, in two phases:
+//   A. publish: partials (copied in, or folded from expert rows in f32) are ready; the last
+//               block tells every rank so.
+//   B. pull:    one warp per (token, column chunk) reads the partial of each rank that got the
+//               token, in rank order, sums in f32 and writes bf16. The naive backend instead
+//               all-reduces every row over the ranks and takes its own tokens' rows.
+// Every wait is bounded (WaitContext); epochs live in State and are advanced by the kernel.
+
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include "backends/peer/kernels.hpp"
+#include "backends/peer/peer_device.cuh"
+#include "core/cuda_check.hpp"
+#include "core/sync_device.cuh"
+
+namespace epx::peer {
+namespace {
+
+// Columns of one pull work item: 4 vectors of 8 elements per lane.
+constexpr int kChunkVecs = kWarpSize * 4;
+
+// What every phase of one combine call on one block knows.
+struct CombineCall {
+  const CombineParams& p;
+  uint8_t* local;         // this rank's buffer
+  uint8_t* const* peers;  // every rank's buffer (block-shared)
+  State* state;
+  dev::WaitContext wait;
+  uint32_t epoch;  // this call (1 = the first)
+  int M;           // rows the last dispatch received: the partials' rows
+  int N;           // tokens of the last dispatch: y's rows
+};
+
+// Combine's flag round: the last block of this rank to arrive at `ticket` tells every rank
+// (flags[s] = epoch in each rank's buffer at offset `flags`) that this rank's stage is done; then
+// every block waits, bounded, until every rank has said so. False if a wait failed.
+__device__ inline bool publish_and_wait_all(int32_t* ticket, uint8_t* const* peers, size_t flags,
+                                            uint8_t* local, int W, int s, uint32_t epoch,
+                                            const dev::WaitContext& wait) {
+  __shared__ int32_t failed_wait;
+  if (threadIdx.x == 0) failed_wait = 0;
+  if (dev::last_block(ticket)) {  // last_block synchronises the block first
+    for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<int32_t>(peers[d], flags) + s, int32_t(epoch));
+    }
+  }
+  const int32_t* mine = at<int32_t>(local, flags);
+  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+    const bool ok = dev::bounded_wait(
+        wait, Phase::kCombineReady, q, epoch,
+        [&] { return dev::ld_acquire_sys(mine + q) == int32_t(epoch); },
+        [&] { return int64_t(dev::ld_acquire_sys(mine + q)); });
+    if (!ok) failed_wait = 1;
+  }
+  __syncthreads();
+  return failed_wait == 0;
+}
+
+// ---- A. publish ------------------------------------------------------------------------------
+
+// Token-major: the caller's bf16 partials [M][H], copied into this rank's partials area unless
+// the caller wrote them there (combine_buffer()). Expert-major: expert rows folded into one f32
+// partial per token-major row, p = sum_k fmaf(w_k, out, p). After (true): every rank's partials
+// [M_q][H] are complete and readable. False when a wait failed.
+template <typename PartialT>
+__device__ __forceinline__ bool publish_partials(const CombineCall& c) {
+  const CombineParams& p = c.p;
+  const Shape& S = p.shape;
+  const Layout& L = p.layout;
+  const int K = S.topk, H = S.hidden, M = c.M;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int nb = gridDim.x, b = blockIdx.x;
+  PartialT* partials = at<PartialT>(c.local, L.partials);
+  const int vecs = H / 8;  // 8 elements per lane step
+  if constexpr (sizeof(PartialT) == 2) {
+    if (p.expert_out != partials) {
+      const int4* src = static_cast<const int4*>(p.expert_out);
+      int4* dst = reinterpret_cast<int4*>(partials);
+      const size_t total = size_t(M) * vecs;
+      for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < total; i += size_t(nb) * blockDim.x)
+        dst[i] = src[i];
+    }
+  } else {
+    const __nv_bfloat16* out = static_cast<const __nv_bfloat16*>(p.expert_out);
+    const int32_t* row_slot = at<int32_t>(c.local, L.row_expert_slot);
+    const int32_t* rids = at<int32_t>(c.local, L.recv_topk_ids);
+    const float* rw = at<float>(c.local, L.recv_topk_w);
+    const int e0 = S.rank * S.num_local;
+    for (int j = b * num_warps + warp; j < M; j += nb * num_warps) {
+      for (int v = lane; v < vecs; v += kWarpSize) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k = 0; k < K; ++k) {
+          const int slot = row_slot[size_t(j) * K + k];
+          if (slot < 0) continue;
+          const int e = rids[size_t(j) * K + k] - e0;
+          const float w = rw[size_t(j) * K + k];
+          float f[8];
+          load_bf16x8(out + (size_t(e) * S.capacity + slot) * H + v * 8, f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+        }
+        float4* dst = reinterpret_cast<float4*>(partials + size_t(j) * H + v * 8);
+        dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      }
+    }
+  }
+  return publish_and_wait_all(&c.state->combine_ready_ticket, c.peers, L.ready, c.local, S.world,
+                              S.rank, c.epoch, c.wait);
+}
+
+// ---- B. pull ---------------------------------------------------------------------------------
+
+// One warp per (token, 1024-column chunk); each lane owns one 8-element vector at a time and
+// issues the loads of up to kBatch ranks before it adds any of them (the adds stay in rank
+// order), so several remote reads are in flight per lane instead of one. After: y[n] = the sum,
+// in rank order, of the partials of the ranks that got token n (0 for a token sent nowhere).
+template <typename PartialT>
+__device__ __forceinline__ void pull_partials(const CombineCall& c) {
+  const Shape& S = c.p.shape;
+  const Layout& L = c.p.layout;
+  const int W = S.world, H = S.hidden, N = c.N;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int nb = gridDim.x, b = blockIdx.x;
+  const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(c.p.y);
+  const int vecs = H / 8;
+  const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+  constexpr int kVecInts = sizeof(PartialT) / 2;  // int4 per 8 elements: bf16 1, f32 2
+  constexpr int kBatch = 8 / kVecInts;
+  for (int item = b * num_warps + warp; item < N * chunks; item += nb * num_warps) {
+    const int n = item / chunks, chunk = item % chunks;
+    const RankSlots slots = load_rank_slots(send_slot, n, W, lane);
+    uint64_t rmask = slots.ranks();  // warp-uniform
+#if EPX_MEASUREMENT
+    if (S.ablate & kAblatePull) rmask = 0;
+#endif
+    for (int u = 0; u < 4; ++u) {
+      const int v = chunk * kChunkVecs + u * kWarpSize + lane;
+      const bool active = v < vecs;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      uint64_t m = rmask;
+      while (m != 0) {
+        int4 raw[kBatch][kVecInts] = {};
+        int got = 0;
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (m != 0) {
+            const int r = lowest_rank(m);
+            m &= m - 1;
+            const int slot = slots.of(r);
+            if (active) {
+              const int4* src = reinterpret_cast<const int4*>(at<PartialT>(c.peers[r], L.partials) +
+                                                              size_t(slot) * H + v * 8);
+#pragma unroll
+              for (int t = 0; t < kVecInts; ++t) raw[i][t] = src[t];
+            }
+            got = i + 1;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (i < got) {
+            float f[8];
+            if constexpr (kVecInts == 1) {
+              bf16x8_to_float(raw[i][0], f);
+            } else {
+              const float* pf = reinterpret_cast<const float*>(&raw[i][0]);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) f[e] = pf[e];
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += f[e];
+          }
+        }
+      }
+      if (active) store_bf16x8(y + size_t(n) * H + v * 8, acc);
+    }
+  }
+}
+
+// The naive backend: all-reduce of every row, then this rank's slice. Every rank holds the same
+// M rows in the same order. After (true): y[n] = the sum over all ranks, in rank order, of row
+// send_slot[n][s] (0 for a token sent nowhere). False when a wait failed.
+__device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
+  const Shape& S = c.p.shape;
+  const Layout& L = c.p.layout;
+  const int W = S.world, s = S.rank, H = S.hidden, M = c.M, N = c.N;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int nb = gridDim.x, b = blockIdx.x;
+  const int vecs = H / 8;
+  const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+  // Reduce-scatter: rank s sums rows [r0, r1) over all ranks in rank order into its `reduced`
+  // area ...
+  const int per = (M + W - 1) / W;
+  const int r0 = min(M, s * per), r1 = min(M, r0 + per);
+  __nv_bfloat16* reduced = at<__nv_bfloat16>(c.local, L.reduced);
+  for (int item = b * num_warps + warp; item < (r1 - r0) * chunks; item += nb * num_warps) {
+    const int j = r0 + item / chunks, chunk = item % chunks;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int v = chunk * kChunkVecs + u * kWarpSize + lane;
+      if (v >= vecs) continue;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int q = 0; q < W; ++q) {
+        float f[8];
+        load_bf16x8(at<__nv_bfloat16>(c.peers[q], L.partials) + size_t(j) * H + v * 8, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += f[i];
+      }
+      store_bf16x8(reduced + size_t(j) * H + v * 8, acc);
+    }
+  }
+  if (!publish_and_wait_all(&c.state->combine_reduced_ticket, c.peers, L.ready2, c.local, W, s,
+                            c.epoch, c.wait)) {
+    return false;
+  }
+  // ... all-gather: every rank copies all M reduced rows into its own partials area (every
+  // peer has finished reading it: they published ready2 after their reduce-scatter) ...
+  int4* gathered = at<int4>(c.local, L.partials);
+  const size_t total = size_t(M) * vecs;
+  for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < total; i += size_t(nb) * blockDim.x) {
+    const int j = int(i / vecs);
+    gathered[i] = at<const int4>(c.peers[j / per], L.reduced)[i];
+  }
+  if (!dev::grid_barrier(&c.state->barrier, c.wait)) return false;
+  // ... and takes its own tokens' rows.
+  const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  int4* y = static_cast<int4*>(c.p.y);
+  for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
+       i += size_t(nb) * blockDim.x) {
+    const int n = int(i / vecs), v = int(i % vecs);
+    const int row = send_slot[size_t(n) * W + s];  // -1: an invalid token, sent nowhere
+    y[i] = row >= 0 ? gathered[size_t(row) * vecs + v] : make_int4(0, 0, 0, 0);
+  }
+  return true;
+}
+
+// ---- the kernel ------------------------------------------------------------------------------
+
+// PartialT: __nv_bfloat16 for token-major partials, float for expert-major (folded in f32).
+template <typename PartialT>
+__global__ void __launch_bounds__(kMaxThreadsPerBlock) combine_kernel(const CombineParams p) {
+  static_assert(std::is_same_v<PartialT, __nv_bfloat16> || std::is_same_v<PartialT, float>);
+  __shared__ uint8_t* peers[kMaxRanks];
+  uint8_t* local = p.sym.local;
+  State* state = at<State>(local, p.layout.state);
+  dev::WaitContext wait = make_wait(p.sym, p.layout, p.waits);
+  if (dev::aborted(wait)) return;
+  const uint32_t epoch = state->combine_epoch + 1;
+  wait.call = epoch;
+  const CombineCall c{.p = p,
+                      .local = local,
+                      .peers = peers,
+                      .state = state,
+                      .wait = wait,
+                      .epoch = epoch,
+                      .M = state->recv_count,
+                      .N = state->num_tokens};
+  for (int r = threadIdx.x; r < p.shape.world; r += blockDim.x) peers[r] = p.sym.peers[r];
+  __syncthreads();
+
+  if (!publish_partials<PartialT>(c)) return;
+  // Only token-major (bf16) partials are ever all-reduced (validate_for: expert-major is
+  // low_latency's alone).
+  constexpr bool kMayAllReduce = std::is_same_v<PartialT, __nv_bfloat16>;
+  if (kMayAllReduce && p.shape.all_reduce) {
+    if (!pull_all_reduced(c)) return;
+  } else {
+    pull_partials<PartialT>(c);
+  }
+  // Last block out: the call is complete.
+  if (dev::last_block(&state->combine_ticket)) {
+    if (threadIdx.x == 0) state->combine_epoch = epoch;
+  }
+}
+
+}  // namespace
+
+void load_combine_kernels() {
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_kernel<__nv_bfloat16>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_kernel<float>));
+}
+
+void launch_combine(const CombineParams& p, LaunchConfig lc, cudaStream_t stream) {
+  const dim3 grid(lc.num_blocks), block(lc.warps_per_block * kWarpSize);
+  if (p.shape.expert_major) {
+    combine_kernel<float><<<grid, block, 0, stream>>>(p);
+  } else {
+    combine_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);
+  }
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epx::peer

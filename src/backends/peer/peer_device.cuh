@@ -1,0 +1,99 @@
+#pragma once
+// Device helpers shared by the peer engine's dispatch (dispatch.cu) and combine (combine.cu)
+// kernels: the limits they rely on, addressing inside a rank's buffer, the per-token rank slots
+// a warp holds, and bf16 vectors. Included by .cu files only.
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "backends/peer/kernels.hpp"
+#include "core/sync_device.cuh"
+#include "epx/config.hpp"
+
+namespace epx::peer {
+
+inline constexpr int kWarpSize = 32;
+inline constexpr uint32_t kFullWarp = 0xffffffffu;
+// Every kernel is launched with warps_per_block <= kMaxWarpsPerBlock (resolve() checks it).
+inline constexpr int kMaxThreadsPerBlock = kMaxWarpsPerBlock * kWarpSize;
+
+static_assert(kMaxThreadsPerBlock <= 1024, "a CUDA block holds at most 1024 threads");
+static_assert(kMaxRanks <= 64, "rank masks (destinations of a token) are one uint64_t");
+static_assert(kMaxRanks <= 2 * kWarpSize,
+              "a warp holds one slot per rank: rank r in lane r % 32, of RankSlots::lo or ::hi");
+static_assert(kMaxTopk <= kWarpSize, "a token's top-k entries are read one per lane");
+static_assert(sizeof(int4) == 16, "rows move in 16-byte vectors");
+static_assert(kFp8BlockSize % 16 == 0, "an fp8 scale block is whole 16-byte vectors");
+
+template <typename T>
+__device__ __forceinline__ T* at(uint8_t* base, size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+// The bounded-wait context of this rank: its status word, the host mirror, the timeout.
+__device__ __forceinline__ dev::WaitContext make_wait(const SymmetricHandle& sym, const Layout& L,
+                                                      const Waits& w) {
+  return dev::WaitContext{at<DeviceStatus>(sym.local, L.status), w.host_status, w.timeout_ns,
+                          sym.rank};
+}
+
+// Index of the f32 scale of (row, group) in a [rows][groups] or [groups][rows] scale area.
+__device__ __forceinline__ size_t scale_index(const Shape& S, int row, int group, int rows) {
+  return S.scale_col_major ? size_t(group) * rows + row : size_t(row) * S.groups + group;
+}
+
+// Lowest rank of a non-empty rank mask.
+__device__ __forceinline__ int lowest_rank(uint64_t mask) {
+  return __ffsll(static_cast<long long>(mask)) - 1;
+}
+
+// A token's row in every rank's receive area (-1: not sent there), spread over a warp: lane l
+// holds rank l in `lo` and rank l + 32 in `hi`. Every lane of the warp calls the members.
+struct RankSlots {
+  int lo;
+  int hi;
+  // The row at rank r, in every lane.
+  __device__ __forceinline__ int of(int r) const {
+    return __shfl_sync(kFullWarp, r < 32 ? lo : hi, r & 31);
+  }
+  // The ranks with a row.
+  __device__ __forceinline__ uint64_t ranks() const {
+    return uint64_t(__ballot_sync(kFullWarp, lo >= 0)) |
+           (uint64_t(__ballot_sync(kFullWarp, hi >= 0)) << 32);
+  }
+};
+
+// Token n's slots from send_slot ([tokens][W]).
+__device__ __forceinline__ RankSlots load_rank_slots(const int32_t* send_slot, int n, int W,
+                                                     int lane) {
+  const int32_t* row = send_slot + size_t(n) * W;
+  return RankSlots{lane < W ? row[lane] : -1, lane + 32 < W ? row[lane + 32] : -1};
+}
+
+// ---- bf16 vectors: 8 elements in 16 bytes --------------------------------------------------
+
+__device__ __forceinline__ void bf16x8_to_float(const int4 v, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&f)[8]) {
+  bf16x8_to_float(*reinterpret_cast<const int4*>(p), f);
+}
+
+// Rounds 8 f32 sums to bf16 once each and stores them as one 16-byte vector.
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  *reinterpret_cast<int4*>(dst) = o;
+}
+
+}  // namespace epx::peer
