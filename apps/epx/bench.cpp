@@ -41,17 +41,17 @@ constexpr size_t kCopyBytes = size_t(1) << 30;
 constexpr int kCopyRepeats = 20;
 
 struct BenchFlags {
-  ShapeFlagValues shape;
+  SweepFlags sweep;
   std::string backends = "low_latency,allgather_reducescatter,naive";
   int iters = 100;
   int warmup = 20;
   std::string json_path;
   bool no_verify = false;
-  std::string world_kind = "inproc";
+  std::string world_kind = "in-process";
 };
 
 struct BenchPlan {
-  BenchShape shape;
+  Sweep shape;
   std::vector<Backend> backends;
   LaunchSource launch;
   int iters = 0;
@@ -66,27 +66,22 @@ struct BenchPlan {
 // left out, it is EPX_WORLD_SIZE).
 BenchPlan validate(const BenchFlags& f, bool world_given) {
   BenchPlan p;
-  const std::string& kind = f.world_kind;
-  if (kind != "inproc" && kind != "in-process" && kind != "ipc" && kind != "nccl") {
-    EPX_THROW(ConfigError, fmt::format("--world-kind = '{}', expected inproc (in-process), ipc "
-                                       "or nccl",
-                                       kind));
-  }
-  p.ipc = kind == "ipc" || kind == "nccl";
-  p.nccl = kind == "nccl";
-  ShapeFlagValues shape = f.shape;
+  const WorldKind kind = parse_world_kind(f.world_kind);
+  p.ipc = one_process_per_rank(kind);
+  p.nccl = kind == WorldKind::kNccl;
+  SweepFlags sweep = f.sweep;
   if (p.ipc) {
     const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
-    if (world_given && shape.world != env.world_size) {
+    if (world_given && sweep.shape.world != env.world_size) {
       EPX_THROW(ConfigError,
                 fmt::format("--world = {}, expected EPX_WORLD_SIZE = {} with --world-kind ipc (one "
                             "process per rank: run `epx launch -n {} -- epx bench --world-kind "
                             "ipc ...`, or leave --world out)",
-                            shape.world, env.world_size, shape.world));
+                            sweep.shape.world, env.world_size, sweep.shape.world));
     }
-    shape.world = env.world_size;
+    sweep.shape.world = env.world_size;
   }
-  p.shape = validate_shape(shape);
+  p.shape = make_sweep(sweep);
   for (const std::string& name : split_list(f.backends, "--backends")) {
     const Backend b = parse_backend_flag(name, "--backends");
     for (Backend seen : p.backends) {
@@ -460,11 +455,11 @@ bool run_bench(const BenchPlan& p) {
   require_gpu_for("epx bench");
   EpConfig base = p.shape.cfg;
   const int W = base.world_size;
-  InProcessWorld world(W, first_gpus(p.shape.gpus));
+  InProcessWorld world(W, p.shape.devices);
   const GpuInfo gpu = gpu_info(world.device_of(0));
   fmt::print("epx bench: {} in-process ranks on {} x {} ({} SMs, {} blocks per rank), H {}, "
              "E {}, K {}, dtype {}, layout {}, routing {}, seed {}\n",
-             W, p.shape.gpus, gpu.name, gpu.sm_count, world.sm_budget(0), base.hidden, base.num_experts,
+             W, p.shape.devices.size(), gpu.name, gpu.sm_count, world.sm_budget(0), base.hidden, base.num_experts,
              base.topk, to_string(base.dtype), to_string(base.layout), p.shape.routing_name,
              p.shape.seed);
   fmt::print("  backends {}, tokens/rank {}, {} timed rounds after {} warm-up, verify {}, "
@@ -488,9 +483,7 @@ bool run_bench(const BenchPlan& p) {
 
   std::vector<TokenResult> results;
   for (const int T : p.shape.tokens) {
-    EpConfig cfg = base;
-    cfg.max_tokens_per_rank = T;
-    cfg.validate();
+    const EpConfig cfg = p.shape.config_for(T);
     const auto t0 = std::chrono::steady_clock::now();
     DeviceInputs inputs(world, cfg, T, p.shape.routing, p.shape.seed);
     TokenResult tr;
@@ -840,9 +833,7 @@ bool run_bench_process(const BenchPlan& p, World& world,
   std::vector<TokenResult> results;
   nlohmann::json yardstick = nlohmann::json::array();  // --world-kind nccl: NCCL's collectives
   for (const int T : p.shape.tokens) {
-    EpConfig cfg = base;
-    cfg.max_tokens_per_rank = T;
-    cfg.validate();
+    const EpConfig cfg = p.shape.config_for(T);
     const auto t0 = std::chrono::steady_clock::now();
     DeviceInputs inputs(me, world.device(), cfg, T, p.shape.routing, p.shape.seed);
     TokenResult tr;
@@ -938,7 +929,7 @@ void add_bench(CLI::App& app, int& exit_code) {
       "bench", "dispatch/combine latency (median, p90; CUDA graph and eager) and bandwidth of "
                "each backend side by side, after checking each against the CPU reference "
                "(honours EPX_CONFIG_PATH and EPX_TIMEOUT_MS)");
-  add_shape_flag_options(c, f->shape);
+  add_sweep_flags(c, f->sweep);
   c->add_option("--backends", f->backends,
                 "comma list of naive | allgather_reducescatter | low_latency")
       ->capture_default_str();
@@ -947,7 +938,7 @@ void add_bench(CLI::App& app, int& exit_code) {
   c->add_option("--json", f->json_path, "also write the results as JSON to FILE");
   c->add_flag("--no-verify", f->no_verify, "skip the correctness check before timing");
   c->add_option("--world-kind", f->world_kind,
-                "inproc (every rank a stream of this process) | ipc (this process is one rank: "
+                "in-process (every rank a stream of this process) | ipc (this process is one rank: "
                 "run under `epx launch -n W`; --world defaults to EPX_WORLD_SIZE) | nccl (as ipc, "
                 "memory through NCCL windows; one GPU per rank)")
       ->capture_default_str();

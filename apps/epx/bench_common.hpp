@@ -1,5 +1,5 @@
 #pragma once
-// Shared by `epx bench` and `epx tune`: flag validation, the byte volumes of DESIGN §8 (no
+// Shared by `epx bench`, `epx tune` and `epx serve-bench`: the flags (flags.hpp), the byte volumes of DESIGN §8 (no
 // CUDA), and, in CUDA builds, the timing method of DESIGN §8.
 //
 // Timing method: a main stream forks to one non-blocking stream per rank (event recorded on the
@@ -12,7 +12,6 @@
 // end, so the host stays ahead of the GPU in graph mode; eager figures include the host's
 // launch cost of W ranks' calls, which is what eager mode costs an engine.
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "epx/config.hpp"
+#include "flags.hpp"
 #include "reference/reference.hpp"
 
 #if EPX_HAVE_CUDA
@@ -37,56 +37,6 @@ class InProcessWorld;
 }
 
 namespace epx::cli {
-
-// ---- flags (no CUDA) ---------------------------------------------------------------------------
-
-// Shape flags common to bench and tune; defaults are the DeepSeek-R1 shape on 8 ranks.
-struct ShapeFlagValues {
-  int world = 8;
-  int gpus = 1;  // in-process: ranks round-robin over GPUs 0 .. gpus-1
-  int hidden = 7168;
-  int experts = 256;
-  int topk = 8;
-  std::string tokens = "128,4096";
-  std::string dtype = "bf16-to-fp8";
-  std::string layout = "token";
-  std::string routing = "uniform";
-  uint64_t seed = 1;
-};
-void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f);
-
-// The validated shape. cfg.max_tokens_per_rank is set per measured token count by the caller
-// (one group per token count); cfg.timeout_ms already honours EPX_TIMEOUT_MS.
-struct BenchShape {
-  EpConfig cfg;
-  std::vector<int> tokens;  // tokens per rank, each measured separately, in the order given
-  ref::RoutingKind routing = ref::RoutingKind::kUniform;
-  std::string routing_name;
-  uint64_t seed = 1;
-  int gpus = 1;
-};
-// Throws ConfigError naming the flag, the value and the bound.
-BenchShape validate_shape(const ShapeFlagValues& f);
-// GPUs 0 .. n-1: where an in-process world of --gpus n places its ranks (round-robin).
-std::vector<int> first_gpus(int n);
-
-// "a,b,c" -> items (empty items are errors naming `flag`).
-std::vector<std::string> split_list(const std::string& text, const char* flag);
-// Comma list of integers, each in [lo, hi], no repeats; throws ConfigError naming `flag`.
-std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi,
-                                const std::string& why = "");
-// Throws ConfigError "<flag> = <value>, expected <bound>" unless lo <= value <= hi.
-void check_range(const char* flag, int64_t value, int64_t lo, int64_t hi, const std::string& why = "");
-// Same routing names as `epx check`.
-ref::RoutingKind parse_routing_flag(const std::string& name);
-Backend parse_backend_flag(const std::string& name, const char* flag);
-
-// Launch configs from EPX_CONFIG_PATH (or all zero = backend defaults) and where they came from.
-struct LaunchSource {
-  LaunchConfigs launch;
-  std::string origin;  // "EPX_CONFIG_PATH=<path>" or "backend defaults"
-};
-LaunchSource launch_from_env();
 
 // ---- figures (no CUDA) -------------------------------------------------------------------------
 

@@ -28,54 +28,6 @@
 namespace epx::cli {
 namespace {
 
-struct ShapeFlags {
-  int world = 8;
-  int gpus = 1;
-  int hidden = 7168;
-  int experts = 256;
-  int topk = 8;
-  int max_tokens = 0;  // 0 = the largest of --tokens (at least 1)
-  std::string dtype = "bf16-to-fp8";
-  std::string layout = "token";
-  std::string scale_layout = "row";
-  int timeout_ms = 0;  // 0 = EPX_TIMEOUT_MS or the default
-};
-
-void add_shape_flags(CLI::App* c, ShapeFlags& f) {
-  c->add_option("--world", f.world, "ranks")->capture_default_str();
-  c->add_option("--gpus", f.gpus,
-                "in-process: spread the ranks round-robin over GPUs 0..N-1 (default: all on GPU 0)")
-      ->capture_default_str();
-  c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
-  c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
-  c->add_option("--topk", f.topk, "experts per token K")->capture_default_str();
-  c->add_option("--max-tokens", f.max_tokens,
-                "max tokens per rank (default: the largest --tokens value)");
-  c->add_option("--dtype", f.dtype, "bf16 | fp8 | bf16-to-fp8")->capture_default_str();
-  c->add_option("--layout", f.layout, "token | expert")->capture_default_str();
-  c->add_option("--scale-layout", f.scale_layout, "row | column (received fp8 scales)")
-      ->capture_default_str();
-  c->add_option("--timeout-ms", f.timeout_ms,
-                "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
-}
-
-EpConfig make_config(const ShapeFlags& f, int max_tokens) {
-  EpConfig cfg;
-  cfg.world_size = f.world;
-  cfg.hidden = f.hidden;
-  cfg.num_experts = f.experts;
-  cfg.topk = f.topk;
-  cfg.max_tokens_per_rank = f.max_tokens > 0 ? f.max_tokens : std::max(1, max_tokens);
-  cfg.dtype = parse_dispatch_dtype(f.dtype);
-  cfg.layout = parse_output_layout(f.layout);
-  cfg.scale_layout = parse_scale_layout(f.scale_layout);
-  const EnvSettings env = read_env();
-  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
-  if (f.timeout_ms > 0) cfg.timeout_ms = f.timeout_ms;
-  cfg.validate();
-  return cfg;
-}
-
 [[maybe_unused]] std::string mib(size_t bytes) {
   return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20));
 }
@@ -98,26 +50,35 @@ struct CheckFlags {
   std::string world_kind = "in-process";
   bool moe = false;
   int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
-  MoeCheckFlags moe_flags;   // the layer's own flags; the shape flags are copied in at run time
+  MoeLayerFlags moe_flags;   // the layer's own flags
 };
 
-// `epx check --moe`: the shared flags of `check` into MoeCheckFlags.
+// `epx check --moe`: the shared flags of `check` and the layer's own.
 MoeCheckFlags moe_check_flags(const CheckFlags& f) {
-  MoeCheckFlags m = f.moe_flags;
-  m.world = f.shape.world;
-  m.hidden = f.shape.hidden;
-  m.experts = f.shape.experts;
-  m.topk = f.shape.topk;
-  m.max_tokens = f.shape.max_tokens;
-  m.dtype = f.shape.dtype;
-  m.layout = f.shape.layout;
-  m.scale_layout = f.shape.scale_layout;
-  m.timeout_ms = f.shape.timeout_ms;
-  m.tokens = f.tokens;
-  m.backend = f.backend;
-  m.seed = f.seed;
-  return m;
+  return {.shape = f.shape, .tokens = f.tokens, .backend = f.backend, .seed = f.seed,
+          .layer = f.moe_flags};
 }
+
+#if EPX_HAVE_CUDA
+// --tokens: the per-rank counts, and max_tokens_per_rank unless --max-tokens is given.
+testing::CheckOptions check_options(const CheckFlags& f) {
+  testing::CheckOptions o;
+  o.tokens = tokens_per_rank(parse_token_counts(f.tokens, "--tokens"), f.shape.world, "--tokens",
+                             f.tokens);
+  o.cfg = f.shape.config(std::max(1, *std::max_element(o.tokens.begin(), o.tokens.end())));
+  o.backend = backend_or_env(f.backend, "--backend");
+  o.launch = launch_from_env().launch;
+  o.routing = parse_routing_flag(f.routing);
+  o.seed = f.seed;
+  o.iters = f.iters;
+  o.graph_replays = f.graph;
+  o.mixed = f.mixed;
+  o.ids_int64 = f.ids64;
+  o.pool = f.pool;
+  o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
+  return o;
+}
+#endif
 
 #if EPX_HAVE_CUDA
 // `epx check --world-kind ipc`: this process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch`
@@ -137,27 +98,11 @@ void run_check_ipc_cli(const CheckFlags& flags, bool world_given, int& exit_code
   EPX_CHECK(fl.fault_kill_rank < fl.shape.world, ConfigError, "--fault-kill-rank",
             fl.fault_kill_rank, fmt::format("a rank of the world, in [0, {})", fl.shape.world));
   require_gpu("epx check");
-  testing::CheckOptions o;
-  o.tokens = testing::parse_token_list(fl.tokens, "--tokens");
-  int max_t = 0;
-  for (int t : o.tokens) max_t = std::max(max_t, t);
-  o.cfg = make_config(fl.shape, max_t);
-  const EnvSettings env = read_env();
-  o.backend =
-      !fl.backend.empty() ? parse_backend(fl.backend) : env.backend.value_or(Backend::kLowLatency);
-  if (env.config_path) o.launch = load_launch_configs(*env.config_path);
-  o.routing = parse_routing_flag(fl.routing);
-  o.seed = fl.seed;
-  o.iters = fl.iters;
-  o.graph_replays = fl.graph;
-  o.mixed = fl.mixed;
-  o.ids_int64 = fl.ids64;
-  o.pool = fl.pool;
-  o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
+  testing::CheckOptions o = check_options(fl);
   // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
   const int gpus = cuda_device_count();
   const int device = gpus > 0 ? env_world.rank % gpus : -1;
-  const bool nccl = fl.world_kind == "nccl";
+  const bool nccl = parse_world_kind(fl.world_kind) == WorldKind::kNccl;
   auto run_on = [&](auto& world) {
     const bool lead = world.rank() == 0;
     const EpConfig& cfg = o.cfg;
@@ -213,10 +158,10 @@ void add_check(CLI::App& app, int& exit_code) {
       "check",
       "run dispatch -> identity expert -> combine on the GPU and compare every output "
       "with the CPU reference (exit 0 only if all match)");
-  add_shape_flags(c, f->shape);
+  add_shape_flags(c, f->shape, MaxTokensFlag::kOffered);
   c->add_option("--tokens", f->tokens, "tokens per rank: one count, or a comma list (one per rank)")
       ->capture_default_str();
-  c->add_option("--routing", f->routing, "uniform | skew | one-expert | masked")
+  c->add_option("--routing", f->routing, kRoutingNames)
       ->capture_default_str();
   c->add_option("--backend", f->backend, "low_latency (default: EPX_BACKEND or low_latency)");
   c->add_option("--seed", f->seed, "seed of inputs and routing")->capture_default_str();
@@ -276,7 +221,8 @@ void add_check(CLI::App& app, int& exit_code) {
                                        c->get_option("--graph-split")};
   CLI::Option* gpus_opt = c->get_option("--gpus");
   c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
-    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && f->world_kind != "in-process"), ConfigError,
+    const WorldKind kind = parse_world_kind(f->world_kind);
+    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && one_process_per_rank(kind)), ConfigError,
               "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");
     if (f->moe) {
       for (CLI::Option* o : not_moe)
@@ -288,47 +234,27 @@ void add_check(CLI::App& app, int& exit_code) {
     for (CLI::Option* o : moe_only)
       EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given", "only with --moe");
 #if EPX_HAVE_CUDA
-    EPX_CHECK(f->world_kind == "in-process" || f->world_kind == "ipc" || f->world_kind == "nccl",
-              ConfigError, "--world-kind", "'" + f->world_kind + "'", "in-process, ipc or nccl");
     EPX_CHECK(f->graph_execs >= 1 && f->graph_execs <= 64, ConfigError, "--graph-execs",
               f->graph_execs, "in [1, 64]");
     for (const auto& [given, name] : {std::pair{f->graph_conditional, "--graph-conditional"},
                                       std::pair{f->rank_threads, "--rank-threads"},
                                       std::pair{f->graph_execs != 1, "--graph-execs"},
                                       std::pair{f->graph_split, "--graph-split"}}) {
-      EPX_CHECK(!given || (f->graph > 0 && f->world_kind == "in-process"), ConfigError, name,
+      EPX_CHECK(!given || (f->graph > 0 && kind == WorldKind::kInProcess), ConfigError, name,
                 "given", "only with --graph and --world-kind in-process");
     }
-    if (f->world_kind == "ipc" || f->world_kind == "nccl") {
+    if (one_process_per_rank(kind)) {
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
       run_check_ipc_cli(*f, world_opt->count() > 0, exit_code);
       return;
     }
-    testing::CheckOptions o;
-    o.tokens = testing::parse_token_list(f->tokens, "--tokens");
-    int max_t = 0;
-    for (int t : o.tokens) max_t = std::max(max_t, t);
-    o.cfg = make_config(f->shape, max_t);
-    EPX_CHECK(f->shape.gpus >= 1 && f->shape.gpus <= f->shape.world, ConfigError, "--gpus",
-              f->shape.gpus, fmt::format("in [1, --world = {}]", f->shape.world));
-    o.gpus = f->shape.gpus;
-    const EnvSettings env = read_env();
-    o.backend = !f->backend.empty() ? parse_backend(f->backend)
-                                    : env.backend.value_or(Backend::kLowLatency);
-    if (env.config_path) o.launch = load_launch_configs(*env.config_path);
-    o.routing = parse_routing_flag(f->routing);
-    o.seed = f->seed;
-    o.iters = f->iters;
-    o.graph_replays = f->graph;
-    o.mixed = f->mixed;
+    testing::CheckOptions o = check_options(*f);
+    o.gpus = int(f->shape.devices().size());
     o.conditional = f->graph_conditional;
     o.rank_threads = f->rank_threads;
     o.graph_execs = f->graph_execs;
     o.graph_split = f->graph_split;
-    o.ids_int64 = f->ids64;
-    o.pool = f->pool;
-    o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
     const EpConfig& cfg = o.cfg;
     fmt::print(
         "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
@@ -361,11 +287,11 @@ void add_selftest(CLI::App& app, int& exit_code) {
       app.add_subcommand("selftest",
                          "CPU only: check the reference's own invariants (delivery, dedup, counts, "
                          "combine of identity experts = sum_k w_k x within bf16 rounding)");
-  add_shape_flags(c, *f);
+  add_shape_flags(c, *f, MaxTokensFlag::kOffered);
   c->add_option("--tokens", *tokens, "tokens per rank")->capture_default_str();
   c->add_option("--seeds", *seeds, "random cases")->capture_default_str();
   c->callback([f, seeds, tokens, &exit_code] {
-    EpConfig cfg = make_config(*f, *tokens);
+    const EpConfig cfg = f->config(std::max(1, *tokens));
     int failures = 0;
     double worst = 0.0;
     for (int seed = 1; seed <= *seeds; ++seed) {
@@ -434,17 +360,18 @@ void add_sizes(CLI::App& app, int& exit_code) {
   auto f = std::make_shared<ShapeFlags>();
   auto tokens = std::make_shared<std::string>("128,1024");
   CLI::App* c = app.add_subcommand("sizes", "device memory of one rank's low_latency object");
-  add_shape_flags(c, *f);
+  add_shape_flags(c, *f, MaxTokensFlag::kOffered);
   c->add_option("--tokens", *tokens, "max tokens per rank, comma list")->capture_default_str();
   c->callback([f, tokens, &exit_code] {
 #if EPX_HAVE_CUDA
     fmt::print("{:>10} {:>8} {:>7} {:>16}\n", "max_tok", "dtype", "layout", "bytes per rank");
-    for (int t : testing::parse_token_list(*tokens, "--tokens")) {
+    for (int t : parse_int_list(*tokens, "--tokens", 1, kMaxTokensPerRank, "",
+                                      Repeats::kAllowed)) {
       for (const char* layout : {"token", "expert"}) {
         ShapeFlags g = *f;
-        g.max_tokens = t;
+        g.max_tokens = 0;
         g.layout = layout;
-        const EpConfig cfg = make_config(g, t);
+        const EpConfig cfg = g.config(t);
         fmt::print("{:>10} {:>8} {:>7} {:>16}\n", t, to_string(cfg.dtype), layout,
                    mib(low_latency_buffer_bytes(cfg)));
       }

@@ -249,46 +249,26 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   }
 
   // Flags -> shapes (no CUDA yet).
-  check_range("--world", f.world, 1, kMaxRanks);
-  EPX_CHECK(f.tolerance > 0 && std::isfinite(f.tolerance), ConfigError, "--tolerance", f.tolerance,
+  const MoeLayerFlags& l = f.layer;
+  EPX_CHECK(l.tolerance > 0 && std::isfinite(l.tolerance), ConfigError, "--tolerance", l.tolerance,
             "> 0");
-  const std::vector<int> list = testing::parse_token_list(f.tokens, "--tokens");
-  EPX_CHECK(list.size() == 1 || int(list.size()) == f.world, ConfigError, "--tokens", f.tokens,
-            fmt::format("one count or {} counts (one per rank)", f.world));
-  std::vector<int> tokens(static_cast<size_t>(f.world));
-  for (int r = 0; r < f.world; ++r)
-    tokens[size_t(r)] = list.size() == 1 ? list[0] : list[size_t(r)];
-  int max_t = 1;
-  for (int t : tokens) max_t = std::max(max_t, t);
-
-  EpConfig cfg;
-  cfg.world_size = f.world;
-  cfg.hidden = f.hidden;
-  cfg.num_experts = f.experts;
-  cfg.topk = f.topk;
-  cfg.max_tokens_per_rank = f.max_tokens > 0 ? f.max_tokens : max_t;
-  cfg.dtype = parse_dispatch_dtype(f.dtype);
-  cfg.layout = parse_output_layout(f.layout);
-  cfg.scale_layout = parse_scale_layout(f.scale_layout);
-  const EnvSettings env = read_env();
-  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
-  if (f.timeout_ms > 0) cfg.timeout_ms = f.timeout_ms;
-  cfg.validate();
-  const Backend backend =
-      !f.backend.empty() ? parse_backend(f.backend) : env.backend.value_or(Backend::kLowLatency);
-  LaunchConfigs launch;
-  if (env.config_path) launch = load_launch_configs(*env.config_path);
+  const std::vector<int> list = parse_token_counts(f.tokens, "--tokens");
+  const EpConfig cfg = f.shape.config(std::max(1, *std::max_element(list.begin(), list.end())));
+  const int num_ranks = cfg.world_size;
+  const std::vector<int> tokens = tokens_per_rank(list, num_ranks, "--tokens", f.tokens);
+  const Backend backend = backend_or_env(f.backend, "--backend");
+  const LaunchConfigs launch = launch_from_env().launch;
 
   ref::moe::MoeShape rs;
-  rs.hidden = f.hidden;
-  rs.intermediate = f.intermediate;
-  rs.num_experts = f.experts;
-  rs.topk = f.topk;
-  rs.num_groups = f.groups;
-  rs.topk_groups = f.topk_groups;
+  rs.hidden = cfg.hidden;
+  rs.intermediate = l.intermediate;
+  rs.num_experts = cfg.num_experts;
+  rs.topk = cfg.topk;
+  rs.num_groups = l.groups;
+  rs.topk_groups = l.topk_groups;
   rs.routed_scaling = 2.5f;
-  rs.shared_intermediate = f.shared_intermediate;
-  rs.scoring = parse_scoring(f.scoring);
+  rs.shared_intermediate = l.shared_intermediate;
+  rs.scoring = parse_scoring(l.scoring);
   rs.validate();
   MoeShape shape;
   shape.hidden = rs.hidden;
@@ -311,7 +291,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   }
   EPX_CHECK(total <= int64_t(1) << 30, ConfigError, "--tokens", f.tokens,
             "at most 2^30 tokens over all ranks");
-  const bool with_cpu_ref = f.hidden <= 1024 && f.experts <= 64;
+  const bool with_cpu_ref = cfg.hidden <= 1024 && cfg.num_experts <= 64;
 
   require_gpu("epx check --moe");
 
@@ -322,24 +302,24 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
       to_string(backend), cfg.world_size, shape.hidden, shape.intermediate, shape.num_experts,
       shape.topk, shape.num_groups, shape.topk_groups, shape.shared_intermediate,
       ref::moe::to_string(rs.scoring), f.tokens, t, chunks, to_string(cfg.dtype),
-      to_string(cfg.layout), to_string(cfg.scale_layout), f.seed, f.tolerance);
+      to_string(cfg.layout), to_string(cfg.scale_layout), f.seed, l.tolerance);
   fmt::print("  {}\n", loading_note);
   std::fflush(stdout);
 
   // 2. Worlds, groups and every layer before any forward.
   auto t0 = std::chrono::steady_clock::now();
-  InProcessWorld world(f.world);
+  InProcessWorld world(num_ranks);
   InProcessWorld world1(1);
   auto group = make_all2all_group(backend, cfg, world, launch);
   EpConfig cfg1 = cfg;
   cfg1.rank = 0;
   cfg1.world_size = 1;
   auto group1 = make_all2all_group(backend, cfg1, world1, launch);
-  std::vector<std::unique_ptr<MoeLayer>> layers(static_cast<size_t>(f.world));
+  std::vector<std::unique_ptr<MoeLayer>> layers(static_cast<size_t>(num_ranks));
   std::unique_ptr<MoeLayer> layer1;
   // Threads 0..W-1 build the ranks' layers, thread W the one-rank layer.
-  parallel_for(f.world + 1, [&](int i) {
-    if (i < f.world) {
+  parallel_for(num_ranks + 1, [&](int i) {
+    if (i < num_ranks) {
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(i)));
       layers[size_t(i)] = std::make_unique<MoeLayer>(shape, f.seed, group[size_t(i)]->config(),
                                                      world.sm_budget(i));
@@ -348,13 +328,13 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
       layer1 = std::make_unique<MoeLayer>(shape, f.seed, group1[0]->config());
     }
   });
-  fmt::print("  built {} rank layer(s) and the one-rank layer in {:.1f} s\n", f.world,
+  fmt::print("  built {} rank layer(s) and the one-rank layer in {:.1f} s\n", num_ranks,
              seconds_since(t0));
   std::fflush(stdout);
 
   // 3. Inputs.
-  std::vector<RankRun> runs(static_cast<size_t>(f.world));
-  for (int r = 0; r < f.world; ++r) {
+  std::vector<RankRun> runs(static_cast<size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r) {
     RankRun& run = runs[size_t(r)];
     run.device = world.device_of(r);
     run.tokens = tokens[size_t(r)];
@@ -368,12 +348,12 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   for (const RankRun& run : runs) one.x.insert(one.x.end(), run.x.begin(), run.x.end());
   upload_inputs(one, shape.hidden, shape.topk);
   std::vector<std::unique_ptr<Stream>> streams;
-  for (int r = 0; r < f.world; ++r) streams.push_back(std::make_unique<Stream>(world.device_of(r)));
+  for (int r = 0; r < num_ranks; ++r) streams.push_back(std::make_unique<Stream>(world.device_of(r)));
   Stream stream1(one.device);
 
   // 4. W ranks, one host thread each.
   t0 = std::chrono::steady_clock::now();
-  parallel_for(f.world, [&](int r) {
+  parallel_for(num_ranks, [&](int r) {
     RankRun& run = runs[size_t(r)];
     EPX_CUDA_CHECK(cudaSetDevice(run.device));
     const MoeRoutingOut routing{run.dids.as<int32_t>(), run.dw.as<float>()};
@@ -396,7 +376,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   const double secs_1 = seconds_since(t0);
   download_outputs(one, shape.hidden, shape.topk);
   fmt::print("  forward: world {} in {:.3f} s (host threads, first call), one rank in {:.3f} s\n",
-             f.world, secs_w, secs_1);
+             num_ranks, secs_w, secs_1);
 
   const int h = shape.hidden;
   const int k = shape.topk;
@@ -406,7 +386,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
     NormAccumulator acc;
     int64_t routing_diff = 0;
     int64_t off = 0;
-    for (int r = 0; r < f.world; ++r) {
+    for (int r = 0; r < num_ranks; ++r) {
       const RankRun& run = runs[size_t(r)];
       for (int n = 0; n < run.tokens; ++n) {
         const auto got = to_float(run.y.data() + size_t(n) * h, size_t(h));
@@ -421,7 +401,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
     fmt::print("  routing: {} of {} token(s) routed differently by the two runs\n", routing_diff,
                total);
     const NormReport rep = acc.report();
-    ok &= report_line(fmt::format("world {} vs one rank", f.world).c_str(), rep, f.tolerance);
+    ok &= report_line(fmt::format("world {} vs one rank", num_ranks).c_str(), rep, l.tolerance);
     summary += fmt::format("vs one rank {:.3e} (worst token {:.3e})", rep.rel, rep.worst);
   }
 
@@ -429,9 +409,9 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   if (with_cpu_ref) {
     t0 = std::chrono::steady_clock::now();
     const ref::moe::MoeWeights weights = ref::moe::make_moe_weights(rs, f.seed);
-    std::vector<std::vector<float>> ref_w(static_cast<size_t>(f.world)),
-        ref_1(static_cast<size_t>(f.world));
-    parallel_for(f.world, [&](int r) {
+    std::vector<std::vector<float>> ref_w(static_cast<size_t>(num_ranks)),
+        ref_1(static_cast<size_t>(num_ranks));
+    parallel_for(num_ranks, [&](int r) {
       const RankRun& run = runs[size_t(r)];
       int64_t start = 0;
       for (int q = 0; q < r; ++q) start += runs[size_t(q)].tokens;
@@ -446,7 +426,7 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
     });
     NormAccumulator acc_w, acc_1;
     int64_t off = 0;
-    for (int r = 0; r < f.world; ++r) {
+    for (int r = 0; r < num_ranks; ++r) {
       const RankRun& run = runs[size_t(r)];
       for (int n = 0; n < run.tokens; ++n) {
         const auto got_w = to_float(run.y.data() + size_t(n) * h, size_t(h));
@@ -462,8 +442,8 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
     const NormReport rep_w = acc_w.report();
     const NormReport rep_1 = acc_1.report();
     ok &=
-        report_line(fmt::format("world {} vs CPU reference", f.world).c_str(), rep_w, f.tolerance);
-    ok &= report_line("one rank vs CPU reference", rep_1, f.tolerance);
+        report_line(fmt::format("world {} vs CPU reference", num_ranks).c_str(), rep_w, l.tolerance);
+    ok &= report_line("one rank vs CPU reference", rep_1, l.tolerance);
     summary += fmt::format(
         ", vs CPU reference {:.3e} (worst token {:.3e}), one rank vs CPU "
         "reference {:.3e}",
@@ -475,8 +455,8 @@ int run_moe_check_gpu(const MoeCheckFlags& f) {
   fmt::print(
       "{}: MoE layer, backend {}, world {}, layout {}, dtype {}: ||d||/||ref|| {}; "
       "tolerance {:.1e}\n",
-      ok ? "PASS" : "FAIL", to_string(backend), f.world, to_string(cfg.layout),
-      to_string(cfg.dtype), summary, f.tolerance);
+      ok ? "PASS" : "FAIL", to_string(backend), num_ranks, to_string(cfg.layout),
+      to_string(cfg.dtype), summary, l.tolerance);
   std::fflush(stdout);
   return ok ? 0 : 1;
 }

@@ -29,7 +29,7 @@ constexpr int kMaxTuneIters = 100000;
 constexpr int kBlockSeries[] = {4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
 
 struct TuneFlags {
-  ShapeFlagValues shape;
+  SweepFlags sweep;
   std::string backend = "low_latency";
   int iters = 30;
   int warmup = 10;
@@ -39,7 +39,7 @@ struct TuneFlags {
 };
 
 struct TunePlan {
-  BenchShape shape;
+  Sweep shape;
   Backend backend{};
   int iters = 0;
   int warmup = 0;
@@ -50,7 +50,7 @@ struct TunePlan {
 
 TunePlan validate(const TuneFlags& f) {
   TunePlan p;
-  p.shape = validate_shape(f.shape);
+  p.shape = make_sweep(f.sweep);
   p.backend = parse_backend_flag(f.backend, "--backend");
   check_range("--iters", f.iters, kMinTuneIters, kMaxTuneIters, "the median of each candidate");
   check_range("--warmup", f.warmup, 0, kMaxTuneIters);
@@ -105,8 +105,7 @@ class Tuner {
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t i = 0; i < p_.shape.tokens.size() && c.status == "ok"; ++i) {
       const int T = p_.shape.tokens[i];
-      EpConfig cfg = p_.shape.cfg;
-      cfg.max_tokens_per_rank = T;
+      const EpConfig cfg = p_.shape.config_for(T);
       try {
         const testing::CheckReport rep = checker(i, cfg).run(c.launch);
         if (!rep.ok) {
@@ -239,7 +238,7 @@ bool run_tune(const TunePlan& p) {
   require_gpu_for("epx tune");
   const EpConfig& base = p.shape.cfg;
   const int W = base.world_size;
-  InProcessWorld world(W, first_gpus(p.shape.gpus));
+  InProcessWorld world(W, p.shape.devices);
   int budget = world.sm_budget(0);
   for (int r = 1; r < W; ++r) budget = std::min(budget, world.sm_budget(r));
   std::vector<int> blocks = p.blocks;
@@ -268,9 +267,8 @@ bool run_tune(const TunePlan& p) {
   ForkJoin fj(world);
   std::vector<std::unique_ptr<DeviceInputs>> inputs;
   for (int T : p.shape.tokens) {
-    EpConfig cfg = base;
-    cfg.max_tokens_per_rank = T;
-    inputs.push_back(std::make_unique<DeviceInputs>(world, cfg, T, p.shape.routing, p.shape.seed));
+    inputs.push_back(std::make_unique<DeviceInputs>(world, p.shape.config_for(T), T,
+                                                    p.shape.routing, p.shape.seed));
   }
   progress(fmt::format("inputs on the device for tokens/rank {} ({:.1f} s)", tokens,
                        seconds_since(t_start)));
@@ -338,7 +336,7 @@ void add_tune(CLI::App& app, int& exit_code) {
       "tune", "sweep num_blocks x warps_per_block of dispatch, then of combine (with the best "
               "dispatch), check each candidate against the CPU reference, time it as a CUDA "
               "graph, and write the fastest as an EPX_CONFIG_PATH launch file");
-  add_shape_flag_options(c, f->shape);
+  add_sweep_flags(c, f->sweep);
   c->add_option("--backend", f->backend, "naive | allgather_reducescatter | low_latency")
       ->capture_default_str();
   c->add_option("--iters", f->iters, "timed rounds per candidate and token count (at least 10)")

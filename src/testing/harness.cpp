@@ -6,7 +6,6 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <sstream>
 
 #include "testing/harness_internal.hpp"
 #include "testing/identity_expert.hpp"
@@ -16,26 +15,6 @@
 #include "epx/world.hpp"
 
 namespace epx::testing {
-
-std::vector<int> parse_token_list(const std::string& text, const char* what) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t pos = 0;
-    int v = -1;
-    try {
-      v = std::stoi(item, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
-    }
-    EPX_CHECK(pos == item.size() && !item.empty() && v >= 0, InputError, what, "'" + item + "'",
-              "a non-negative integer, or a comma list with one per rank");
-    out.push_back(v);
-  }
-  EPX_CHECK(!out.empty(), InputError, what, "''", "a count or a comma list");
-  return out;
-}
 
 using namespace internal;  // the pieces shared with run_check_ipc (harness_internal.hpp)
 

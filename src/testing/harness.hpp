@@ -100,7 +100,4 @@ CheckReport run_check_nccl(const CheckOptions& options, NcclWorld& world);
 inline CheckReport run_check_world(const CheckOptions& o, IpcWorld& w) { return run_check_ipc(o, w); }
 inline CheckReport run_check_world(const CheckOptions& o, NcclWorld& w) { return run_check_nccl(o, w); }
 
-// Parses "128" or "0,7,128,1024" (one per rank); throws InputError naming `what`.
-std::vector<int> parse_token_list(const std::string& text, const char* what);
-
 }  // namespace epx::testing
