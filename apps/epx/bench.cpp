@@ -196,12 +196,6 @@ int gpus_used(const InProcessWorld& world) {
   return int(devices.size());
 }
 
-// EPX_ABLATE as set (the library validates it when the groups are created).
-std::string ablate_setting() {
-  const char* v = std::getenv("EPX_ABLATE");
-  return v == nullptr ? std::string() : std::string(v);
-}
-
 nlohmann::json in_process_world_json(const InProcessWorld& world) {
   return {{"kind", "in_process"},
           {"ranks", world.size()},
@@ -260,8 +254,7 @@ nlohmann::json make_json(const BenchPlan& p, const nlohmann::json& world_json, c
                      {"warmup", p.warmup},
                      {"verify", p.verify},
                      {"seed", p.shape.seed},
-                     {"timeout_ms", cfg.timeout_ms},
-                     {"ablate", ablate_setting()}};
+                     {"timeout_ms", cfg.timeout_ms}};
   doc["copy_bandwidth"] = {{"bytes", bw.bytes},
                            {"repeats", bw.repeats},
                            {"median_us", bw.median_us},
@@ -452,7 +445,7 @@ BackendResult run_backend(const BenchPlan& p, Backend backend, const EpConfig& c
 
 bool run_bench(const BenchPlan& p) {
   const auto t_start = std::chrono::steady_clock::now();
-  require_gpu_for("epx bench");
+  require_gpu("epx bench");
   EpConfig base = p.shape.cfg;
   const int W = base.world_size;
   InProcessWorld world(W, p.shape.devices);
@@ -466,11 +459,6 @@ bool run_bench(const BenchPlan& p) {
              "launch shapes: {}, timeout {} ms, commit {}\n",
              backend_list(p), fmt::join(p.shape.tokens, ","), p.iters, p.warmup,
              p.verify ? "on" : "off", p.launch.origin, base.timeout_ms, git_commit());
-  if (!ablate_setting().empty()) {
-    fmt::print("  EPX_ABLATE={}: stages are left out to attribute time; results are wrong by "
-               "design (run with --no-verify)\n",
-               ablate_setting());
-  }
   const CopyBandwidth bw = measure_copy_bandwidth(world.device_of(0), kCopyBytes, kCopyRepeats);
   progress(fmt::format("copy bandwidth: {:.1f} GB/s (device-to-device copy of {:.1f} GiB, read + "
                        "write, median of {})",
@@ -701,18 +689,18 @@ nlohmann::json run_nccl_yardstick(const BenchPlan& p, NcclWorld& world, const Ep
   cudaStream_t st = nullptr;
   std::string error;
   try {
-    BENCH_CUDA_CHECK(cudaSetDevice(world.device()));
-    BENCH_CUDA_CHECK(cudaMalloc(&a, bytes));
-    BENCH_CUDA_CHECK(cudaMalloc(&b, bytes));
-    BENCH_CUDA_CHECK(cudaMemset(a, 0, bytes));
-    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+    EPX_CUDA_CHECK(cudaMalloc(&a, bytes));
+    EPX_CUDA_CHECK(cudaMalloc(&b, bytes));
+    EPX_CUDA_CHECK(cudaMemset(a, 0, bytes));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   } catch (const Error& e) {
     error = e.what();
   }
   const std::vector<std::string> setup = boot.all_gather(error);
   for (int r = 0; r < W && error.empty(); ++r)
     if (!setup[size_t(r)].empty()) error = fmt::format("rank {}: {}", r, setup[size_t(r)]);
-  auto sync = [&] { BENCH_CUDA_CHECK(cudaStreamSynchronize(st)); };
+  auto sync = [&] { EPX_CUDA_CHECK(cudaStreamSynchronize(st)); };
   struct Pair {
     const char* name;
     std::function<void()> dispatch, combine;
@@ -768,10 +756,7 @@ template <typename World>
 bool run_bench_process(const BenchPlan& p, World& world,
                        std::chrono::steady_clock::time_point t_start) {
   const std::string kind = p.nccl ? "nccl" : "ipc";
-  if (const cudaError_t e = cudaSetDevice(world.device()); e != cudaSuccess) {
-    EPX_THROW(CudaError, fmt::format("cudaSetDevice({}) failed: {}", world.device(),
-                                     cudaGetErrorString(e)));
-  }
+  EPX_CUDA_CHECK(cudaSetDevice(world.device()));
   Bootstrap& boot = world.bootstrap();
   const int me = world.rank();
   const bool lead = me == 0;
@@ -805,11 +790,6 @@ bool run_bench_process(const BenchPlan& p, World& world,
                p.verify ? "on" : "off", p.launch.origin, base.timeout_ms, git_commit());
     if (time_sliced) {
       fmt::print("  NOTE: {} ranks on one GPU: {}\n", most_on_one_gpu, kTimeSlicedNote);
-    }
-    if (!ablate_setting().empty()) {
-      fmt::print("  EPX_ABLATE={}: stages are left out to attribute time; results are wrong by "
-                 "design (run with --no-verify)\n",
-                 ablate_setting());
     }
     std::fflush(stdout);
   }
@@ -908,7 +888,7 @@ bool run_bench_process(const BenchPlan& p, World& world,
 // sees (as `epx check`).
 bool run_bench_ipc(const BenchPlan& p) {
   const auto t_start = std::chrono::steady_clock::now();
-  require_gpu_for("epx bench");
+  require_gpu("epx bench");
   const BootstrapOptions env = BootstrapOptions::from_env();
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) gpus = 1;

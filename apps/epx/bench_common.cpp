@@ -19,6 +19,7 @@
 #if EPX_HAVE_CUDA
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
+#include "testing/graph_capture.hpp"
 #endif
 
 // Defined in the build tree (cmake/git_commit.cmake), refreshed at every build.
@@ -112,31 +113,15 @@ void progress(const std::string& line) {
 // ---- GPU side ----------------------------------------------------------------------------------
 #if EPX_HAVE_CUDA
 
-// The apps see only the public API, so they carry their own CUDA check (same message shape as
-// the library's).
-
-void require_gpu_for(const char* what) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  if (n == 0) {
-    EPX_THROW(UnsupportedError, fmt::format("{} needs an NVIDIA GPU (sm_90, Hopper), and this "
-                                            "machine has none visible to the CUDA driver",
-                                            what));
-  }
-}
-
 GpuInfo gpu_info(int device) {
   GpuInfo g;
   cudaDeviceProp prop{};
-  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   g.name = prop.name;
   g.sm_count = prop.multiProcessorCount;
-  BENCH_CUDA_CHECK(cudaGetDeviceCount(&g.gpu_count));
-  BENCH_CUDA_CHECK(cudaRuntimeGetVersion(&g.runtime_version));
-  BENCH_CUDA_CHECK(cudaDriverGetVersion(&g.driver_version));
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&g.gpu_count));
+  EPX_CUDA_CHECK(cudaRuntimeGetVersion(&g.runtime_version));
+  EPX_CUDA_CHECK(cudaDriverGetVersion(&g.driver_version));
   return g;
 }
 
@@ -146,7 +131,7 @@ namespace {
 class EventSet {
  public:
   EventSet(size_t n, unsigned flags) : events_(n, nullptr) {
-    for (auto& e : events_) BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    for (auto& e : events_) EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
   }
   ~EventSet() {
     for (auto e : events_)
@@ -162,7 +147,7 @@ class EventSet {
 
 float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0;
-  BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
   return ms * 1000.0f;
 }
 
@@ -178,26 +163,13 @@ struct GraphExec {
 
 // Captures `body` (which enqueues on `stream` and on streams forked from it) into `out`.
 void capture(cudaStream_t stream, const std::function<void()>& body, GraphExec& out) {
-  BENCH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cudaGraph_t graph = nullptr;
-  try {
-    body();
-  } catch (...) {
-    // End the (possibly invalidated) capture so the stream is usable again, then report.
-    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph) (void)cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    throw;
-  }
-  BENCH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  const cudaError_t e = cudaGraphInstantiate(&out.exec, graph, 0);
-  (void)cudaGraphDestroy(graph);
-  BENCH_CUDA_CHECK(e);
+  out.exec = testing::capture_graph(stream, body);
 }
 
 }  // namespace
 
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
-  BENCH_CUDA_CHECK(cudaSetDevice(device));
+  EPX_CUDA_CHECK(cudaSetDevice(device));
   void* src = nullptr;
   void* dst = nullptr;
   cudaStream_t stream = nullptr;
@@ -212,20 +184,20 @@ CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
       if (stream) (void)cudaStreamDestroy(stream);
     }
   } cleanup{src, dst, stream};
-  BENCH_CUDA_CHECK(cudaMalloc(&src, bytes));
-  BENCH_CUDA_CHECK(cudaMalloc(&dst, bytes));
-  BENCH_CUDA_CHECK(cudaMemset(src, 0x5a, bytes));
-  BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPX_CUDA_CHECK(cudaMalloc(&src, bytes));
+  EPX_CUDA_CHECK(cudaMalloc(&dst, bytes));
+  EPX_CUDA_CHECK(cudaMemset(src, 0x5a, bytes));
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   constexpr int kWarmup = 3;
   EventSet ev(2 * size_t(repeats), cudaEventDefault);
   for (int i = 0; i < kWarmup; ++i)
-    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   for (int i = 0; i < repeats; ++i) {
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+    EPX_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    EPX_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<double> us;
   for (int i = 0; i < repeats; ++i) us.push_back(elapsed_us(ev[2 * i], ev[2 * i + 1]));
   CopyBandwidth bw;
@@ -287,24 +259,24 @@ void DeviceInputs::init(const std::vector<int>& devices, const EpConfig& cfg,
       if (devices[size_t(r)] < 0) continue;
       Rank& d = ranks_[r];
       const ref::RankInput& in = host[r];
-      BENCH_CUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
-      BENCH_CUDA_CHECK(cudaMalloc(&d.x, T * H * (fp8_input_ ? 1 : 2)));
-      BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ids), T * K * sizeof(int32_t)));
-      BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.weights), T * K * sizeof(float)));
-      BENCH_CUDA_CHECK(cudaMalloc(&d.y, T * H * 2));
+      EPX_CUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
+      EPX_CUDA_CHECK(cudaMalloc(&d.x, T * H * (fp8_input_ ? 1 : 2)));
+      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ids), T * K * sizeof(int32_t)));
+      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.weights), T * K * sizeof(float)));
+      EPX_CUDA_CHECK(cudaMalloc(&d.y, T * H * 2));
       if (fp8_input_) {
-        BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.scales), T * G * sizeof(float)));
-        BENCH_CUDA_CHECK(cudaMemcpy(d.x, in.x_fp8.data(), T * H, cudaMemcpyHostToDevice));
-        BENCH_CUDA_CHECK(cudaMemcpy(d.scales, in.scales.data(), T * G * sizeof(float),
+        EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.scales), T * G * sizeof(float)));
+        EPX_CUDA_CHECK(cudaMemcpy(d.x, in.x_fp8.data(), T * H, cudaMemcpyHostToDevice));
+        EPX_CUDA_CHECK(cudaMemcpy(d.scales, in.scales.data(), T * G * sizeof(float),
                                     cudaMemcpyHostToDevice));
       } else {
-        BENCH_CUDA_CHECK(cudaMemcpy(d.x, in.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice));
+        EPX_CUDA_CHECK(cudaMemcpy(d.x, in.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice));
       }
-      BENCH_CUDA_CHECK(cudaMemcpy(d.ids, in.routing.ids.data(), T * K * sizeof(int32_t),
+      EPX_CUDA_CHECK(cudaMemcpy(d.ids, in.routing.ids.data(), T * K * sizeof(int32_t),
                                   cudaMemcpyHostToDevice));
-      BENCH_CUDA_CHECK(cudaMemcpy(d.weights, in.routing.weights.data(), T * K * sizeof(float),
+      EPX_CUDA_CHECK(cudaMemcpy(d.weights, in.routing.weights.data(), T * K * sizeof(float),
                                   cudaMemcpyHostToDevice));
-      BENCH_CUDA_CHECK(cudaMemset(d.y, 0, T * H * 2));
+      EPX_CUDA_CHECK(cudaMemset(d.y, 0, T * H * 2));
     }
   } catch (...) {
     release();
@@ -339,14 +311,14 @@ ForkJoin::ForkJoin(const InProcessWorld& world)
     : main_device_(world.device_of(0)), streams_(world.size(), nullptr),
       joins_(world.size(), nullptr) {
   try {
-    BENCH_CUDA_CHECK(cudaSetDevice(main_device_));
-    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
-    BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    EPX_CUDA_CHECK(cudaSetDevice(main_device_));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     for (int r = 0; r < world.size(); ++r) {
       devices_.push_back(world.device_of(r));
-      BENCH_CUDA_CHECK(cudaSetDevice(devices_[r]));
-      BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
-      BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[r], cudaEventDisableTiming));
+      EPX_CUDA_CHECK(cudaSetDevice(devices_[r]));
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[r], cudaEventDisableTiming));
     }
   } catch (...) {
     release();
@@ -374,12 +346,12 @@ void ForkJoin::release() noexcept {
 
 void ForkJoin::run(const std::function<void(int, cudaStream_t)>& op) {
   const int W = size();
-  BENCH_CUDA_CHECK(cudaEventRecord(fork_, main_));
-  for (int r = 0; r < W; ++r) BENCH_CUDA_CHECK(cudaStreamWaitEvent(streams_[r], fork_, 0));
+  EPX_CUDA_CHECK(cudaEventRecord(fork_, main_));
+  for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamWaitEvent(streams_[r], fork_, 0));
   for (int r = 0; r < W; ++r) op(r, streams_[r]);
   for (int r = 0; r < W; ++r) {
-    BENCH_CUDA_CHECK(cudaEventRecord(joins_[r], streams_[r]));
-    BENCH_CUDA_CHECK(cudaStreamWaitEvent(main_, joins_[r], 0));
+    EPX_CUDA_CHECK(cudaEventRecord(joins_[r], streams_[r]));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(main_, joins_[r], 0));
   }
 }
 
@@ -397,21 +369,21 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<double> us;
   try {
     for (int r = 0; r < fj.size(); ++r) {
-      BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
-      BENCH_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
+      EPX_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
+      EPX_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
     }
     capture(fj.main(), [&] {
-      fj.run([&](int r, cudaStream_t s) { BENCH_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
+      fj.run([&](int r, cudaStream_t s) { EPX_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
     }, graph);
-    BENCH_CUDA_CHECK(cudaSetDevice(fj.main_device()));
+    EPX_CUDA_CHECK(cudaSetDevice(fj.main_device()));
     EventSet e(2 * size_t(iters), cudaEventDefault);
     for (int i = 0; i < warmup + iters; ++i) {
       const int t = i - warmup;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t], fj.main()));
-      BENCH_CUDA_CHECK(cudaGraphLaunch(graph.exec, fj.main()));
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t + 1], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[2 * t], fj.main()));
+      EPX_CUDA_CHECK(cudaGraphLaunch(graph.exec, fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[2 * t + 1], fj.main()));
     }
-    BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
     for (int t = 0; t < iters; ++t) us.push_back(elapsed_us(e[2 * t], e[2 * t + 1]));
   } catch (...) {
     fj.drain();
@@ -444,26 +416,26 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
       capture(fj.main(), dispatch_all, dispatch_graph);
       capture(fj.main(), combine_all, combine_graph);
     }
-    BENCH_CUDA_CHECK(cudaSetDevice(fj.main_device()));  // events live on the main stream's GPU
+    EPX_CUDA_CHECK(cudaSetDevice(fj.main_device()));  // events live on the main stream's GPU
     ev = std::make_unique<EventSet>(3 * size_t(iters), cudaEventDefault);
     const EventSet& e = *ev;
     for (int i = 0; i < warmup + iters; ++i) {
       const int t = i - warmup;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t], fj.main()));
       if (mode == TimingMode::kGraph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, fj.main()));
+        EPX_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, fj.main()));
       } else {
         dispatch_all();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], fj.main()));
       if (mode == TimingMode::kGraph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, fj.main()));
+        EPX_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, fj.main()));
       } else {
         combine_all();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], fj.main()));
     }
-    BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
     for (int r = 0; r < W; ++r) group[r]->synchronize(fj.rank(r));  // raises device errors
     for (int t = 0; t < iters; ++t) {
       out.dispatch_us.push_back(elapsed_us(e[3 * t], e[3 * t + 1]));
@@ -509,19 +481,19 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
     const int t = i - warmup;
     attempt([&] {
       const EventSet& e = *ev;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t], stream));
       if (graph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, stream));
+        EPX_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, stream));
       } else {
         dispatch();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], stream));
       if (graph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, stream));
+        EPX_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, stream));
       } else {
         combine();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
       synchronize();  // raises device errors (a peer that never came: TimeoutError)
     });
   }

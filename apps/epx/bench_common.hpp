@@ -29,6 +29,7 @@
 #include <functional>
 
 #include "epx/all2all.hpp"
+#include "epx/cuda_check.hpp"
 #endif
 
 namespace epx {
@@ -82,9 +83,6 @@ void progress(const std::string& line);
 
 // ---- GPU side ----------------------------------------------------------------------------------
 #if EPX_HAVE_CUDA
-
-// Throws UnsupportedError "<what> needs an NVIDIA GPU ..." when no GPU is visible.
-void require_gpu_for(const char* what);
 
 struct GpuInfo {
   std::string name;
@@ -177,16 +175,6 @@ class ForkJoin {
 // The harness's own floor: the median time of the same fork/join, captured as a graph, with a
 // 16-byte memset per rank in place of the op. What an op costs above it is the op's.
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
-
-// Throws CudaError naming the call (apps see the public API only, not src/core).
-#define BENCH_CUDA_CHECK(call)                                                            \
-  do {                                                                                    \
-    const cudaError_t bench_err_ = (call);                                                \
-    if (bench_err_ != cudaSuccess) {                                                      \
-      EPX_THROW(CudaError, std::string(#call) + " failed: " + cudaGetErrorName(bench_err_) + \
-                               " (" + cudaGetErrorString(bench_err_) + ")");              \
-    }                                                                                     \
-  } while (0)
 
 enum class TimingMode { kGraph, kEager };
 const char* to_string(TimingMode m);

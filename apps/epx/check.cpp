@@ -20,7 +20,7 @@
 #include "reference/reference.hpp"
 #if EPX_HAVE_CUDA
 #include "testing/harness.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
 #endif

@@ -41,7 +41,7 @@
 #include <cuda_runtime_api.h>
 
 #include "testing/harness.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
 #include "epx/world.hpp"

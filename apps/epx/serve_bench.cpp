@@ -41,7 +41,8 @@
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
+#include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
 #include "epx/world.hpp"
@@ -542,7 +543,7 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
 
 // Ends the capture of `s`, instantiates its graph and uploads it on `s`.
 cudaGraphExec_t end_capture(cudaStream_t s) {
-  cudaGraphExec_t exec = end_capture_and_instantiate(s);
+  cudaGraphExec_t exec = testing::end_capture_and_instantiate(s);
   const cudaError_t up = cudaGraphUpload(exec, s);
   if (up != cudaSuccess) (void)cudaGraphExecDestroy(exec);
   EPX_CUDA_CHECK(up);
@@ -1089,7 +1090,7 @@ bool run_serve_bench(const ServePlan& plan) {
   // One hardware work queue per rank stream: `epx` sets 32 unless the environment gives a value.
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   env_note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}", connections ? connections : "8");
-  require_gpu_for("epx serve-bench");
+  require_gpu("epx serve-bench");
   const serve::Workload& w = p.workload;
   const int W = w.world;
   InProcessWorld world(W);

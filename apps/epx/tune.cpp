@@ -235,7 +235,7 @@ void print_candidates(const std::vector<Candidate>& cands, const std::vector<int
 
 bool run_tune(const TunePlan& p) {
   const auto t_start = std::chrono::steady_clock::now();
-  require_gpu_for("epx tune");
+  require_gpu("epx tune");
   const EpConfig& base = p.shape.cfg;
   const int W = base.world_size;
   InProcessWorld world(W, p.shape.devices);

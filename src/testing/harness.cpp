@@ -9,7 +9,7 @@
 
 #include "testing/harness_internal.hpp"
 #include "testing/identity_expert.hpp"
-#include "core/cuda_check.hpp"
+#include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
@@ -239,10 +239,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
           enqueue(r, true, cut);
           end_piece(pieces);
         } catch (...) {  // end the open capture so that the cleanup's stream calls work
-          cudaGraph_t dropped = nullptr;
-          (void)cudaStreamEndCapture(st, &dropped);
-          if (dropped) (void)cudaGraphDestroy(dropped);
-          (void)cudaGetLastError();
+          abandon_capture(st);
           throw;
         }
       }
