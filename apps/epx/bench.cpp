@@ -131,13 +131,6 @@ struct TokenResult {
 
 const OpBytes& op_bytes(const Volumes& v, int op) { return op == 0 ? v.dispatch : v.combine; }
 
-std::string one_line(std::string s, size_t max = 160) {
-  for (char& c : s)
-    if (c == '\n') c = ' ';
-  if (s.size() > max) s = s.substr(0, max - 3) + "...";
-  return s;
-}
-
 // ---- output ------------------------------------------------------------------------------------
 
 void print_table(const BenchPlan& p, const std::vector<TokenResult>& results) {
@@ -202,24 +195,6 @@ nlohmann::json in_process_world_json(const InProcessWorld& world) {
           {"gpus_used", gpus_used(world)},
           {"ranks_per_gpu", world.ranks_on_device(world.device_of(0))},
           {"sm_budget_per_rank", world.sm_budget(0)}};
-}
-
-nlohmann::json stats_json(const Stats& s) {
-  return {{"samples", s.samples},
-          {"median_us", s.median_us},
-          {"p90_us", s.p90_us},
-          {"min_us", s.min_us},
-          {"mean_us", s.mean_us}};
-}
-
-Stats stats_from_json(const nlohmann::json& j) {
-  Stats s;
-  s.samples = j.at("samples").get<int>();
-  s.median_us = j.at("median_us").get<double>();
-  s.p90_us = j.at("p90_us").get<double>();
-  s.min_us = j.at("min_us").get<double>();
-  s.mean_us = j.at("mean_us").get<double>();
-  return s;
 }
 
 // `world_json`: the "world" object (kind, ranks, placement); `fork_join_us`: the in-process
@@ -366,10 +341,6 @@ std::string backend_list(const BenchPlan& p) {
     out += to_string(b);
   }
   return out;
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Verification, then graph and eager timing of one backend at one token count.

@@ -1,18 +1,10 @@
 #include "bench_common.hpp"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <bit>
-#include <climits>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <ctime>
-#include <set>
-#include <sstream>
-#include <thread>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "epx/error.hpp"
 
@@ -20,110 +12,8 @@
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
 #include "testing/graph_capture.hpp"
-#endif
-
-// Defined in the build tree (cmake/git_commit.cmake), refreshed at every build.
-const char* epx_git_commit();
 
 namespace epx::cli {
-
-// ---- figures -----------------------------------------------------------------------------------
-
-Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings) {
-  Volumes v;
-  const int64_t H = cfg.hidden, G = cfg.num_scale_groups(), K = cfg.topk;
-  v.wire_row_bytes = cfg.wire_row_bytes() + (cfg.wire_fp8() ? G * int64_t(sizeof(float)) : 0);
-  const int64_t input_row = cfg.input_fp8() ? H + G * int64_t(sizeof(float)) : 2 * H;
-  for (int s = 0; s < int(routings.size()); ++s) {
-    const ref::Routing& r = routings[s];
-    v.tokens += r.num_tokens;
-    for (int n = 0; n < r.num_tokens; ++n) {
-      const int32_t* ids = r.ids.data() + size_t(n) * K;
-      if (!ref::token_valid(ids, int(K), cfg.num_experts)) continue;  // sent nowhere
-      uint64_t mask = 0;
-      for (int k = 0; k < K; ++k)
-        if (ids[k] >= 0) mask |= uint64_t(1) << cfg.expert_rank(ids[k]);
-      const int64_t self = (mask >> s) & 1u;
-      v.rows_self += self;
-      v.rows_crossing += std::popcount(mask) - self;
-    }
-  }
-  const int64_t rows = v.rows_crossing + v.rows_self;
-  v.dispatch.crossing = v.rows_crossing * v.wire_row_bytes;
-  v.dispatch.algorithm = rows * v.wire_row_bytes;
-  v.dispatch.floor = v.tokens * input_row + rows * v.wire_row_bytes;
-  v.combine.crossing = v.rows_crossing * 2 * H;
-  v.combine.algorithm = rows * 2 * H;
-  v.combine.floor = rows * 2 * H + v.tokens * 2 * H;
-  return v;
-}
-
-nlohmann::json machine_json(const GpuInfo& gpu) {
-  return {{"hostname", host_name()},
-          {"gpu_name", gpu.name},
-          {"sm_count", gpu.sm_count},
-          {"gpu_count", gpu.gpu_count},
-          {"cuda_runtime", gpu.runtime_version},
-          {"cuda_driver", gpu.driver_version}};
-}
-
-Stats summarize(std::vector<double> us) {
-  Stats s;
-  s.samples = int(us.size());
-  if (us.empty()) return s;
-  std::sort(us.begin(), us.end());
-  const size_t n = us.size();
-  s.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
-  s.p90_us = us[size_t(std::ceil(0.9 * double(n))) - 1];
-  s.min_us = us.front();
-  double sum = 0;
-  for (double x : us) sum += x;
-  s.mean_us = sum / double(n);
-  return s;
-}
-
-double gbps(int64_t bytes, double us, int ranks) {
-  if (us <= 0 || ranks <= 0) return 0;
-  return double(bytes) / (us * 1e3) / ranks;  // bytes / (us * 1e-6) / 1e9
-}
-
-const char* git_commit() { return epx_git_commit(); }
-
-std::string host_name() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
-std::string utc_timestamp() {
-  const std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-void progress(const std::string& line) {
-  std::fputs(line.c_str(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
-}
-
-// ---- GPU side ----------------------------------------------------------------------------------
-#if EPX_HAVE_CUDA
-
-GpuInfo gpu_info(int device) {
-  GpuInfo g;
-  cudaDeviceProp prop{};
-  EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  g.name = prop.name;
-  g.sm_count = prop.multiProcessorCount;
-  EPX_CUDA_CHECK(cudaGetDeviceCount(&g.gpu_count));
-  EPX_CUDA_CHECK(cudaRuntimeGetVersion(&g.runtime_version));
-  EPX_CUDA_CHECK(cudaDriverGetVersion(&g.driver_version));
-  return g;
-}
 
 namespace {
 
@@ -208,107 +98,9 @@ CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
   return bw;
 }
 
-DeviceInputs::DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
-                           ref::RoutingKind routing, uint64_t seed)
-    : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(world.size()) {
-  std::vector<int> devices(size_t(world.size()));
-  for (int r = 0; r < world.size(); ++r) devices[size_t(r)] = world.device_of(r);
-  init(devices, cfg, routing, seed);
-}
-
-DeviceInputs::DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens,
-                           ref::RoutingKind routing, uint64_t seed)
-    : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(cfg.world_size) {
-  EPX_CHECK(rank >= 0 && rank < cfg.world_size, InputError, "rank", rank,
-            "in [0, world_size = " + std::to_string(cfg.world_size) + ")");
-  std::vector<int> devices(size_t(cfg.world_size), -1);
-  devices[size_t(rank)] = device;
-  init(devices, cfg, routing, seed);
-}
-
-void DeviceInputs::init(const std::vector<int>& devices, const EpConfig& cfg,
-                        ref::RoutingKind routing, uint64_t seed) {
-  const int W = int(devices.size());
-  const int tokens = tokens_;
-  const size_t T = tokens, H = cfg.hidden, K = cfg.topk, G = cfg.num_scale_groups();
-  // Generating activations is the slow part: one thread per rank (each is independent).
-  std::vector<ref::RankInput> host(W);
-  routings_.resize(W);
-  {
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(W);
-    for (int r = 0; r < W; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          const uint64_t rs = seed * 0x9E3779B97F4A7C15ull + uint64_t(r) * 7919 + 1;
-          routings_[r] = ref::make_routing(routing, tokens, cfg.num_experts, cfg.topk, rs,
-                                           int(seed % uint64_t(cfg.num_experts)));
-          if (devices[size_t(r)] < 0) return;  // another process's rank: its routing only
-          host[r] = ref::make_rank_input(cfg, tokens, routings_[r], rs ^ 0xB5AD4ECEDA1CE2A9ull);
-        } catch (...) {
-          errors[r] = std::current_exception();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  }
-  try {
-    for (int r = 0; r < W; ++r) {
-      if (devices[size_t(r)] < 0) continue;
-      Rank& d = ranks_[r];
-      const ref::RankInput& in = host[r];
-      EPX_CUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
-      EPX_CUDA_CHECK(cudaMalloc(&d.x, T * H * (fp8_input_ ? 1 : 2)));
-      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ids), T * K * sizeof(int32_t)));
-      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.weights), T * K * sizeof(float)));
-      EPX_CUDA_CHECK(cudaMalloc(&d.y, T * H * 2));
-      if (fp8_input_) {
-        EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.scales), T * G * sizeof(float)));
-        EPX_CUDA_CHECK(cudaMemcpy(d.x, in.x_fp8.data(), T * H, cudaMemcpyHostToDevice));
-        EPX_CUDA_CHECK(cudaMemcpy(d.scales, in.scales.data(), T * G * sizeof(float),
-                                    cudaMemcpyHostToDevice));
-      } else {
-        EPX_CUDA_CHECK(cudaMemcpy(d.x, in.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice));
-      }
-      EPX_CUDA_CHECK(cudaMemcpy(d.ids, in.routing.ids.data(), T * K * sizeof(int32_t),
-                                  cudaMemcpyHostToDevice));
-      EPX_CUDA_CHECK(cudaMemcpy(d.weights, in.routing.weights.data(), T * K * sizeof(float),
-                                  cudaMemcpyHostToDevice));
-      EPX_CUDA_CHECK(cudaMemset(d.y, 0, T * H * 2));
-    }
-  } catch (...) {
-    release();
-    throw;
-  }
-}
-
-DeviceInputs::~DeviceInputs() { release(); }
-
-void DeviceInputs::release() noexcept {
-  for (Rank& d : ranks_) {
-    for (void* p : {d.x, static_cast<void*>(d.scales), static_cast<void*>(d.ids),
-                    static_cast<void*>(d.weights), d.y})
-      if (p) (void)cudaFree(p);
-    d = Rank{};
-  }
-}
-
-DispatchInput DeviceInputs::input(int rank) const {
-  const Rank& d = ranks_[rank];
-  DispatchInput in;
-  in.num_tokens = tokens_;
-  in.x = d.x;
-  in.x_scales = fp8_input_ ? d.scales : nullptr;
-  in.topk_ids = d.ids;
-  in.ids_type = IdType::kInt32;
-  in.topk_weights = d.weights;
-  return in;
-}
-
 ForkJoin::ForkJoin(const InProcessWorld& world)
-    : main_device_(world.device_of(0)), streams_(world.size(), nullptr),
+    : main_device_(world.device_of(0)),
+      streams_(world.size(), nullptr),
       joins_(world.size(), nullptr) {
   try {
     EPX_CUDA_CHECK(cudaSetDevice(main_device_));
@@ -326,7 +118,9 @@ ForkJoin::ForkJoin(const InProcessWorld& world)
   }
 }
 
-ForkJoin::~ForkJoin() { release(); }
+ForkJoin::~ForkJoin() {
+  release();
+}
 
 void ForkJoin::release() noexcept {
   drain();
@@ -361,7 +155,9 @@ void ForkJoin::drain() noexcept {
   if (main_) (void)cudaStreamSynchronize(main_);
 }
 
-const char* to_string(TimingMode m) { return m == TimingMode::kGraph ? "graph" : "eager"; }
+const char* to_string(TimingMode m) {
+  return m == TimingMode::kGraph ? "graph" : "eager";
+}
 
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<void*> bufs(fj.size(), nullptr);
@@ -372,9 +168,13 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
       EPX_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
       EPX_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
     }
-    capture(fj.main(), [&] {
-      fj.run([&](int r, cudaStream_t s) { EPX_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
-    }, graph);
+    capture(
+        fj.main(),
+        [&] {
+          fj.run(
+              [&](int r, cudaStream_t s) { EPX_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
+        },
+        graph);
     EPX_CUDA_CHECK(cudaSetDevice(fj.main_device()));
     EventSet e(2 * size_t(iters), cudaEventDefault);
     for (int i = 0; i < warmup + iters; ++i) {
@@ -397,7 +197,8 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
                          int warmup, int iters) {
   const int W = int(group.size());
-  EPX_CHECK(W == fj.size(), InputError, "group size", W, "the world size " + std::to_string(fj.size()));
+  EPX_CHECK(W == fj.size(), InputError, "group size", W,
+            "the world size " + std::to_string(fj.size()));
   auto dispatch_all = [&] {
     fj.run([&](int r, cudaStream_t s) { (void)group[r]->dispatch(inputs.input(r), s); });
   };
@@ -506,14 +307,13 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
   return {};
 }
 
-std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
-                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
-                             int iters, RoundSamples& out) {
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y, cudaStream_t stream,
+                             Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                             RoundSamples& out) {
   return time_op_rounds([&] { (void)a2a.dispatch(input, stream); },
                         [&] { a2a.combine(a2a.combine_buffer(), y, stream); },
                         [&] { a2a.synchronize(stream); }, stream, boot, mode, warmup, iters, out);
 }
 
-#endif  // EPX_HAVE_CUDA
-
 }  // namespace epx::cli
+#endif  // EPX_HAVE_CUDA

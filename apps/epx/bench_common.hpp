@@ -1,6 +1,7 @@
 #pragma once
-// Shared by `epx bench`, `epx tune` and `epx serve-bench`: the flags (flags.hpp), the byte volumes of DESIGN §8 (no
-// CUDA), and, in CUDA builds, the timing method of DESIGN §8.
+// What the measuring commands (bench, tune, serve-bench) share: the flags (flags.hpp), the
+// figures and stamps of a report (figures.hpp, report.hpp), and, in CUDA builds, the inputs on
+// the device (device_inputs.hpp), the copy bandwidth and the timing method of DESIGN §8.
 //
 // Timing method: a main stream forks to one non-blocking stream per rank (event recorded on the
 // main stream, every rank stream waits on it), each rank's op is enqueued on its own stream, and
@@ -12,88 +13,28 @@
 // end, so the host stays ahead of the GPU in graph mode; eager figures include the host's
 // launch cost of W ranks' calls, which is what eager mode costs an engine.
 
-#include <nlohmann/json.hpp>
-
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
-#include "epx/config.hpp"
+#include "figures.hpp"
 #include "flags.hpp"
-#include "reference/reference.hpp"
+#include "report.hpp"
 
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
 #include <functional>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include "device_inputs.hpp"
 #include "epx/all2all.hpp"
 #include "epx/cuda_check.hpp"
-#endif
 
 namespace epx {
 class Bootstrap;
 class InProcessWorld;
-}
+}  // namespace epx
 
 namespace epx::cli {
-
-// ---- figures (no CUDA) -------------------------------------------------------------------------
-
-// Bytes of token payload of one op over all ranks (DESIGN §8), from the host routing:
-//  crossing  : rows that go between distinct ranks after per-rank dedup;
-//  algorithm : the same rows plus those a rank sends to itself;
-//  floor     : fewest bytes the op moves through HBM on one GPU (each input row read once, each
-//              output row written once). The low_latency dedup volume, used for every backend.
-struct OpBytes {
-  int64_t crossing = 0;
-  int64_t algorithm = 0;
-  int64_t floor = 0;
-};
-struct Volumes {
-  int64_t tokens = 0;         // over all ranks
-  int64_t rows_crossing = 0;  // (token, destination rank != source) pairs
-  int64_t rows_self = 0;      // (token, its own rank) pairs
-  int64_t wire_row_bytes = 0;  // dispatched row: payload + fp8 scales
-  OpBytes dispatch;
-  OpBytes combine;
-};
-Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings);
-
-struct Stats {
-  int samples = 0;
-  double median_us = 0;
-  double p90_us = 0;  // nearest-rank 90th percentile
-  double min_us = 0;
-  double mean_us = 0;
-};
-Stats summarize(std::vector<double> us);
-
-// GB/s (1e9 bytes per second) of `bytes` moved in `us` microseconds, divided by `ranks`.
-double gbps(int64_t bytes, double us, int ranks = 1);
-
-// Compile-time `git describe --always --dirty` of the source tree ("unknown" without git).
-const char* git_commit();
-std::string host_name();
-std::string utc_timestamp();
-
-// Progress line on stdout, flushed at once (long runs).
-void progress(const std::string& line);
-
-// ---- GPU side ----------------------------------------------------------------------------------
-#if EPX_HAVE_CUDA
-
-struct GpuInfo {
-  std::string name;
-  int sm_count = 0;
-  int gpu_count = 0;
-  int runtime_version = 0;
-  int driver_version = 0;
-};
-// The "machine" object of the bench and serve-bench JSON.
-nlohmann::json machine_json(const GpuInfo& gpu);
-GpuInfo gpu_info(int device);
 
 // Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte
 // read and written (2 x bytes per copy).
@@ -104,45 +45,6 @@ struct CopyBandwidth {
   double gbps = 0;
 };
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats);
-
-// Random inputs of every rank for one token count, on the device, uploaded once; y is the
-// combine output. Only the routing stays on the host (for the byte volumes). The inputs depend
-// only on (cfg, tokens, routing, seed), so every world gets the same ones.
-class DeviceInputs {
- public:
-  // Every rank of an in-process world, each on its own GPU.
-  DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
-               ref::RoutingKind routing, uint64_t seed);
-  // One process of an IPC world: only rank `rank`'s inputs, on `device`; every rank's routing is
-  // still drawn (routings() covers the world). input(r) and y(r) are valid for r == rank only.
-  DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens, ref::RoutingKind routing,
-               uint64_t seed);
-  ~DeviceInputs();
-  DeviceInputs(const DeviceInputs&) = delete;
-  DeviceInputs& operator=(const DeviceInputs&) = delete;
-
-  int tokens() const { return tokens_; }
-  DispatchInput input(int rank) const;
-  void* y(int rank) const { return ranks_[rank].y; }
-  const std::vector<ref::Routing>& routings() const { return routings_; }
-
- private:
-  // devices[r] = the GPU of rank r, or -1 when rank r lives in another process.
-  void init(const std::vector<int>& devices, const EpConfig& cfg, ref::RoutingKind routing,
-            uint64_t seed);
-  void release() noexcept;
-  struct Rank {
-    void* x = nullptr;          // [T, H] bf16 or fp8
-    float* scales = nullptr;    // [T, H/128] (fp8 input only)
-    int32_t* ids = nullptr;     // [T, K]
-    float* weights = nullptr;   // [T, K]
-    void* y = nullptr;          // [T, H] bf16
-  };
-  int tokens_ = 0;
-  bool fp8_input_ = false;
-  std::vector<Rank> ranks_;
-  std::vector<ref::Routing> routings_;
-};
 
 // The main stream, one non-blocking stream per rank, and the fork/join events between them.
 class ForkJoin {
@@ -201,9 +103,9 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
 // a rank waits for), and the way an error on any rank ends the loop on every rank at the same
 // round. Returns "" and fills `out`, or returns the first failing rank's error ("rank r: ...").
 // Errors of the bootstrap itself propagate: the job cannot go on.
-std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
-                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
-                             int iters, RoundSamples& out);
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y, cudaStream_t stream,
+                             Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                             RoundSamples& out);
 // The same rounds for any pair of ops enqueued on `stream` (NCCL's collectives, the yardstick);
 // `synchronize` waits for the stream and raises what went wrong.
 std::string time_op_rounds(const std::function<void()>& dispatch,
@@ -212,6 +114,5 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
                            Bootstrap& boot, TimingMode mode, int warmup, int iters,
                            RoundSamples& out);
 
-#endif  // EPX_HAVE_CUDA
-
 }  // namespace epx::cli
+#endif  // EPX_HAVE_CUDA

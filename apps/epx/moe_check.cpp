@@ -32,7 +32,8 @@
 #include <thread>
 #include <vector>
 
-#include "bench_common.hpp"
+#include "flags.hpp"
+#include "report.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "reference/moe_ref.hpp"
@@ -49,10 +50,6 @@
 
 namespace epx::cli {
 namespace {
-
-[[maybe_unused]] double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // ||a - b|| / ||b|| over all tokens, and the worst token's own ratio.
 struct NormReport {

@@ -90,10 +90,6 @@ struct Candidate {
   const LaunchConfig& swept() const { return phase == "combine" ? launch.combine : launch.dispatch; }
 };
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 class Tuner {
  public:
   Tuner(const TunePlan& p, const InProcessWorld& world, ForkJoin& fj,
@@ -138,7 +134,7 @@ class Tuner {
                            seconds_since(t0)));
     } else {
       progress(fmt::format("{} {}: {}: {}", tag, shape_name(c.swept()), c.status,
-                           short_message(c.message)));
+                           one_line(c.message, 140)));
     }
   }
 
@@ -165,11 +161,6 @@ class Tuner {
     std::vector<std::string> out;
     for (double x : v) out.push_back(fmt::format("{:.2f}", x));
     return out;
-  }
-  static std::string short_message(std::string s) {
-    for (char& ch : s)
-      if (ch == '\n') ch = ' ';
-    return s.size() > 140 ? s.substr(0, 137) + "..." : s;
   }
 
  private:
@@ -229,7 +220,7 @@ void print_candidates(const std::vector<Candidate>& cands, const std::vector<int
     };
     fmt::print("{:<9} {:<9} {:<9} {:>28} {:>28}  {}\n", c.phase, shape_name(c.launch.dispatch),
                shape_name(c.launch.combine), col(0), col(1),
-               c.status == "ok" ? "ok" : c.status + ": " + Tuner::short_message(c.message));
+               c.status == "ok" ? "ok" : c.status + ": " + one_line(c.message, 140));
   }
 }
 
