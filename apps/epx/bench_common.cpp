@@ -1,3 +1,5 @@
+// The GPU side of what the measuring commands share (CUDA builds): the copy bandwidth and the
+// timing method of DESIGN §8 (bench_common.hpp).
 #include "bench_common.hpp"
 
 #include <fmt/format.h>
@@ -6,10 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "epx/error.hpp"
-
-#if EPX_HAVE_CUDA
 #include "epx/bootstrap.hpp"
+#include "epx/error.hpp"
 #include "epx/world.hpp"
 #include "testing/graph_capture.hpp"
 
@@ -316,4 +316,3 @@ std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y, 
 }
 
 }  // namespace epx::cli
-#endif  // EPX_HAVE_CUDA

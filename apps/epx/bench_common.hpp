@@ -17,6 +17,21 @@
 #include "flags.hpp"
 #include "report.hpp"
 
+#include <cstddef>
+
+namespace epx::cli {
+
+// Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte
+// read and written (2 x bytes per copy).
+struct CopyBandwidth {
+  size_t bytes = 0;
+  int repeats = 0;
+  double median_us = 0;
+  double gbps = 0;
+};
+
+}  // namespace epx::cli
+
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -36,14 +51,7 @@ class InProcessWorld;
 
 namespace epx::cli {
 
-// Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte
-// read and written (2 x bytes per copy).
-struct CopyBandwidth {
-  size_t bytes = 0;
-  int repeats = 0;
-  double median_us = 0;
-  double gbps = 0;
-};
+// The copy bandwidth of `device` (CopyBandwidth).
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats);
 
 // The main stream, one non-blocking stream per rank, and the fork/join events between them.
