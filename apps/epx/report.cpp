@@ -1,5 +1,6 @@
 #include "report.hpp"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -14,7 +15,9 @@ const char* epx_git_commit();
 
 namespace epx::cli {
 
-const char* git_commit() { return epx_git_commit(); }
+const char* git_commit() {
+  return epx_git_commit();
+}
 
 std::string host_name() {
   char buf[256] = {};
@@ -39,6 +42,10 @@ void progress(const std::string& line) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string mib(size_t bytes) {
+  return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20));
 }
 
 std::string one_line(std::string s, size_t max) {

@@ -21,6 +21,9 @@ void progress(const std::string& line);
 // Seconds from t0 to now.
 double seconds_since(std::chrono::steady_clock::time_point t0);
 
+// "12.3 MiB": `bytes` in MiB with one decimal.
+std::string mib(size_t bytes);
+
 // `s` on one line (newlines become spaces), cut to `max` characters with "..." at the end.
 std::string one_line(std::string s, size_t max = 160);
 
