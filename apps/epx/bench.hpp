@@ -88,6 +88,7 @@ bool all_ok(const std::vector<TokenResult>& results);
 std::string backend_list(const Plan& p);
 
 #if EPX_HAVE_CUDA
+// The "world" object of an in-process run: ranks, GPUs used, ranks per GPU, SM budget.
 nlohmann::json in_process_world_json(const InProcessWorld& world);
 
 // ---- runs --------------------------------------------------------------------------------------
