@@ -15,7 +15,6 @@
 
 #include "bench.hpp"
 #include "commands.hpp"
-#include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
 
 namespace epx::cli {
@@ -39,17 +38,7 @@ bench::Plan validate(const BenchFlags& f, bool world_given) {
   p.ipc = one_process_per_rank(kind);
   p.nccl = kind == WorldKind::kNccl;
   SweepFlags sweep = f.sweep;
-  if (p.ipc) {
-    const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
-    if (world_given && sweep.shape.world != env.world_size) {
-      EPX_THROW(ConfigError,
-                fmt::format("--world = {}, expected EPX_WORLD_SIZE = {} with --world-kind ipc (one "
-                            "process per rank: run `epx launch -n {} -- epx bench --world-kind "
-                            "ipc ...`, or leave --world out)",
-                            sweep.shape.world, env.world_size, sweep.shape.world));
-    }
-    sweep.shape.world = env.world_size;
-  }
+  if (p.ipc) take_world_from_env(sweep.shape, world_given, "epx bench");
   p.shape = make_sweep(sweep);
   for (const std::string& name : split_list(f.backends, "--backends")) {
     const Backend b = parse_backend_flag(name, "--backends");

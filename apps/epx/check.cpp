@@ -9,7 +9,6 @@
 
 #include "check.hpp"
 #include "commands.hpp"
-#include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
 #include "moe_check.hpp"
 
@@ -31,21 +30,6 @@ MoeCheckFlags moe_check_flags(const CheckFlags& f) {
           .backend = f.run.backend,
           .seed = f.run.seed,
           .layer = f.moe_layer};
-}
-
-// One process per rank: --world, when given, must be EPX_WORLD_SIZE; left out, it is.
-void take_world_from_env(CheckFlags& f, bool world_given) {
-  const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
-  if (world_given) {
-    EPX_CHECK(f.run.shape.world == env.world_size, ConfigError, "--world", f.run.shape.world,
-              fmt::format("EPX_WORLD_SIZE = {} with --world-kind ipc (one process per rank: "
-                          "run `epx launch -n {} -- epx check --world-kind ipc ...`, or leave "
-                          "--world out)",
-                          env.world_size, f.run.shape.world));
-  }
-  f.run.shape.world = env.world_size;
-  EPX_CHECK(f.fault_kill_rank < f.run.shape.world, ConfigError, "--fault-kill-rank",
-            f.fault_kill_rank, fmt::format("a rank of the world, in [0, {})", f.run.shape.world));
 }
 
 }  // namespace
@@ -122,7 +106,10 @@ void add_check(CLI::App& app, int& exit_code) {
     if (one_process_per_rank(kind)) {
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
-      take_world_from_env(*f, world_opt->count() > 0);
+      ShapeFlags& shape = f->run.shape;
+      take_world_from_env(shape, world_opt->count() > 0, "epx check");
+      EPX_CHECK(f->fault_kill_rank < shape.world, ConfigError, "--fault-kill-rank",
+                f->fault_kill_rank, fmt::format("a rank of the world, in [0, {})", shape.world));
     }
 #if EPX_HAVE_CUDA
     testing::CheckOptions o = check_options(f->run);

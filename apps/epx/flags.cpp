@@ -9,6 +9,7 @@
 #include <sstream>
 #include <utility>
 
+#include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
 
 namespace epx::cli {
@@ -234,6 +235,15 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
       ->capture_default_str();
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
+}
+
+void take_world_from_env(ShapeFlags& f, bool world_given, const char* command) {
+  const BootstrapOptions env = BootstrapOptions::from_env();  // throws naming the variable
+  EPX_CHECK(!world_given || f.world == env.world_size, ConfigError, "--world", f.world,
+            fmt::format("EPX_WORLD_SIZE = {} with one process per rank (run `epx launch -n {} -- "
+                        "{} --world-kind ipc ...`, or leave --world out)",
+                        env.world_size, f.world, command));
+  f.world = env.world_size;
 }
 
 // ---- token sweeps ----------------------------------------------------------------------------

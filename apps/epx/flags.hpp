@@ -98,6 +98,10 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens);
 // `max_tokens_flag`, ...).
 std::string in_flag_names(const std::string& message, const char* max_tokens_flag);
 
+// One process per rank (--world-kind ipc or nccl): the world is EPX_WORLD_SIZE, so --world, when
+// given, must equal it; `command` ("epx check") goes into the message that says how to run it.
+void take_world_from_env(ShapeFlags& f, bool world_given, const char* command);
+
 // ---- token sweeps (bench, tune) ---------------------------------------------------------------
 
 // The workload flags of the commands that measure each token count with its own group.

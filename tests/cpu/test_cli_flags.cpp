@@ -259,6 +259,21 @@ TEST(CliFlags, ShapeFlagsBindToCommandLine) {
   EXPECT_THROW(sweep_app.parse("--max-tokens 64", false), CLI::ExtrasError);
 }
 
+TEST(CliFlags, OneProcessPerRankTakesTheWorldFromTheEnvironment) {
+  ScopedEnv rank("EPX_RANK", "1");
+  ScopedEnv size("EPX_WORLD_SIZE", "4");
+  ScopedEnv address("EPX_BOOTSTRAP", "@epx-cli-flags-test");
+  ShapeFlags f;
+  take_world_from_env(f, false, "epx check");  // --world left out: EPX_WORLD_SIZE
+  EXPECT_EQ(f.world, 4);
+  take_world_from_env(f, true, "epx check");  // given and equal
+  EXPECT_EQ(f.world, 4);
+  f.world = 8;
+  EXPECT_MESSAGE_HAS(config_error([&] { take_world_from_env(f, true, "epx bench"); }),
+                     "--world = 8, expected EPX_WORLD_SIZE = 4 with one process per rank (run "
+                     "`epx launch -n 8 -- epx bench --world-kind ipc ...`, or leave --world out)");
+}
+
 TEST(CliFlags, SweepValidatesEveryTokenCount) {
   SweepFlags f;
   const Sweep s = make_sweep(f);
