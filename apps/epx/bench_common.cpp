@@ -1,304 +1,19 @@
+// The GPU side of what the measuring commands share (CUDA builds): the copy bandwidth and the
+// timing method of DESIGN §8 (bench_common.hpp).
 #include "bench_common.hpp"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <bit>
-#include <climits>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <ctime>
-#include <set>
-#include <sstream>
-#include <thread>
+#include <memory>
+#include <string>
+#include <vector>
 
-#include "epx/error.hpp"
-
-#if EPX_HAVE_CUDA
 #include "epx/bootstrap.hpp"
+#include "epx/error.hpp"
 #include "epx/world.hpp"
-#endif
-
-// Defined in the build tree (cmake/git_commit.cmake), refreshed at every build.
-const char* epx_git_commit();
+#include "testing/graph_capture.hpp"
 
 namespace epx::cli {
-
-// ---- flags -------------------------------------------------------------------------------------
-
-void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f) {
-  c->add_option("--world", f.world, "ranks of the world")->capture_default_str();
-  c->add_option("--gpus", f.gpus,
-                "in-process: spread the ranks round-robin over GPUs 0..N-1 (peer access between "
-                "them; each rank's SM budget is its GPU's SMs / the ranks on that GPU)")
-      ->capture_default_str();
-  c->add_option("--hidden", f.hidden, "hidden size H")->capture_default_str();
-  c->add_option("--experts", f.experts, "global experts E")->capture_default_str();
-  c->add_option("--topk", f.topk, "experts per token K")->capture_default_str();
-  c->add_option("--tokens", f.tokens,
-                "tokens per rank, comma list; each is measured with its own group "
-                "(max_tokens_per_rank = that count)")
-      ->capture_default_str();
-  c->add_option("--dtype", f.dtype, "bf16 | fp8 | bf16-to-fp8 (fp8 on the wire)")
-      ->capture_default_str();
-  c->add_option("--layout", f.layout, "token | expert (dispatch output layout)")
-      ->capture_default_str();
-  c->add_option("--routing", f.routing, "uniform | skew | one-expert | masked")
-      ->capture_default_str();
-  c->add_option("--seed", f.seed, "seed of inputs and routing")->capture_default_str();
-}
-
-void check_range(const char* flag, int64_t value, int64_t lo, int64_t hi, const std::string& why) {
-  if (value >= lo && value <= hi) return;
-  std::string bound = hi == INT64_MAX ? fmt::format("at least {}", lo)
-                                      : fmt::format("in [{}, {}]", lo, hi);
-  if (!why.empty()) bound += " (" + why + ")";
-  EPX_THROW(ConfigError, fmt::format("{} = {}, expected {}", flag, value, bound));
-}
-
-std::vector<std::string> split_list(const std::string& text, const char* flag) {
-  std::vector<std::string> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) {
-      EPX_THROW(ConfigError, fmt::format("{} = '{}' has an empty item, expected a comma list", flag, text));
-    }
-    out.push_back(item);
-  }
-  if (out.empty() || text.back() == ',') {
-    EPX_THROW(ConfigError, fmt::format("{} = '{}', expected a non-empty comma list", flag, text));
-  }
-  return out;
-}
-
-std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi,
-                                const std::string& why) {
-  std::vector<int> out;
-  std::set<int> seen;
-  for (const std::string& item : split_list(text, flag)) {
-    size_t pos = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
-    }
-    if (pos != item.size()) {
-      EPX_THROW(ConfigError, fmt::format("{}: '{}' is not an integer, expected integers in [{}, {}]",
-                                         flag, item, lo, hi));
-    }
-    check_range(flag, v, lo, hi, why);
-    if (!seen.insert(int(v)).second) {
-      EPX_THROW(ConfigError, fmt::format("{} = '{}' lists {} twice, expected each value once", flag,
-                                         text, v));
-    }
-    out.push_back(int(v));
-  }
-  return out;
-}
-
-ref::RoutingKind parse_routing_flag(const std::string& s) {
-  if (s == "uniform") return ref::RoutingKind::kUniform;
-  if (s == "skew") return ref::RoutingKind::kSkewed;
-  if (s == "one-expert") return ref::RoutingKind::kOneExpert;
-  if (s == "masked") return ref::RoutingKind::kMasked;
-  EPX_THROW(ConfigError,
-            "--routing = '" + s + "', expected one of uniform, skew, one-expert, masked");
-}
-
-namespace {
-
-template <typename Enum, size_t N>
-Enum parse_enum_flag(const char* flag, const std::string& text, const Enum (&values)[N]) {
-  std::string names;
-  for (Enum v : values) {
-    if (text == to_string(v)) return v;
-    names += names.empty() ? "" : ", ";
-    names += to_string(v);
-  }
-  EPX_THROW(ConfigError, fmt::format("{} = '{}', expected one of {}", flag, text, names));
-}
-
-constexpr Backend kAllBackends[] = {Backend::kLowLatency, Backend::kAllgatherReduceScatter,
-                                    Backend::kNaive};
-constexpr DispatchDtype kAllDtypes[] = {DispatchDtype::kBF16, DispatchDtype::kFP8,
-                                        DispatchDtype::kBF16ToFP8};
-constexpr OutputLayout kAllLayouts[] = {OutputLayout::kTokenMajor, OutputLayout::kExpertMajor};
-
-}  // namespace
-
-Backend parse_backend_flag(const std::string& name, const char* flag) {
-  return parse_enum_flag(flag, name, kAllBackends);
-}
-
-std::vector<int> first_gpus(int n) {
-  std::vector<int> out;
-  for (int g = 0; g < n; ++g) out.push_back(g);
-  return out;
-}
-
-BenchShape validate_shape(const ShapeFlagValues& f) {
-  BenchShape s;
-  EpConfig& cfg = s.cfg;
-  check_range("--world", f.world, 1, kMaxRanks);
-  check_range("--gpus", f.gpus, 1, f.world, "at most one GPU per rank");
-  s.gpus = f.gpus;
-  cfg.dtype = parse_enum_flag("--dtype", f.dtype, kAllDtypes);
-  cfg.layout = parse_enum_flag("--layout", f.layout, kAllLayouts);
-  check_range("--hidden", f.hidden, 8, kMaxHidden);
-  if (f.hidden % 8 != 0) {
-    EPX_THROW(ConfigError, fmt::format("--hidden = {}, expected a multiple of 8 (rows move in "
-                                       "16-byte vectors)", f.hidden));
-  }
-  if (cfg.wire_fp8() && f.hidden % kFp8BlockSize != 0) {
-    EPX_THROW(ConfigError, fmt::format("--hidden = {}, expected a multiple of {} with --dtype {} "
-                                       "(1x{} fp8 scale blocks)",
-                                       f.hidden, kFp8BlockSize, f.dtype, kFp8BlockSize));
-  }
-  check_range("--experts", f.experts, f.world, 1 << 20, "at least --world");
-  if (f.experts % f.world != 0) {
-    EPX_THROW(ConfigError, fmt::format("--experts = {}, expected a multiple of --world = {} "
-                                       "(every rank holds E/W experts)", f.experts, f.world));
-  }
-  check_range("--topk", f.topk, 1, std::min(kMaxTopk, f.experts), "at most min(32, --experts)");
-  s.tokens = parse_int_list(f.tokens, "--tokens", 1, kMaxTokensPerRank);
-  s.routing = parse_routing_flag(f.routing);
-  s.routing_name = f.routing;
-  s.seed = f.seed;
-
-  cfg.world_size = f.world;
-  cfg.hidden = f.hidden;
-  cfg.num_experts = f.experts;
-  cfg.topk = f.topk;
-  cfg.max_tokens_per_rank = *std::max_element(s.tokens.begin(), s.tokens.end());
-  const EnvSettings env = read_env();  // throws ConfigError naming the variable
-  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
-  cfg.validate();  // anything the checks above missed, named by field
-  return s;
-}
-
-LaunchSource launch_from_env() {
-  const EnvSettings env = read_env();
-  if (!env.config_path) return {LaunchConfigs{}, "backend defaults"};
-  return {load_launch_configs(*env.config_path), "EPX_CONFIG_PATH=" + *env.config_path};
-}
-
-// ---- figures -----------------------------------------------------------------------------------
-
-Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings) {
-  Volumes v;
-  const int64_t H = cfg.hidden, G = cfg.num_scale_groups(), K = cfg.topk;
-  v.wire_row_bytes = cfg.wire_row_bytes() + (cfg.wire_fp8() ? G * int64_t(sizeof(float)) : 0);
-  const int64_t input_row = cfg.input_fp8() ? H + G * int64_t(sizeof(float)) : 2 * H;
-  for (int s = 0; s < int(routings.size()); ++s) {
-    const ref::Routing& r = routings[s];
-    v.tokens += r.num_tokens;
-    for (int n = 0; n < r.num_tokens; ++n) {
-      const int32_t* ids = r.ids.data() + size_t(n) * K;
-      if (!ref::token_valid(ids, int(K), cfg.num_experts)) continue;  // sent nowhere
-      uint64_t mask = 0;
-      for (int k = 0; k < K; ++k)
-        if (ids[k] >= 0) mask |= uint64_t(1) << cfg.expert_rank(ids[k]);
-      const int64_t self = (mask >> s) & 1u;
-      v.rows_self += self;
-      v.rows_crossing += std::popcount(mask) - self;
-    }
-  }
-  const int64_t rows = v.rows_crossing + v.rows_self;
-  v.dispatch.crossing = v.rows_crossing * v.wire_row_bytes;
-  v.dispatch.algorithm = rows * v.wire_row_bytes;
-  v.dispatch.floor = v.tokens * input_row + rows * v.wire_row_bytes;
-  v.combine.crossing = v.rows_crossing * 2 * H;
-  v.combine.algorithm = rows * 2 * H;
-  v.combine.floor = rows * 2 * H + v.tokens * 2 * H;
-  return v;
-}
-
-nlohmann::json machine_json(const GpuInfo& gpu) {
-  return {{"hostname", host_name()},
-          {"gpu_name", gpu.name},
-          {"sm_count", gpu.sm_count},
-          {"gpu_count", gpu.gpu_count},
-          {"cuda_runtime", gpu.runtime_version},
-          {"cuda_driver", gpu.driver_version}};
-}
-
-Stats summarize(std::vector<double> us) {
-  Stats s;
-  s.samples = int(us.size());
-  if (us.empty()) return s;
-  std::sort(us.begin(), us.end());
-  const size_t n = us.size();
-  s.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
-  s.p90_us = us[size_t(std::ceil(0.9 * double(n))) - 1];
-  s.min_us = us.front();
-  double sum = 0;
-  for (double x : us) sum += x;
-  s.mean_us = sum / double(n);
-  return s;
-}
-
-double gbps(int64_t bytes, double us, int ranks) {
-  if (us <= 0 || ranks <= 0) return 0;
-  return double(bytes) / (us * 1e3) / ranks;  // bytes / (us * 1e-6) / 1e9
-}
-
-const char* git_commit() { return epx_git_commit(); }
-
-std::string host_name() {
-  char buf[256] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
-  return buf;
-}
-
-std::string utc_timestamp() {
-  const std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-void progress(const std::string& line) {
-  std::fputs(line.c_str(), stdout);
-  std::fputc('\n', stdout);
-  std::fflush(stdout);
-}
-
-// ---- GPU side ----------------------------------------------------------------------------------
-#if EPX_HAVE_CUDA
-
-// The apps see only the public API, so they carry their own CUDA check (same message shape as
-// the library's).
-
-void require_gpu_for(const char* what) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    n = 0;
-  }
-  if (n == 0) {
-    EPX_THROW(UnsupportedError, fmt::format("{} needs an NVIDIA GPU (sm_90, Hopper), and this "
-                                            "machine has none visible to the CUDA driver",
-                                            what));
-  }
-}
-
-GpuInfo gpu_info(int device) {
-  GpuInfo g;
-  cudaDeviceProp prop{};
-  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  g.name = prop.name;
-  g.sm_count = prop.multiProcessorCount;
-  BENCH_CUDA_CHECK(cudaGetDeviceCount(&g.gpu_count));
-  BENCH_CUDA_CHECK(cudaRuntimeGetVersion(&g.runtime_version));
-  BENCH_CUDA_CHECK(cudaDriverGetVersion(&g.driver_version));
-  return g;
-}
 
 namespace {
 
@@ -306,7 +21,7 @@ namespace {
 class EventSet {
  public:
   EventSet(size_t n, unsigned flags) : events_(n, nullptr) {
-    for (auto& e : events_) BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
+    for (auto& e : events_) EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, flags));
   }
   ~EventSet() {
     for (auto e : events_)
@@ -322,7 +37,7 @@ class EventSet {
 
 float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0;
-  BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
   return ms * 1000.0f;
 }
 
@@ -338,26 +53,13 @@ struct GraphExec {
 
 // Captures `body` (which enqueues on `stream` and on streams forked from it) into `out`.
 void capture(cudaStream_t stream, const std::function<void()>& body, GraphExec& out) {
-  BENCH_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cudaGraph_t graph = nullptr;
-  try {
-    body();
-  } catch (...) {
-    // End the (possibly invalidated) capture so the stream is usable again, then report.
-    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph) (void)cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    throw;
-  }
-  BENCH_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  const cudaError_t e = cudaGraphInstantiate(&out.exec, graph, 0);
-  (void)cudaGraphDestroy(graph);
-  BENCH_CUDA_CHECK(e);
+  out.exec = testing::capture_graph(stream, body);
 }
 
 }  // namespace
 
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
-  BENCH_CUDA_CHECK(cudaSetDevice(device));
+  EPX_CUDA_CHECK(cudaSetDevice(device));
   void* src = nullptr;
   void* dst = nullptr;
   cudaStream_t stream = nullptr;
@@ -372,20 +74,20 @@ CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
       if (stream) (void)cudaStreamDestroy(stream);
     }
   } cleanup{src, dst, stream};
-  BENCH_CUDA_CHECK(cudaMalloc(&src, bytes));
-  BENCH_CUDA_CHECK(cudaMalloc(&dst, bytes));
-  BENCH_CUDA_CHECK(cudaMemset(src, 0x5a, bytes));
-  BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPX_CUDA_CHECK(cudaMalloc(&src, bytes));
+  EPX_CUDA_CHECK(cudaMalloc(&dst, bytes));
+  EPX_CUDA_CHECK(cudaMemset(src, 0x5a, bytes));
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   constexpr int kWarmup = 3;
   EventSet ev(2 * size_t(repeats), cudaEventDefault);
   for (int i = 0; i < kWarmup; ++i)
-    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   for (int i = 0; i < repeats; ++i) {
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
-    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+    EPX_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    EPX_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
   }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<double> us;
   for (int i = 0; i < repeats; ++i) us.push_back(elapsed_us(ev[2 * i], ev[2 * i + 1]));
   CopyBandwidth bw;
@@ -396,117 +98,19 @@ CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats) {
   return bw;
 }
 
-DeviceInputs::DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
-                           ref::RoutingKind routing, uint64_t seed)
-    : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(world.size()) {
-  std::vector<int> devices(size_t(world.size()));
-  for (int r = 0; r < world.size(); ++r) devices[size_t(r)] = world.device_of(r);
-  init(devices, cfg, routing, seed);
-}
-
-DeviceInputs::DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens,
-                           ref::RoutingKind routing, uint64_t seed)
-    : tokens_(tokens), fp8_input_(cfg.input_fp8()), ranks_(cfg.world_size) {
-  EPX_CHECK(rank >= 0 && rank < cfg.world_size, InputError, "rank", rank,
-            "in [0, world_size = " + std::to_string(cfg.world_size) + ")");
-  std::vector<int> devices(size_t(cfg.world_size), -1);
-  devices[size_t(rank)] = device;
-  init(devices, cfg, routing, seed);
-}
-
-void DeviceInputs::init(const std::vector<int>& devices, const EpConfig& cfg,
-                        ref::RoutingKind routing, uint64_t seed) {
-  const int W = int(devices.size());
-  const int tokens = tokens_;
-  const size_t T = tokens, H = cfg.hidden, K = cfg.topk, G = cfg.num_scale_groups();
-  // Generating activations is the slow part: one thread per rank (each is independent).
-  std::vector<ref::RankInput> host(W);
-  routings_.resize(W);
-  {
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(W);
-    for (int r = 0; r < W; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          const uint64_t rs = seed * 0x9E3779B97F4A7C15ull + uint64_t(r) * 7919 + 1;
-          routings_[r] = ref::make_routing(routing, tokens, cfg.num_experts, cfg.topk, rs,
-                                           int(seed % uint64_t(cfg.num_experts)));
-          if (devices[size_t(r)] < 0) return;  // another process's rank: its routing only
-          host[r] = ref::make_rank_input(cfg, tokens, routings_[r], rs ^ 0xB5AD4ECEDA1CE2A9ull);
-        } catch (...) {
-          errors[r] = std::current_exception();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  }
-  try {
-    for (int r = 0; r < W; ++r) {
-      if (devices[size_t(r)] < 0) continue;
-      Rank& d = ranks_[r];
-      const ref::RankInput& in = host[r];
-      BENCH_CUDA_CHECK(cudaSetDevice(devices[size_t(r)]));
-      BENCH_CUDA_CHECK(cudaMalloc(&d.x, T * H * (fp8_input_ ? 1 : 2)));
-      BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ids), T * K * sizeof(int32_t)));
-      BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.weights), T * K * sizeof(float)));
-      BENCH_CUDA_CHECK(cudaMalloc(&d.y, T * H * 2));
-      if (fp8_input_) {
-        BENCH_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.scales), T * G * sizeof(float)));
-        BENCH_CUDA_CHECK(cudaMemcpy(d.x, in.x_fp8.data(), T * H, cudaMemcpyHostToDevice));
-        BENCH_CUDA_CHECK(cudaMemcpy(d.scales, in.scales.data(), T * G * sizeof(float),
-                                    cudaMemcpyHostToDevice));
-      } else {
-        BENCH_CUDA_CHECK(cudaMemcpy(d.x, in.x_bf16.data(), T * H * 2, cudaMemcpyHostToDevice));
-      }
-      BENCH_CUDA_CHECK(cudaMemcpy(d.ids, in.routing.ids.data(), T * K * sizeof(int32_t),
-                                  cudaMemcpyHostToDevice));
-      BENCH_CUDA_CHECK(cudaMemcpy(d.weights, in.routing.weights.data(), T * K * sizeof(float),
-                                  cudaMemcpyHostToDevice));
-      BENCH_CUDA_CHECK(cudaMemset(d.y, 0, T * H * 2));
-    }
-  } catch (...) {
-    release();
-    throw;
-  }
-}
-
-DeviceInputs::~DeviceInputs() { release(); }
-
-void DeviceInputs::release() noexcept {
-  for (Rank& d : ranks_) {
-    for (void* p : {d.x, static_cast<void*>(d.scales), static_cast<void*>(d.ids),
-                    static_cast<void*>(d.weights), d.y})
-      if (p) (void)cudaFree(p);
-    d = Rank{};
-  }
-}
-
-DispatchInput DeviceInputs::input(int rank) const {
-  const Rank& d = ranks_[rank];
-  DispatchInput in;
-  in.num_tokens = tokens_;
-  in.x = d.x;
-  in.x_scales = fp8_input_ ? d.scales : nullptr;
-  in.topk_ids = d.ids;
-  in.ids_type = IdType::kInt32;
-  in.topk_weights = d.weights;
-  return in;
-}
-
 ForkJoin::ForkJoin(const InProcessWorld& world)
-    : main_device_(world.device_of(0)), streams_(world.size(), nullptr),
+    : main_device_(world.device_of(0)),
+      streams_(world.size(), nullptr),
       joins_(world.size(), nullptr) {
   try {
-    BENCH_CUDA_CHECK(cudaSetDevice(main_device_));
-    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
-    BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    EPX_CUDA_CHECK(cudaSetDevice(main_device_));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&main_, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     for (int r = 0; r < world.size(); ++r) {
       devices_.push_back(world.device_of(r));
-      BENCH_CUDA_CHECK(cudaSetDevice(devices_[r]));
-      BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
-      BENCH_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[r], cudaEventDisableTiming));
+      EPX_CUDA_CHECK(cudaSetDevice(devices_[r]));
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(&joins_[r], cudaEventDisableTiming));
     }
   } catch (...) {
     release();
@@ -514,7 +118,9 @@ ForkJoin::ForkJoin(const InProcessWorld& world)
   }
 }
 
-ForkJoin::~ForkJoin() { release(); }
+ForkJoin::~ForkJoin() {
+  release();
+}
 
 void ForkJoin::release() noexcept {
   drain();
@@ -534,12 +140,12 @@ void ForkJoin::release() noexcept {
 
 void ForkJoin::run(const std::function<void(int, cudaStream_t)>& op) {
   const int W = size();
-  BENCH_CUDA_CHECK(cudaEventRecord(fork_, main_));
-  for (int r = 0; r < W; ++r) BENCH_CUDA_CHECK(cudaStreamWaitEvent(streams_[r], fork_, 0));
+  EPX_CUDA_CHECK(cudaEventRecord(fork_, main_));
+  for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamWaitEvent(streams_[r], fork_, 0));
   for (int r = 0; r < W; ++r) op(r, streams_[r]);
   for (int r = 0; r < W; ++r) {
-    BENCH_CUDA_CHECK(cudaEventRecord(joins_[r], streams_[r]));
-    BENCH_CUDA_CHECK(cudaStreamWaitEvent(main_, joins_[r], 0));
+    EPX_CUDA_CHECK(cudaEventRecord(joins_[r], streams_[r]));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(main_, joins_[r], 0));
   }
 }
 
@@ -549,7 +155,9 @@ void ForkJoin::drain() noexcept {
   if (main_) (void)cudaStreamSynchronize(main_);
 }
 
-const char* to_string(TimingMode m) { return m == TimingMode::kGraph ? "graph" : "eager"; }
+const char* to_string(TimingMode m) {
+  return m == TimingMode::kGraph ? "graph" : "eager";
+}
 
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<void*> bufs(fj.size(), nullptr);
@@ -557,21 +165,25 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<double> us;
   try {
     for (int r = 0; r < fj.size(); ++r) {
-      BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
-      BENCH_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
+      EPX_CUDA_CHECK(cudaStreamSynchronize(fj.rank(r)));
+      EPX_CUDA_CHECK(cudaMalloc(&bufs[r], 16));
     }
-    capture(fj.main(), [&] {
-      fj.run([&](int r, cudaStream_t s) { BENCH_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
-    }, graph);
-    BENCH_CUDA_CHECK(cudaSetDevice(fj.main_device()));
+    capture(
+        fj.main(),
+        [&] {
+          fj.run(
+              [&](int r, cudaStream_t s) { EPX_CUDA_CHECK(cudaMemsetAsync(bufs[r], 0, 16, s)); });
+        },
+        graph);
+    EPX_CUDA_CHECK(cudaSetDevice(fj.main_device()));
     EventSet e(2 * size_t(iters), cudaEventDefault);
     for (int i = 0; i < warmup + iters; ++i) {
       const int t = i - warmup;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t], fj.main()));
-      BENCH_CUDA_CHECK(cudaGraphLaunch(graph.exec, fj.main()));
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[2 * t + 1], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[2 * t], fj.main()));
+      EPX_CUDA_CHECK(cudaGraphLaunch(graph.exec, fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[2 * t + 1], fj.main()));
     }
-    BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
     for (int t = 0; t < iters; ++t) us.push_back(elapsed_us(e[2 * t], e[2 * t + 1]));
   } catch (...) {
     fj.drain();
@@ -585,7 +197,8 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
                          int warmup, int iters) {
   const int W = int(group.size());
-  EPX_CHECK(W == fj.size(), InputError, "group size", W, "the world size " + std::to_string(fj.size()));
+  EPX_CHECK(W == fj.size(), InputError, "group size", W,
+            "the world size " + std::to_string(fj.size()));
   auto dispatch_all = [&] {
     fj.run([&](int r, cudaStream_t s) { (void)group[r]->dispatch(inputs.input(r), s); });
   };
@@ -604,26 +217,26 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
       capture(fj.main(), dispatch_all, dispatch_graph);
       capture(fj.main(), combine_all, combine_graph);
     }
-    BENCH_CUDA_CHECK(cudaSetDevice(fj.main_device()));  // events live on the main stream's GPU
+    EPX_CUDA_CHECK(cudaSetDevice(fj.main_device()));  // events live on the main stream's GPU
     ev = std::make_unique<EventSet>(3 * size_t(iters), cudaEventDefault);
     const EventSet& e = *ev;
     for (int i = 0; i < warmup + iters; ++i) {
       const int t = i - warmup;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t], fj.main()));
       if (mode == TimingMode::kGraph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, fj.main()));
+        EPX_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, fj.main()));
       } else {
         dispatch_all();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], fj.main()));
       if (mode == TimingMode::kGraph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, fj.main()));
+        EPX_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, fj.main()));
       } else {
         combine_all();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], fj.main()));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], fj.main()));
     }
-    BENCH_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(fj.main()));
     for (int r = 0; r < W; ++r) group[r]->synchronize(fj.rank(r));  // raises device errors
     for (int t = 0; t < iters; ++t) {
       out.dispatch_us.push_back(elapsed_us(e[3 * t], e[3 * t + 1]));
@@ -669,19 +282,19 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
     const int t = i - warmup;
     attempt([&] {
       const EventSet& e = *ev;
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t], stream));
       if (graph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, stream));
+        EPX_CUDA_CHECK(cudaGraphLaunch(dispatch_graph.exec, stream));
       } else {
         dispatch();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 1], stream));
       if (graph) {
-        BENCH_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, stream));
+        EPX_CUDA_CHECK(cudaGraphLaunch(combine_graph.exec, stream));
       } else {
         combine();
       }
-      if (t >= 0) BENCH_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
+      if (t >= 0) EPX_CUDA_CHECK(cudaEventRecord(e[3 * t + 2], stream));
       synchronize();  // raises device errors (a peer that never came: TimeoutError)
     });
   }
@@ -694,14 +307,12 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
   return {};
 }
 
-std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
-                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
-                             int iters, RoundSamples& out) {
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y, cudaStream_t stream,
+                             Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                             RoundSamples& out) {
   return time_op_rounds([&] { (void)a2a.dispatch(input, stream); },
                         [&] { a2a.combine(a2a.combine_buffer(), y, stream); },
                         [&] { a2a.synchronize(stream); }, stream, boot, mode, warmup, iters, out);
 }
-
-#endif  // EPX_HAVE_CUDA
 
 }  // namespace epx::cli

@@ -1,6 +1,7 @@
 #pragma once
-// Shared by `epx bench` and `epx tune`: flag validation, the byte volumes of DESIGN §8 (no
-// CUDA), and, in CUDA builds, the timing method of DESIGN §8.
+// What the measuring commands (bench, tune, serve-bench) share: the flags (flags.hpp), the
+// figures and stamps of a report (figures.hpp, report.hpp), and, in CUDA builds, the inputs on
+// the device (device_inputs.hpp), the copy bandwidth and the timing method of DESIGN §8.
 //
 // Timing method: a main stream forks to one non-blocking stream per rank (event recorded on the
 // main stream, every rank stream waits on it), each rank's op is enqueued on its own stream, and
@@ -12,140 +13,13 @@
 // end, so the host stays ahead of the GPU in graph mode; eager figures include the host's
 // launch cost of W ranks' calls, which is what eager mode costs an engine.
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
+#include "figures.hpp"
+#include "flags.hpp"
+#include "report.hpp"
 
-#include <cstdint>
-#include <memory>
-#include <string>
-#include <vector>
-
-#include "epx/config.hpp"
-#include "reference/reference.hpp"
-
-#if EPX_HAVE_CUDA
-#include <cuda_runtime_api.h>
-
-#include <functional>
-
-#include "epx/all2all.hpp"
-#endif
-
-namespace epx {
-class Bootstrap;
-class InProcessWorld;
-}
+#include <cstddef>
 
 namespace epx::cli {
-
-// ---- flags (no CUDA) ---------------------------------------------------------------------------
-
-// Shape flags common to bench and tune; defaults are the DeepSeek-R1 shape on 8 ranks.
-struct ShapeFlagValues {
-  int world = 8;
-  int gpus = 1;  // in-process: ranks round-robin over GPUs 0 .. gpus-1
-  int hidden = 7168;
-  int experts = 256;
-  int topk = 8;
-  std::string tokens = "128,4096";
-  std::string dtype = "bf16-to-fp8";
-  std::string layout = "token";
-  std::string routing = "uniform";
-  uint64_t seed = 1;
-};
-void add_shape_flag_options(CLI::App* c, ShapeFlagValues& f);
-
-// The validated shape. cfg.max_tokens_per_rank is set per measured token count by the caller
-// (one group per token count); cfg.timeout_ms already honours EPX_TIMEOUT_MS.
-struct BenchShape {
-  EpConfig cfg;
-  std::vector<int> tokens;  // tokens per rank, each measured separately, in the order given
-  ref::RoutingKind routing = ref::RoutingKind::kUniform;
-  std::string routing_name;
-  uint64_t seed = 1;
-  int gpus = 1;
-};
-// Throws ConfigError naming the flag, the value and the bound.
-BenchShape validate_shape(const ShapeFlagValues& f);
-// GPUs 0 .. n-1: where an in-process world of --gpus n places its ranks (round-robin).
-std::vector<int> first_gpus(int n);
-
-// "a,b,c" -> items (empty items are errors naming `flag`).
-std::vector<std::string> split_list(const std::string& text, const char* flag);
-// Comma list of integers, each in [lo, hi], no repeats; throws ConfigError naming `flag`.
-std::vector<int> parse_int_list(const std::string& text, const char* flag, int lo, int hi,
-                                const std::string& why = "");
-// Throws ConfigError "<flag> = <value>, expected <bound>" unless lo <= value <= hi.
-void check_range(const char* flag, int64_t value, int64_t lo, int64_t hi, const std::string& why = "");
-// Same routing names as `epx check`.
-ref::RoutingKind parse_routing_flag(const std::string& name);
-Backend parse_backend_flag(const std::string& name, const char* flag);
-
-// Launch configs from EPX_CONFIG_PATH (or all zero = backend defaults) and where they came from.
-struct LaunchSource {
-  LaunchConfigs launch;
-  std::string origin;  // "EPX_CONFIG_PATH=<path>" or "backend defaults"
-};
-LaunchSource launch_from_env();
-
-// ---- figures (no CUDA) -------------------------------------------------------------------------
-
-// Bytes of token payload of one op over all ranks (DESIGN §8), from the host routing:
-//  crossing  : rows that go between distinct ranks after per-rank dedup;
-//  algorithm : the same rows plus those a rank sends to itself;
-//  floor     : fewest bytes the op moves through HBM on one GPU (each input row read once, each
-//              output row written once). The low_latency dedup volume, used for every backend.
-struct OpBytes {
-  int64_t crossing = 0;
-  int64_t algorithm = 0;
-  int64_t floor = 0;
-};
-struct Volumes {
-  int64_t tokens = 0;         // over all ranks
-  int64_t rows_crossing = 0;  // (token, destination rank != source) pairs
-  int64_t rows_self = 0;      // (token, its own rank) pairs
-  int64_t wire_row_bytes = 0;  // dispatched row: payload + fp8 scales
-  OpBytes dispatch;
-  OpBytes combine;
-};
-Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings);
-
-struct Stats {
-  int samples = 0;
-  double median_us = 0;
-  double p90_us = 0;  // nearest-rank 90th percentile
-  double min_us = 0;
-  double mean_us = 0;
-};
-Stats summarize(std::vector<double> us);
-
-// GB/s (1e9 bytes per second) of `bytes` moved in `us` microseconds, divided by `ranks`.
-double gbps(int64_t bytes, double us, int ranks = 1);
-
-// Compile-time `git describe --always --dirty` of the source tree ("unknown" without git).
-const char* git_commit();
-std::string host_name();
-std::string utc_timestamp();
-
-// Progress line on stdout, flushed at once (long runs).
-void progress(const std::string& line);
-
-// ---- GPU side ----------------------------------------------------------------------------------
-#if EPX_HAVE_CUDA
-
-// Throws UnsupportedError "<what> needs an NVIDIA GPU ..." when no GPU is visible.
-void require_gpu_for(const char* what);
-
-struct GpuInfo {
-  std::string name;
-  int sm_count = 0;
-  int gpu_count = 0;
-  int runtime_version = 0;
-  int driver_version = 0;
-};
-// The "machine" object of the bench and serve-bench JSON.
-nlohmann::json machine_json(const GpuInfo& gpu);
-GpuInfo gpu_info(int device);
 
 // Device-to-device copy bandwidth: median of `repeats` copies of `bytes`, counting each byte
 // read and written (2 x bytes per copy).
@@ -155,46 +29,30 @@ struct CopyBandwidth {
   double median_us = 0;
   double gbps = 0;
 };
+
+}  // namespace epx::cli
+
+#if EPX_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device_inputs.hpp"
+#include "epx/all2all.hpp"
+#include "epx/cuda_check.hpp"
+
+namespace epx {
+class Bootstrap;
+class InProcessWorld;
+}  // namespace epx
+
+namespace epx::cli {
+
+// The copy bandwidth of `device` (CopyBandwidth).
 CopyBandwidth measure_copy_bandwidth(int device, size_t bytes, int repeats);
-
-// Random inputs of every rank for one token count, on the device, uploaded once; y is the
-// combine output. Only the routing stays on the host (for the byte volumes). The inputs depend
-// only on (cfg, tokens, routing, seed), so every world gets the same ones.
-class DeviceInputs {
- public:
-  // Every rank of an in-process world, each on its own GPU.
-  DeviceInputs(const InProcessWorld& world, const EpConfig& cfg, int tokens,
-               ref::RoutingKind routing, uint64_t seed);
-  // One process of an IPC world: only rank `rank`'s inputs, on `device`; every rank's routing is
-  // still drawn (routings() covers the world). input(r) and y(r) are valid for r == rank only.
-  DeviceInputs(int rank, int device, const EpConfig& cfg, int tokens, ref::RoutingKind routing,
-               uint64_t seed);
-  ~DeviceInputs();
-  DeviceInputs(const DeviceInputs&) = delete;
-  DeviceInputs& operator=(const DeviceInputs&) = delete;
-
-  int tokens() const { return tokens_; }
-  DispatchInput input(int rank) const;
-  void* y(int rank) const { return ranks_[rank].y; }
-  const std::vector<ref::Routing>& routings() const { return routings_; }
-
- private:
-  // devices[r] = the GPU of rank r, or -1 when rank r lives in another process.
-  void init(const std::vector<int>& devices, const EpConfig& cfg, ref::RoutingKind routing,
-            uint64_t seed);
-  void release() noexcept;
-  struct Rank {
-    void* x = nullptr;          // [T, H] bf16 or fp8
-    float* scales = nullptr;    // [T, H/128] (fp8 input only)
-    int32_t* ids = nullptr;     // [T, K]
-    float* weights = nullptr;   // [T, K]
-    void* y = nullptr;          // [T, H] bf16
-  };
-  int tokens_ = 0;
-  bool fp8_input_ = false;
-  std::vector<Rank> ranks_;
-  std::vector<ref::Routing> routings_;
-};
 
 // The main stream, one non-blocking stream per rank, and the fork/join events between them.
 class ForkJoin {
@@ -228,16 +86,6 @@ class ForkJoin {
 // 16-byte memset per rank in place of the op. What an op costs above it is the op's.
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
 
-// Throws CudaError naming the call (apps see the public API only, not src/core).
-#define BENCH_CUDA_CHECK(call)                                                            \
-  do {                                                                                    \
-    const cudaError_t bench_err_ = (call);                                                \
-    if (bench_err_ != cudaSuccess) {                                                      \
-      EPX_THROW(CudaError, std::string(#call) + " failed: " + cudaGetErrorName(bench_err_) + \
-                               " (" + cudaGetErrorString(bench_err_) + ")");              \
-    }                                                                                     \
-  } while (0)
-
 enum class TimingMode { kGraph, kEager };
 const char* to_string(TimingMode m);
 
@@ -263,9 +111,9 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
 // a rank waits for), and the way an error on any rank ends the loop on every rank at the same
 // round. Returns "" and fills `out`, or returns the first failing rank's error ("rank r: ...").
 // Errors of the bootstrap itself propagate: the job cannot go on.
-std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y,
-                             cudaStream_t stream, Bootstrap& boot, TimingMode mode, int warmup,
-                             int iters, RoundSamples& out);
+std::string time_rank_rounds(All2All& a2a, const DispatchInput& input, void* y, cudaStream_t stream,
+                             Bootstrap& boot, TimingMode mode, int warmup, int iters,
+                             RoundSamples& out);
 // The same rounds for any pair of ops enqueued on `stream` (NCCL's collectives, the yardstick);
 // `synchronize` waits for the stream and raises what went wrong.
 std::string time_op_rounds(const std::function<void()>& dispatch,
@@ -274,6 +122,5 @@ std::string time_op_rounds(const std::function<void()>& dispatch,
                            Bootstrap& boot, TimingMode mode, int warmup, int iters,
                            RoundSamples& out);
 
-#endif  // EPX_HAVE_CUDA
-
 }  // namespace epx::cli
+#endif  // EPX_HAVE_CUDA

@@ -10,4 +10,6 @@ void add_bench(CLI::App& app, int& exit_code);
 void add_tune(CLI::App& app, int& exit_code);
 void add_launch(CLI::App& app, int& exit_code);
 void add_serve_bench(CLI::App& app, int& exit_code);
+// Diagnosis only, not in `epx --help` (diag.cpp).
+void add_diag(CLI::App& app, int& exit_code);
 }  // namespace epx::cli

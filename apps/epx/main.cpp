@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   epx::cli::add_serve_bench(app, exit_code);
   epx::cli::add_tune(app, exit_code);
   epx::cli::add_launch(app, exit_code);
+  epx::cli::add_diag(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

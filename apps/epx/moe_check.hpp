@@ -6,29 +6,26 @@
 #include <cstdint>
 #include <string>
 
+#include "flags.hpp"
+
 namespace epx::cli {
 
-struct MoeCheckFlags {
-  // The shape flags of `epx check`.
-  int world = 8;
-  int hidden = 7168;
-  int experts = 256;
-  int topk = 8;
-  int max_tokens = 0;          // 0 = the largest of --tokens (at least 1)
-  std::string tokens = "128";  // one count, or one per rank
-  std::string dtype = "bf16-to-fp8";
-  std::string layout = "token";
-  std::string scale_layout = "row";
-  int timeout_ms = 0;   // 0 = EPX_TIMEOUT_MS or the default
-  std::string backend;  // empty = EPX_BACKEND or low_latency
-  uint64_t seed = 1;
-  // The layer's own.
+// The layer's own flags (only with --moe).
+struct MoeLayerFlags {
   int intermediate = 2048;
   std::string scoring = "sigmoid";  // sigmoid (DeepSeek-V3/R1 grouped) | softmax
   int groups = 8;
   int topk_groups = 4;
   int shared_intermediate = 2048;  // 0 = no shared expert
   double tolerance = 8e-2;         // bound of ||d|| / ||ref|| over all tokens
+};
+
+struct MoeCheckFlags {
+  ShapeFlags shape;            // the shape flags of `epx check`
+  std::string tokens = "128";  // one count, or one per rank
+  std::string backend;         // empty = EPX_BACKEND or low_latency
+  uint64_t seed = 1;
+  MoeLayerFlags layer;
 };
 
 // Prints the procedure, the measured norms and a PASS / FAIL line; returns 0 only on PASS.

@@ -86,7 +86,7 @@ bool run_serve_bench(const serve::Plan& plan) {
   serve::Plan p = plan;
   const auto t_start = std::chrono::steady_clock::now();
   const std::string env_note = apply_cuda_env();
-  require_gpu_for("epx serve-bench");
+  require_gpu("epx serve-bench");
   InProcessWorld world(p.workload.world);
   const GpuInfo gpu = gpu_info(world.device_of(0));
   default_launch_shapes(world, p.launch);

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "core/cuda_check.hpp"  // end_capture_and_instantiate
+#include "testing/graph_capture.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/moe.hpp"
 
@@ -18,19 +18,11 @@ constexpr double kSlowEnqueueMs = 100.0;
 
 // Ends the capture of `s`, instantiates its graph and uploads it on `s`.
 cudaGraphExec_t end_capture(cudaStream_t s) {
-  cudaGraphExec_t exec = end_capture_and_instantiate(s);
+  cudaGraphExec_t exec = testing::end_capture_and_instantiate(s);
   const cudaError_t up = cudaGraphUpload(exec, s);
   if (up != cudaSuccess) (void)cudaGraphExecDestroy(exec);
   EPX_CUDA_CHECK(up);
   return exec;
-}
-
-// Ends the capture of `s` after a failure, dropping whatever it recorded.
-void abandon_capture(cudaStream_t s) noexcept {
-  cudaGraph_t g = nullptr;
-  (void)cudaStreamEndCapture(s, &g);
-  if (g) (void)cudaGraphDestroy(g);
-  (void)cudaGetLastError();
 }
 
 // Resets the capture settings of a rank's layers when it goes (a split hook refers to the
@@ -124,7 +116,7 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
       for (int l = 0; l < num_layers; ++l)
         rank.layer(l).forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
     } catch (...) {
-      abandon_capture(rank.stream);
+      testing::abandon_capture(rank.stream);
       throw;
     }
     pieces.push_back(end_capture(rank.stream));
@@ -179,7 +171,7 @@ void capture_world_graphs(WorldGraphs& wg, Ranks& ranks, All2AllGroup& group, in
         EPX_CUDA_CHECK(cudaStreamWaitEvent(wg.main, wg.joins[size_t(r)], 0));
       }
     } catch (...) {
-      abandon_capture(wg.main);
+      testing::abandon_capture(wg.main);
       throw;
     }
     EPX_CUDA_CHECK(cudaSetDevice(ranks[0]->device));

@@ -6,36 +6,15 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <sstream>
 
 #include "testing/harness_internal.hpp"
 #include "testing/identity_expert.hpp"
-#include "core/cuda_check.hpp"
+#include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 
 namespace epx::testing {
-
-std::vector<int> parse_token_list(const std::string& text, const char* what) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    size_t pos = 0;
-    int v = -1;
-    try {
-      v = std::stoi(item, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
-    }
-    EPX_CHECK(pos == item.size() && !item.empty() && v >= 0, InputError, what, "'" + item + "'",
-              "a non-negative integer, or a comma list with one per rank");
-    out.push_back(v);
-  }
-  EPX_CHECK(!out.empty(), InputError, what, "''", "a count or a comma list");
-  return out;
-}
 
 using namespace internal;  // the pieces shared with run_check_ipc (harness_internal.hpp)
 
@@ -260,10 +239,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
           enqueue(r, true, cut);
           end_piece(pieces);
         } catch (...) {  // end the open capture so that the cleanup's stream calls work
-          cudaGraph_t dropped = nullptr;
-          (void)cudaStreamEndCapture(st, &dropped);
-          if (dropped) (void)cudaGraphDestroy(dropped);
-          (void)cudaGetLastError();
+          abandon_capture(st);
           throw;
         }
       }

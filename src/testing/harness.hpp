@@ -31,15 +31,16 @@ struct CheckOptions {
   int iters = 2;                    // eager calls, each with fresh inputs
   int graph_replays = 0;            // > 0: capture once per rank, replay this many times
   bool mixed = false;               // with graph_replays: rank 0 eager, the others replay
-  bool conditional = false;         // with graph_replays: the captured expert runs in a SWITCH
-                                    // node (as MoeLayer's captured path), in-process only
-  bool rank_threads = false;        // in-process: each rank captures and replays from its own
-                                    // host thread (as serve-bench), not all from one
-  int graph_execs = 1;              // in-process: executable graphs per rank, each from its own
-                                    // capture, replayed in turn (as serve-bench's buckets)
-  bool graph_split = false;         // with graph_replays: dispatch, expert and combine captured
-                                    // as three graphs replayed in order (MoeLayer's
-                                    // set_capture_split), not one
+  // Variants of the graph replay (with graph_replays, in-process only) that diagnose the MoE
+  // layer's captured path (`epx diag graph-replay`, tests/gpu):
+  bool conditional = false;         // the captured expert runs in a SWITCH node (as MoeLayer's
+                                    // captured path)
+  bool rank_threads = false;        // each rank captures and replays from its own host thread
+                                    // (as serve-bench), not all from one
+  int graph_execs = 1;              // executable graphs per rank, each from its own capture,
+                                    // replayed in turn (as serve-bench's buckets)
+  bool graph_split = false;         // dispatch, expert and combine captured as three graphs
+                                    // replayed in order (MoeLayer's set_capture_split), not one
   int pool = 3;                     // distinct input sets cycled through (each call differs)
   bool ids_int64 = false;
   int max_report = 8;               // mismatches listed
@@ -99,8 +100,5 @@ CheckReport run_check_ipc(const CheckOptions& options, IpcWorld& world);
 CheckReport run_check_nccl(const CheckOptions& options, NcclWorld& world);
 inline CheckReport run_check_world(const CheckOptions& o, IpcWorld& w) { return run_check_ipc(o, w); }
 inline CheckReport run_check_world(const CheckOptions& o, NcclWorld& w) { return run_check_nccl(o, w); }
-
-// Parses "128" or "0,7,128,1024" (one per rank); throws InputError naming `what`.
-std::vector<int> parse_token_list(const std::string& text, const char* what);
 
 }  // namespace epx::testing

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "testing/harness.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "reference/reference.hpp"
 

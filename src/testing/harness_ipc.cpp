@@ -13,7 +13,7 @@
 #include "testing/harness.hpp"
 #include "testing/harness_internal.hpp"
 #include "testing/identity_expert.hpp"
-#include "core/cuda_check.hpp"
+#include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
@@ -203,12 +203,7 @@ CheckReport run_check_process(const CheckOptions& o, World& world) {
   // Graph replays.
   if (o.graph_replays > 0 && go_on) {
     if (!(o.mixed && me == 0)) {
-      cudaGraph_t graph = nullptr;
-      EPX_CUDA_CHECK(cudaStreamBeginCapture(b.stream, cudaStreamCaptureModeThreadLocal));
-      enqueue();
-      EPX_CUDA_CHECK(cudaStreamEndCapture(b.stream, &graph));
-      EPX_CUDA_CHECK(cudaGraphInstantiate(&b.exec, graph, 0));
-      EPX_CUDA_CHECK(cudaGraphDestroy(graph));
+      b.exec = capture_graph(b.stream, enqueue);
     }
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && go_on; ++i) {

@@ -2,7 +2,7 @@
 #include <cuda_fp8.h>
 
 #include "testing/identity_expert.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 
 namespace epx::testing {

@@ -76,25 +76,28 @@ TEST(Launch, ReportsSignalsAndMissingCommands) {
   EXPECT_NE(none.err.find("-n = 0"), std::string::npos) << none.err;
 }
 
-// `epx check`'s graph-diagnosis flags are refused (exit 2, naming the flag) where they mean nothing,
-// before any GPU is needed.
-TEST(CheckCli, GraphDiagnosisFlagsNeedAnInProcessGraphRun) {
+// The graph-diagnosis flags live in `epx diag graph-replay`, not in `epx check`; there they are
+// refused (exit 2, naming the flag) without graph replays, before any GPU is needed.
+TEST(CheckCli, GraphDiagnosisFlagsNeedAGraphRun) {
   for (const std::vector<std::string>& extra :
        {std::vector<std::string>{"--graph-conditional"}, {"--rank-threads"},
-        {"--graph-execs", "2"}, {"--graph", "3", "--graph-conditional", "--world-kind", "ipc"}}) {
-    std::vector<std::string> argv = {EPX_CLI_PATH, "check"};
+        {"--graph-execs", "2"}, {"--graph-split"}}) {
+    std::vector<std::string> argv = {EPX_CLI_PATH, "diag", "graph-replay"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     const auto r = run_command(argv);
     EXPECT_EQ(exit_code(r), 2) << r.err;
-    EXPECT_NE(r.err.find("only with --graph and --world-kind in-process"), std::string::npos)
-        << r.err;
-    EXPECT_NE(r.err.find(extra[0] == "--graph" ? "--graph-conditional" : extra[0]),
-              std::string::npos)
+    EXPECT_NE(r.err.find(extra[0] + " = given, expected only with --graph"), std::string::npos)
         << r.err;
   }
-  const auto zero = run_command({EPX_CLI_PATH, "check", "--graph", "3", "--graph-execs", "0"});
+  const auto zero =
+      run_command({EPX_CLI_PATH, "diag", "graph-replay", "--graph", "3", "--graph-execs", "0"});
   EXPECT_EQ(exit_code(zero), 2) << zero.err;
   EXPECT_NE(zero.err.find("--graph-execs = 0, expected in [1, 64]"), std::string::npos) << zero.err;
+  for (const char* flag : {"--graph-conditional", "--rank-threads", "--graph-split", "--pool"}) {
+    const auto check = run_command({EPX_CLI_PATH, "check", "--graph", "3", flag});
+    EXPECT_NE(exit_code(check), 0) << flag;
+    EXPECT_NE(check.err.find(flag), std::string::npos) << check.err;
+  }
 }
 
 // `epx serve-bench --graph-buckets` (ascending sizes within the largest decode batch) and

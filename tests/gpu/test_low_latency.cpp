@@ -26,7 +26,7 @@ namespace {
 struct Case {
   const char* name;
   int world, hidden, experts, topk;
-  const char* tokens;
+  std::vector<int> tokens;  // one count for every rank, or one per rank
   DispatchDtype dtype;
   OutputLayout layout;
   ref::RoutingKind routing;
@@ -41,35 +41,36 @@ using R = ref::RoutingKind;
 
 const Case kCases[] = {
     // world 1: everything stays local
-    {"w1_h2048_e8_k1_bf16", 1, 2048, 8, 1, "7", D::kBF16, L::kTokenMajor, R::kUniform},
-    {"w1_h4096_e16_k4_fp8_expert", 1, 4096, 16, 4, "128", D::kFP8, L::kExpertMajor, R::kUniform},
+    {"w1_h2048_e8_k1_bf16", 1, 2048, 8, 1, {7}, D::kBF16, L::kTokenMajor, R::kUniform},
+    {"w1_h4096_e16_k4_fp8_expert", 1, 4096, 16, 4, {128}, D::kFP8, L::kExpertMajor, R::kUniform},
     // world 2 and 3 (3 does not divide the power-of-two expert counts: 24, 48 experts)
-    {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, "0,128", D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
-    {"w2_h2048_e8_k8_bf16_expert", 2, 2048, 8, 8, "1,7", D::kBF16, L::kExpertMajor, R::kUniform},
-    {"w3_h2048_e24_k4_fp8", 3, 2048, 24, 4, "7,0,128", D::kFP8, L::kTokenMajor, R::kSkewed},
-    {"w3_h4096_e48_k8_q_expert_col", 3, 4096, 48, 8, "128,1,7", D::kBF16ToFP8, L::kExpertMajor,
+    {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, {0, 128}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
+    {"w2_h2048_e8_k8_bf16_expert", 2, 2048, 8, 8, {1, 7}, D::kBF16, L::kExpertMajor, R::kUniform},
+    {"w3_h2048_e24_k4_fp8", 3, 2048, 24, 4, {7, 0, 128}, D::kFP8, L::kTokenMajor, R::kSkewed},
+    {"w3_h4096_e48_k8_q_expert_col", 3, 4096, 48, 8, {128, 1, 7}, D::kBF16ToFP8, L::kExpertMajor,
      R::kMasked, ScaleLayout::kColumnMajor},
     // world 4
-    {"w4_h4096_e32_k4_bf16_masked", 4, 4096, 32, 4, "0,1,7,128", D::kBF16, L::kTokenMajor, R::kMasked},
-    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, "128,128,0,7", D::kBF16ToFP8, L::kTokenMajor,
+    {"w4_h4096_e32_k4_bf16_masked", 4, 4096, 32, 4, {0, 1, 7, 128}, D::kBF16, L::kTokenMajor,
+     R::kMasked},
+    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, {128, 128, 0, 7}, D::kBF16ToFP8, L::kTokenMajor,
      R::kOneExpert},
-    {"w4_h7168_e64_k8_q_oneexpert_expert", 4, 7168, 64, 8, "128,7,0,128", D::kBF16ToFP8,
+    {"w4_h7168_e64_k8_q_oneexpert_expert", 4, 7168, 64, 8, {128, 7, 0, 128}, D::kBF16ToFP8,
      L::kExpertMajor, R::kOneExpert},
-    {"w4_h2048_e16_k1_fp8_col_ids64", 4, 2048, 16, 1, "1024,0,7,1", D::kFP8, L::kTokenMajor,
+    {"w4_h2048_e16_k1_fp8_col_ids64", 4, 2048, 16, 1, {1024, 0, 7, 1}, D::kFP8, L::kTokenMajor,
      R::kUniform, ScaleLayout::kColumnMajor, true},
     // world 8: the DeepSeek-R1 shape and friends
-    {"w8_r1_128_q", 8, 7168, 256, 8, "128", D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
-    {"w8_r1_128_bf16", 8, 7168, 256, 8, "128", D::kBF16, L::kTokenMajor, R::kUniform},
-    {"w8_r1_128_fp8_expert", 8, 7168, 256, 8, "128", D::kFP8, L::kExpertMajor, R::kUniform},
-    {"w8_r1_mixed_tokens_q", 8, 7168, 256, 8, "0,1,7,128,1024,0,128,7", D::kBF16ToFP8,
+    {"w8_r1_128_q", 8, 7168, 256, 8, {128}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
+    {"w8_r1_128_bf16", 8, 7168, 256, 8, {128}, D::kBF16, L::kTokenMajor, R::kUniform},
+    {"w8_r1_128_fp8_expert", 8, 7168, 256, 8, {128}, D::kFP8, L::kExpertMajor, R::kUniform},
+    {"w8_r1_mixed_tokens_q", 8, 7168, 256, 8, {0, 1, 7, 128, 1024, 0, 128, 7}, D::kBF16ToFP8,
      L::kTokenMajor, R::kSkewed},
-    {"w8_r1_1024_q", 8, 7168, 256, 8, "1024", D::kBF16ToFP8, L::kTokenMajor, R::kUniform,
+    {"w8_r1_1024_q", 8, 7168, 256, 8, {1024}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform,
      ScaleLayout::kRowMajor, false, 1},
-    {"w8_r1_1024_bf16_expert", 8, 7168, 256, 8, "1024", D::kBF16, L::kExpertMajor, R::kUniform,
+    {"w8_r1_1024_bf16_expert", 8, 7168, 256, 8, {1024}, D::kBF16, L::kExpertMajor, R::kUniform,
      ScaleLayout::kRowMajor, false, 1},
-    {"w8_h4096_e8_k1_fp8_masked", 8, 4096, 8, 1, "128,0,1,7,128,1,0,7", D::kFP8, L::kTokenMajor,
-     R::kMasked},
-    {"w8_h2048_e128_k4_q_oneexpert_expert", 8, 2048, 128, 4, "7,128,1,0,128,7,1,128",
+    {"w8_h4096_e8_k1_fp8_masked", 8, 4096, 8, 1, {128, 0, 1, 7, 128, 1, 0, 7}, D::kFP8,
+     L::kTokenMajor, R::kMasked},
+    {"w8_h2048_e128_k4_q_oneexpert_expert", 8, 2048, 128, 4, {7, 128, 1, 0, 128, 7, 1, 128},
      D::kBF16ToFP8, L::kExpertMajor, R::kOneExpert},
 };
 
@@ -84,7 +85,7 @@ testing::CheckOptions options_for(const Case& c) {
   o.cfg.dtype = c.dtype;
   o.cfg.layout = c.layout;
   o.cfg.scale_layout = c.scales;
-  o.tokens = testing::parse_token_list(c.tokens, "tokens");
+  o.tokens = c.tokens;
   int max_t = 1;
   for (int t : o.tokens) max_t = std::max(max_t, t);
   o.cfg.max_tokens_per_rank = max_t;

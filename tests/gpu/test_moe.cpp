@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/cuda_check.hpp"
+#include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
 #include "epx/moe.hpp"
 #include "epx/world.hpp"
@@ -831,7 +831,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
           layer->set_capture_token_bound(round.token_bound);
           std::vector<cudaGraphExec_t> pieces;
           const auto end_piece = [&] {
-            pieces.push_back(end_capture_and_instantiate(stream));
+            pieces.push_back(testing::end_capture_and_instantiate(stream));
             EPX_CUDA_CHECK(cudaGraphUpload(pieces.back(), stream));
           };
           layer->set_capture_split({});

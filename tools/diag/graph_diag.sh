@@ -19,7 +19,7 @@ step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   grep -E "^(PASS|FAIL)|^(naive|allgather|low_latency)|error|blocked|GPU time per piece" \
     "$out/$name.log" | head -12
 }
-C="$build/epx check --tokens 128 --iters 1"
+C="$build/epx diag graph-replay --tokens 128 --iters 1"  # the all-to-all alone (`epx check`'s run)
 step check_w32_cond $C --world 32 --graph 10 --graph-conditional
 step check_w32_cond_split $C --world 32 --graph 10 --graph-conditional --graph-split
 step check_w32_all_split $C --world 32 --graph 21 --graph-execs 7 --graph-conditional \

@@ -1,0 +1,54 @@
+#pragma once
+// `epx check` and `epx diag graph-replay`: the flags of one dispatch -> identity expert ->
+// combine check against the CPU reference (src/testing), and its runs on an in-process world and
+// with one process per rank.
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "flags.hpp"
+
+#if EPX_HAVE_CUDA
+#include "testing/harness.hpp"
+#endif
+
+namespace epx::cli {
+
+// The flags of a check that `epx check` and `epx diag graph-replay` share.
+struct CheckRunFlags {
+  ShapeFlags shape;
+  std::string tokens = "128";  // one count, or one per rank
+  std::string routing = "uniform";
+  std::string backend;  // empty = EPX_BACKEND or low_latency
+  uint64_t seed = 1;
+  int iters = 2;
+  int graph = 0;
+  bool mixed = false;
+  bool ids64 = false;
+};
+
+// Binds the shape flags (with --max-tokens), --tokens, --routing, --backend, --seed, --iters,
+// --graph, --mixed and --ids64.
+void add_check_run_flags(CLI::App* c, CheckRunFlags& f);
+
+#if EPX_HAVE_CUDA
+// The harness options of the flags: per-rank token counts, max_tokens_per_rank = --max-tokens
+// or the largest count, the backend (--backend, EPX_BACKEND or low_latency) and the launch shapes
+// of EPX_CONFIG_PATH. Throws ConfigError naming the flag, the value and the bound.
+testing::CheckOptions check_options(const CheckRunFlags& f);
+
+// Runs the check on an in-process world (o.gpus GPUs): prints the shape, the mismatches and a
+// PASS / FAIL line; returns the exit code (0 only on PASS).
+int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f);
+
+// This process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch` sets both), in a world of
+// `kind` (ipc or nccl): every rank checks its own outputs, rank 0 prints, all return the same
+// exit code. `fault_kill_rank` >= 0: that rank creates its All2All, then kills itself (SIGKILL)
+// before its first dispatch, to prove that the others name it.
+int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
+                    int fault_kill_rank);
+#endif
+
+}  // namespace epx::cli

@@ -1,0 +1,113 @@
+// The runs of `epx check` (and `epx diag graph-replay`): the harness on an in-process world, or
+// on this process's rank of a world of one process per rank, with the lines a user reads.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "check.hpp"
+#include "epx/all2all.hpp"
+#include "epx/bootstrap.hpp"
+#include "epx/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "epx/world.hpp"
+#include "report.hpp"
+
+namespace epx::cli {
+
+testing::CheckOptions check_options(const CheckRunFlags& f) {
+  testing::CheckOptions o;
+  o.tokens = tokens_per_rank(parse_token_counts(f.tokens, "--tokens"), f.shape.world, "--tokens",
+                             f.tokens);
+  o.cfg = f.shape.config(std::max(1, *std::max_element(o.tokens.begin(), o.tokens.end())));
+  o.backend = backend_or_env(f.backend, "--backend");
+  o.launch = launch_from_env().launch;
+  o.routing = parse_routing_flag(f.routing);
+  o.seed = f.seed;
+  o.iters = f.iters;
+  o.graph_replays = f.graph;
+  o.mixed = f.mixed;
+  o.ids_int64 = f.ids64;
+  o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
+  return o;
+}
+
+int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f) {
+  const EpConfig& cfg = o.cfg;
+  fmt::print(
+      "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
+      "layout {}, scales {}, routing {}, seed {}\n",
+      to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk, f.tokens,
+      cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
+      to_string(cfg.scale_layout), f.routing, o.seed);
+  const auto t0 = std::chrono::steady_clock::now();
+  const testing::CheckReport rep = testing::run_check(o);
+  const double secs = seconds_since(t0);
+  for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+  fmt::print("{}: {} call(s) checked, buffer {} per rank, {:.1f} s\n", rep.ok ? "PASS" : "FAIL",
+             rep.calls, mib(rep.buffer_bytes), secs);
+  return rep.ok ? 0 : 1;
+}
+
+namespace {
+
+template <typename World>
+int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
+             int fault_kill_rank) {
+  const bool lead = world.rank() == 0;
+  const EpConfig& cfg = o.cfg;
+  if (fault_kill_rank == world.rank()) {
+    // Fault injection: take part in the world and in the creation of the All2All (the first
+    // collective of run_check_ipc), then die abruptly before the first dispatch. The other ranks
+    // must report this rank by name within EPX_TIMEOUT_MS and leave no socket file.
+    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+    const std::unique_ptr<All2All> a2a = make_all2all(o.backend, cfg, world, o.launch);
+    fmt::print(
+        "fault injection: rank {} (pid {}) created its All2All and kills itself (SIGKILL) "
+        "before its first dispatch\n",
+        world.rank(), long(::getpid()));
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+  }
+  if (lead) {
+    fmt::print(
+        "epx check: {} world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
+        "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
+        to_string(kind), world.size(), to_string(o.backend), cfg.world_size, cfg.hidden,
+        cfg.num_experts, cfg.topk, f.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
+        to_string(cfg.layout), to_string(cfg.scale_layout), f.routing, o.seed);
+    std::fflush(stdout);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const testing::CheckReport rep = testing::run_check_world(o, world);
+  const double secs = seconds_since(t0);
+  if (lead) {
+    for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+    fmt::print("{}: {} call(s) checked on each of {} ranks, buffer {} per rank, {:.1f} s\n",
+               rep.ok ? "PASS" : "FAIL", rep.calls, world.size(), mib(rep.buffer_bytes), secs);
+    std::fflush(stdout);
+  }
+  return rep.ok ? 0 : 1;
+}
+
+}  // namespace
+
+int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
+                    int fault_kill_rank) {
+  require_gpu("epx check");
+  // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
+  const int gpus = cuda_device_count();
+  const int device = gpus > 0 ? BootstrapOptions::from_env().rank % gpus : -1;
+  if (kind == WorldKind::kNccl) {
+    NcclWorld world = NcclWorld::from_env(device);
+    return check_on(world, o, kind, f, fault_kill_rank);
+  }
+  IpcWorld world = IpcWorld::from_env(device);
+  return check_on(world, o, kind, f, fault_kill_rank);
+}
+
+}  // namespace epx::cli
