@@ -1,4 +1,4 @@
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 
 namespace epx {
 

@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "moe/kernels.hpp"
 #include "epx/error.hpp"
 

@@ -3,7 +3,7 @@
 
 #include <cuda_bf16.h>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "core/fp8.cuh"
 #include "epx/error.hpp"
 #include "moe/kernels.hpp"

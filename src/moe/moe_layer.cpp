@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "epx/moe.hpp"
 #include "moe/fp8_gemm.hpp"

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "core/env.hpp"
 #include "epx/config.hpp"
 #include "epx/world.hpp"

@@ -28,7 +28,7 @@
 #include <string_view>
 #include <vector>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/symmetric.hpp"
 #include "epx/world.hpp"

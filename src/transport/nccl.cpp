@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "core/env.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/config.hpp"

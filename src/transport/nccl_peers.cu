@@ -4,7 +4,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "transport/nccl_peers.hpp"
 
 namespace epx::transport {

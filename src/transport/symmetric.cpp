@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/world.hpp"
 
 namespace epx {

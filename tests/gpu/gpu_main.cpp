@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 
 namespace {
 class SummaryListener : public ::testing::EmptyTestEventListener {

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 
 #ifndef EPX_CLI_PATH
 #error "EPX_CLI_PATH (the epx binary) must be defined by the build"

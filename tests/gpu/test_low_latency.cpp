@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "testing/harness.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"

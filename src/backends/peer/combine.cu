@@ -14,7 +14,7 @@
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/peer_device.cuh"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "core/sync_device.cuh"
 
 namespace epx::peer {

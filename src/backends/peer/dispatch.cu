@@ -20,7 +20,7 @@
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/peer_device.cuh"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "core/fp8.cuh"
 #include "core/sync_device.cuh"
 

@@ -12,7 +12,7 @@
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
-#include "core/cuda_check.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/world.hpp"
 
