@@ -21,9 +21,10 @@ namespace epx::cli {
 
 testing::CheckOptions check_options(const CheckRunFlags& f) {
   testing::CheckOptions o;
-  o.tokens = tokens_per_rank(parse_token_counts(f.tokens, "--tokens"), f.shape.world, "--tokens",
-                             f.tokens);
-  o.cfg = f.shape.config(std::max(1, *std::max_element(o.tokens.begin(), o.tokens.end())));
+  // The config first: it refuses a bad --world before the counts are spread over its ranks.
+  const std::vector<int> counts = parse_token_counts(f.tokens, "--tokens");  // never empty
+  o.cfg = f.shape.config(std::max(1, *std::max_element(counts.begin(), counts.end())));
+  o.tokens = tokens_per_rank(counts, f.shape.world, "--tokens", f.tokens);
   o.backend = backend_or_env(f.backend, "--backend");
   o.launch = launch_from_env().launch;
   o.routing = parse_routing_flag(f.routing);

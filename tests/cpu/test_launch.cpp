@@ -76,6 +76,22 @@ TEST(Launch, ReportsSignalsAndMissingCommands) {
   EXPECT_NE(none.err.find("-n = 0"), std::string::npos) << none.err;
 }
 
+// A world without ranks is refused by name before anything is spread over its ranks (a single
+// token count used to be expanded over --world first), in check and in the diagnosis command.
+TEST(CheckCli, WorldWithoutRanksIsRefusedNamingTheFlag) {
+  for (const char* world : {"0", "-3"}) {
+    for (const std::vector<std::string>& cmd :
+         {std::vector<std::string>{EPX_CLI_PATH, "check"},
+          std::vector<std::string>{EPX_CLI_PATH, "diag", "graph-replay"}}) {
+      std::vector<std::string> argv = cmd;
+      argv.insert(argv.end(), {"--world", world, "--tokens", "7"});
+      const auto r = run_command(argv);
+      EXPECT_EQ(exit_code(r), 2) << r.err;
+      EXPECT_NE(r.err.find(std::string("--world = ") + world), std::string::npos) << r.err;
+    }
+  }
+}
+
 // The graph-diagnosis flags live in `epx diag graph-replay`, not in `epx check`; there they are
 // refused (exit 2, naming the flag) without graph replays, before any GPU is needed.
 TEST(CheckCli, GraphDiagnosisFlagsNeedAGraphRun) {

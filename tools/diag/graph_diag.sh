@@ -9,7 +9,7 @@
 # ~3 min when every step passes; a failing step stops at EPX_TIMEOUT_MS. Logs to $OUT (or
 # graph-diag/). Usage: tools/diag/graph_diag.sh [build-dir]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 . tools/diag/diag_env.sh graph-diag "${1:-build}"
 step() {  # step NAME CMD...: one bounded run, its rc and its summary lines
   local name=$1; shift

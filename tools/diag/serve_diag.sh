@@ -3,7 +3,7 @@
 # ones finish, every rank's error for those that do not, and the cuBLASLt algorithms chosen
 # (CUBLASLT_LOG_LEVEL=2). Logs to $OUT (or serve-diag/). Usage: tools/diag/serve_diag.sh [build-dir]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 . tools/diag/diag_env.sh serve-diag "${1:-build}"
 S="--world 8 --experts 64 --hidden 2048 --intermediate 512 --shared-intermediate 512"
 S="$S --num-prompts 16 --isl 128 --osl 8 --chunk-size 64 --max-batched-tokens 256"
@@ -18,7 +18,7 @@ one() {  # one NAME LAUNCH-JSON|default [serve-bench flags...]
   env "${cfg[@]}" CUBLASLT_LOG_LEVEL=2 timeout 90 "$build/epx" serve-bench $S "$@" >"$out/$name.log" 2>&1
   echo "rc $?"
   grep -E "^  rank [0-9]+:|error|launch shapes|^(naive|allgather|low_latency)" "$out/$name.log" | head -20
-  grep -E "epx fp8 GEMM plan" "$out/$name.log" | sort -u | head -12
+  grep -E "cublasLtMatmul" "$out/$name.log" | sort -u | head -12  # cuBLASLt's own trace
 }
 B16='{"global": {"num_blocks": 16, "warps_per_block": 32}}'
 one b16w32 "$B16" --backends low_latency
