@@ -1,5 +1,5 @@
 #pragma once
-// What the measuring commands (bench, tune, serve-bench) share: the flags (flags.hpp), the
+// What the all-to-all measuring commands (bench, tune) share: the flags (flags.hpp), the
 // figures and stamps of a report (figures.hpp, report.hpp), and, in CUDA builds, the inputs on
 // the device (device_inputs.hpp), the copy bandwidth and the timing method of DESIGN §8.
 //

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epx/error.hpp"
+#include "scoped_env.hpp"
 #include "flags.hpp"
 
 namespace epx::cli {
@@ -32,31 +33,6 @@ std::string config_error(F f) {
 #define EXPECT_MESSAGE_HAS(message, part) \
   EXPECT_NE((message).find(part), std::string::npos) << (message)
 
-// Sets an environment variable for the scope of the object, restoring the previous value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // ---- values ------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@
 #include "core/env.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
+#include "scoped_env.hpp"
 
 namespace epx {
 namespace {
@@ -442,31 +443,15 @@ TEST(Env, BadConfigPath) {
 }
 
 TEST(Env, ReadsTheProcessEnvironment) {
-  // Save and restore, so the test leaves the environment as it found it.
-  const char* names[] = {"EPX_BACKEND", "EPX_TIMEOUT_MS", "EPX_CONFIG_PATH"};
-  std::string saved[3];
-  bool had[3];
-  for (int i = 0; i < 3; ++i) {
-    const char* v = std::getenv(names[i]);
-    had[i] = v != nullptr;
-    if (had[i]) saved[i] = v;
-  }
-  ::setenv("EPX_BACKEND", "allgather_reducescatter", 1);
-  ::setenv("EPX_TIMEOUT_MS", "1234", 1);
-  ::unsetenv("EPX_CONFIG_PATH");
+  ScopedEnv backend("EPX_BACKEND", "allgather_reducescatter");
+  ScopedEnv timeout("EPX_TIMEOUT_MS", "1234");
+  ScopedEnv config("EPX_CONFIG_PATH", nullptr);
   EnvSettings s = read_env();
   EXPECT_EQ(s.backend, Backend::kAllgatherReduceScatter);
   EXPECT_EQ(s.timeout_ms, 1234);
   EXPECT_FALSE(s.config_path.has_value());
-  ::setenv("EPX_TIMEOUT_MS", "10s", 1);
+  ScopedEnv bad_timeout("EPX_TIMEOUT_MS", "10s");
   EXPECT_TRUE(throws_config_error([] { read_env(); }, {"EPX_TIMEOUT_MS = \"10s\""}));
-  for (int i = 0; i < 3; ++i) {
-    if (had[i]) {
-      ::setenv(names[i], saved[i].c_str(), 1);
-    } else {
-      ::unsetenv(names[i]);
-    }
-  }
 }
 
 TEST(HardwareQueues, ParsesCudaDeviceMaxConnections) {
@@ -501,34 +486,6 @@ TEST(Env, NcclLibrary) {
   EXPECT_EQ(env::parse_nccl_library("/opt/nccl/lib/libnccl.so.2"), "/opt/nccl/lib/libnccl.so.2");
 }
 
-// Sets (or, with nullptr, unsets) one variable for the life of the object, then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* was = std::getenv(name);
-    had_ = was != nullptr;
-    if (had_) saved_ = was;
-    if (value != nullptr) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      ::setenv(name_, saved_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string saved_;
-};
 
 TEST(Env, GettersReadTheProcessEnvironment) {
   {

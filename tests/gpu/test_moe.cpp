@@ -847,8 +847,7 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
           try {
             layer->forward(d_x, n, d_y, comm, stream, round.chunks, &routing);
           } catch (...) {
-            cudaGraph_t g = nullptr;
-            (void)cudaStreamEndCapture(stream, &g);
+            testing::abandon_capture(stream);
             throw;
           }
           end_piece();
