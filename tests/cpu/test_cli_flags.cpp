@@ -132,6 +132,24 @@ TEST(CliFlags, NamedValuesSpeakOfTheirFlag) {
                      "--scale-layout = \"token\", expected one of row, column");
 }
 
+TEST(CliFlags, BackendListInOrderEachOnce) {
+  EXPECT_EQ(parse_backend_list("low_latency,naive", "--backends"),
+            (std::vector<Backend>{Backend::kLowLatency, Backend::kNaive}));
+  EXPECT_EQ(parse_backend_list("allgather_reducescatter", "--backends"),
+            (std::vector<Backend>{Backend::kAllgatherReduceScatter}));
+  EXPECT_MESSAGE_HAS(
+      config_error([] { parse_backend_list("naive,low_latency,naive", "--backends"); }),
+      "--backends = 'naive,low_latency,naive' lists naive twice, expected each "
+      "backend once");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("naive,fastest", "--backends"); }),
+                     "--backends = \"fastest\", expected one of naive, allgather_reducescatter, "
+                     "low_latency");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("naive,", "--backends"); }),
+                     "--backends = 'naive,', expected a non-empty comma list");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("", "--backends"); }),
+                     "--backends = '', expected a non-empty comma list");
+}
+
 TEST(CliFlags, BackendFromFlagThenEnvironment) {
   {
     ScopedEnv unset("EPX_BACKEND", nullptr);
