@@ -4,7 +4,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
+#include <fstream>
+
+#include "epx/error.hpp"
 
 #if EPX_HAVE_CUDA
 #include "epx/cuda_check.hpp"
@@ -42,6 +46,17 @@ void progress(const std::string& line) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string load_modules_eagerly(const std::string& set_by, const std::string& risk) {
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  if (loading == nullptr) {
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    return fmt::format("CUDA_MODULE_LOADING=EAGER (set by {})", set_by);
+  }
+  std::string note = fmt::format("CUDA_MODULE_LOADING={} (from the environment)", loading);
+  if (std::string(loading) != "EAGER") note += "; WARNING: not EAGER, " + risk;
+  return note;
 }
 
 std::string mib(size_t bytes) {

@@ -51,16 +51,7 @@ namespace {
 // CUDA_DEVICE_MAX_CONNECTIONS, one hardware work queue per rank stream (`epx` sets 32 unless the
 // environment gives a value; CUDA's default is 8). Returns the line that reports both.
 std::string apply_cuda_env() {
-  const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  std::string note = "CUDA_MODULE_LOADING=EAGER (set by epx serve-bench)";
-  if (loading == nullptr) {
-    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  } else {
-    note = fmt::format("CUDA_MODULE_LOADING={} (from the environment){}", loading,
-                       std::string(loading) == "EAGER"
-                           ? ""
-                           : "; WARNING: not EAGER, a lazy kernel load may deadlock");
-  }
+  std::string note = load_modules_eagerly("epx serve-bench", "a lazy kernel load may deadlock");
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}", connections ? connections : "8");
   return note;
