@@ -70,6 +70,14 @@ std::string one_line(std::string s, size_t max) {
   return s;
 }
 
+void write_json(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+  out.close();
+  if (!out) EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
+  fmt::print("wrote {}\n", path);
+}
+
 nlohmann::json machine_json(const GpuInfo& gpu) {
   return {{"hostname", host_name()},
           {"gpu_name", gpu.name},

@@ -88,7 +88,7 @@ bool run_serve_bench(const serve::Plan& plan) {
   serve::Ranks ranks = serve::make_ranks(p, world);
   const serve::LayerWeights weights = serve::build_layers(p, world, ranks);
   fmt::print("  weights: {}; activations and layers ready in {:.1f} s\n", weights.note,
-             serve::seconds_since(t0));
+             seconds_since(t0));
   std::fflush(stdout);
 
   serve::RankThreads threads(p.workload.world);
@@ -100,14 +100,14 @@ bool run_serve_bench(const serve::Plan& plan) {
 
   serve::print_table(results);
   if (!p.json_path.empty()) {
-    serve::write_json(p.json_path, serve::make_json(p, world.sm_budget(0), gpu, weights.note,
-                                                    weights.distinct, results));
+    write_json(p.json_path, serve::make_json(p, world.sm_budget(0), gpu, weights.note,
+                                             weights.distinct, results));
   }
   bool ok = true;
   for (const serve::BackendResult& br : results)
     ok &= br.status == "ok" || br.status == "unavailable";
   fmt::print("{} ({:.0f} s)\n", ok ? "done" : "done, with erroneous backends (exit 1)",
-             serve::seconds_since(t_start));
+             seconds_since(t_start));
   return ok;
 }
 
