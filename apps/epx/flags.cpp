@@ -294,8 +294,8 @@ EpConfig Sweep::config_for(int t) const {
 
 LaunchSource launch_from_env() {
   const EnvSettings env = read_env();
-  if (!env.config_path) return {LaunchConfigs{}, "backend defaults"};
-  return {load_launch_configs(*env.config_path), "EPX_CONFIG_PATH=" + *env.config_path};
+  if (!env.config_path) return {LaunchConfigs{}, "backend defaults", false};
+  return {load_launch_configs(*env.config_path), "EPX_CONFIG_PATH=" + *env.config_path, true};
 }
 
 }  // namespace epx::cli

@@ -137,7 +137,8 @@ Sweep make_sweep(const SweepFlags& f);
 // Launch shapes from EPX_CONFIG_PATH (or all zero = the backend's defaults) and their origin.
 struct LaunchSource {
   LaunchConfigs launch;
-  std::string origin;  // "EPX_CONFIG_PATH=<path>" or "backend defaults"
+  std::string origin;      // "EPX_CONFIG_PATH=<path>" or "backend defaults"
+  bool from_file = false;  // EPX_CONFIG_PATH was given
 };
 LaunchSource launch_from_env();
 

@@ -63,7 +63,7 @@ std::string apply_cuda_env() {
 // passed the small shape three times, docs/perf-notes.md). Half the SM budget stays the
 // default until the full budget has been measured on the R1 shape.
 void default_launch_shapes(const InProcessWorld& world, LaunchSource& launch) {
-  if (launch.origin != "backend defaults" || world.ranks_on_device(world.device_of(0)) <= 1) return;
+  if (launch.from_file || world.ranks_on_device(world.device_of(0)) <= 1) return;
   const int blocks = std::max(1, world.sm_budget(0) / 2);
   launch.launch.dispatch.num_blocks = launch.launch.combine.num_blocks = blocks;
   launch.origin = fmt::format(
