@@ -40,17 +40,7 @@ bench::Plan validate(const BenchFlags& f, bool world_given) {
   SweepFlags sweep = f.sweep;
   if (p.ipc) take_world_from_env(sweep.shape, world_given, "epx bench");
   p.shape = make_sweep(sweep);
-  for (const std::string& name : split_list(f.backends, "--backends")) {
-    const Backend b = parse_backend_flag(name, "--backends");
-    for (Backend seen : p.backends) {
-      if (seen == b) {
-        EPX_THROW(ConfigError, fmt::format("--backends = '{}' lists {} twice, expected each "
-                                           "backend once",
-                                           f.backends, name));
-      }
-    }
-    p.backends.push_back(b);
-  }
+  p.backends = parse_backend_list(f.backends, "--backends");
   check_range("--iters", f.iters, bench::kMinIters, bench::kMaxIters,
               "median and p90 need at least 50 timed iterations, DESIGN §8");
   check_range("--warmup", f.warmup, 0, bench::kMaxIters);

@@ -80,8 +80,6 @@ void print_yardstick(const nlohmann::json& records);
 nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const GpuInfo& gpu,
                          const CopyBandwidth& bw, std::optional<double> fork_join_us,
                          const std::vector<TokenResult>& results);
-// Writes `doc` to --json `path`; InputError when it cannot.
-void write_json(const std::string& path, const nlohmann::json& doc);
 // True unless a backend failed or erred (an unavailable backend is reported, not a failure).
 bool all_ok(const std::vector<TokenResult>& results);
 // "low_latency,naive": the backends of the plan.

@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 
 #include "bench.hpp"
 #include "epx/error.hpp"
@@ -193,16 +192,6 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
   doc["volumes"] = volumes;
   doc["results"] = records;
   return doc;
-}
-
-void write_json(const std::string& path, const nlohmann::json& doc) {
-  std::ofstream out(path);
-  out << doc.dump(2) << "\n";
-  out.close();
-  if (!out) {
-    EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
-  }
-  fmt::print("wrote {}\n", path);
 }
 
 bool all_ok(const std::vector<TokenResult>& results) {

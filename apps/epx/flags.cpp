@@ -147,6 +147,19 @@ Backend parse_backend_flag(const std::string& name, const char* flag) {
   return parse_as_flag(parse_backend, name, "backend", flag);
 }
 
+std::vector<Backend> parse_backend_list(const std::string& text, const char* flag) {
+  std::vector<Backend> out;
+  for (const std::string& name : split_list(text, flag)) {
+    const Backend b = parse_backend_flag(name, flag);
+    if (std::find(out.begin(), out.end(), b) != out.end()) {
+      EPX_THROW(ConfigError, fmt::format("{} = '{}' lists {} twice, expected each backend once",
+                                         flag, text, name));
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+
 Backend backend_or_env(const std::string& name, const char* flag) {
   if (!name.empty()) return parse_backend_flag(name, flag);
   return read_env().backend.value_or(Backend::kLowLatency);
@@ -281,8 +294,8 @@ EpConfig Sweep::config_for(int t) const {
 
 LaunchSource launch_from_env() {
   const EnvSettings env = read_env();
-  if (!env.config_path) return {LaunchConfigs{}, "backend defaults"};
-  return {load_launch_configs(*env.config_path), "EPX_CONFIG_PATH=" + *env.config_path};
+  if (!env.config_path) return {LaunchConfigs{}, "backend defaults", false};
+  return {load_launch_configs(*env.config_path), "EPX_CONFIG_PATH=" + *env.config_path, true};
 }
 
 }  // namespace epx::cli

@@ -44,6 +44,9 @@ ref::RoutingKind parse_routing_flag(const std::string& name);
 
 // A backend by name (naive | allgather_reducescatter | low_latency), named as `flag`.
 Backend parse_backend_flag(const std::string& name, const char* flag);
+// A comma list of backends ("naive,low_latency"), each once, in the order given; errors name
+// `flag`.
+std::vector<Backend> parse_backend_list(const std::string& text, const char* flag);
 // --backend when given (non-empty), else EPX_BACKEND, else low_latency.
 Backend backend_or_env(const std::string& name, const char* flag);
 
@@ -134,7 +137,8 @@ Sweep make_sweep(const SweepFlags& f);
 // Launch shapes from EPX_CONFIG_PATH (or all zero = the backend's defaults) and their origin.
 struct LaunchSource {
   LaunchConfigs launch;
-  std::string origin;  // "EPX_CONFIG_PATH=<path>" or "backend defaults"
+  std::string origin;      // "EPX_CONFIG_PATH=<path>" or "backend defaults"
+  bool from_file = false;  // EPX_CONFIG_PATH was given
 };
 LaunchSource launch_from_env();
 

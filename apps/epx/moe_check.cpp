@@ -20,17 +20,16 @@
 #include "moe_check.hpp"
 
 #include <fmt/format.h>
-#include <stdlib.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "epx/error.hpp"
 #include "moe_check_steps.hpp"
+#include "report.hpp"
 #if EPX_HAVE_CUDA
 #include "epx/cuda_check.hpp"
 #endif
@@ -38,9 +37,9 @@
 namespace epx::cli {
 namespace {
 
-[[maybe_unused]] ref::moe::Scoring parse_scoring(const std::string& s) {
-  if (s == "sigmoid") return ref::moe::Scoring::kSigmoidGrouped;
-  if (s == "softmax") return ref::moe::Scoring::kSoftmax;
+[[maybe_unused]] MoeScoring parse_scoring(const std::string& s) {
+  if (s == "sigmoid") return MoeScoring::kSigmoidGrouped;
+  if (s == "softmax") return MoeScoring::kSoftmax;
   EPX_THROW(ConfigError, "--scoring = '" + s + "', expected sigmoid or softmax");
 }
 
@@ -59,14 +58,13 @@ namespace {
   p.launch = launch_from_env().launch;
   p.seed = f.seed;
 
-  ref::moe::MoeShape& rs = p.shape;
+  MoeShape& rs = p.shape;
   rs.hidden = p.cfg.hidden;
   rs.intermediate = l.intermediate;
   rs.num_experts = p.cfg.num_experts;
   rs.topk = p.cfg.topk;
   rs.num_groups = l.groups;
   rs.topk_groups = l.topk_groups;
-  rs.routed_scaling = 2.5f;
   rs.shared_intermediate = l.shared_intermediate;
   rs.scoring = parse_scoring(l.scoring);
   rs.validate();
@@ -82,30 +80,18 @@ namespace {
   return p;
 }
 
-// Step 1, before any CUDA call of this process: eager module loading unless the environment
-// says otherwise. Returns the line that says which.
-[[maybe_unused]] std::string load_modules_eagerly() {
-  const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  if (loading == nullptr) {
-    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-    return "CUDA_MODULE_LOADING=EAGER (set by epx check --moe: ranks spin on each other and a "
-           "lazy kernel load would wait for them)";
-  }
-  std::string note = fmt::format("CUDA_MODULE_LOADING={} (from the environment)", loading);
-  if (std::string(loading) != "EAGER")
-    note += "; WARNING: not EAGER, a lazy cuBLASLt kernel load may deadlock the ranks";
-  return note;
-}
-
 }  // namespace
 
 int run_moe_check(const MoeCheckFlags& flags) {
 #if EPX_HAVE_CUDA
-  const std::string loading_note = load_modules_eagerly();
+  // Step 1, before any CUDA call of this process.
+  const std::string loading_note = load_modules_eagerly(
+      "epx check --moe: ranks spin on each other and a lazy kernel load would wait for them",
+      "a lazy cuBLASLt kernel load may deadlock the ranks");
   const moe::Plan p = make_plan(flags);
   require_gpu("epx check --moe");
   const EpConfig& cfg = p.cfg;
-  const ref::moe::MoeShape& s = p.shape;
+  const MoeShape& s = p.shape;
   fmt::print(
       "epx check --moe: backend {}, world {}, H {}, I {}, E {}, K {}, groups {}/{}, "
       "shared I {}, scoring {}, tokens {}, max {} ({} chunk(s) per rank), dtype {}, "

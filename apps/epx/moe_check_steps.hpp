@@ -12,6 +12,7 @@
 
 #include "epx/config.hpp"
 #include "epx/error.hpp"
+#include "epx/moe_shape.hpp"
 #include "reference/moe_ref.hpp"
 
 namespace epx::cli::moe {
@@ -25,7 +26,7 @@ struct Plan {
   int chunks = 1;           // per rank: the largest need, every rank runs as many
   Backend backend = Backend::kLowLatency;
   LaunchConfigs launch;
-  ref::moe::MoeShape shape;  // the layer (its reference form)
+  MoeShape shape;  // the layer, as MoeLayer and the CPU reference take it
   uint64_t seed = 1;
   double tolerance = 0;
   bool with_cpu_ref = false;  // H <= 1024 and E <= 64

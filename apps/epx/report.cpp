@@ -4,7 +4,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
+#include <fstream>
+
+#include "epx/error.hpp"
 
 #if EPX_HAVE_CUDA
 #include "epx/cuda_check.hpp"
@@ -44,6 +48,17 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+std::string load_modules_eagerly(const std::string& set_by, const std::string& risk) {
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  if (loading == nullptr) {
+    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    return fmt::format("CUDA_MODULE_LOADING=EAGER (set by {})", set_by);
+  }
+  std::string note = fmt::format("CUDA_MODULE_LOADING={} (from the environment)", loading);
+  if (std::string(loading) != "EAGER") note += "; WARNING: not EAGER, " + risk;
+  return note;
+}
+
 std::string mib(size_t bytes) {
   return fmt::format("{:.1f} MiB", double(bytes) / (1 << 20));
 }
@@ -53,6 +68,14 @@ std::string one_line(std::string s, size_t max) {
     if (c == '\n') c = ' ';
   if (s.size() > max) s = s.substr(0, max - 3) + "...";
   return s;
+}
+
+void write_json(const std::string& path, const nlohmann::json& doc) {
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+  out.close();
+  if (!out) EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
+  fmt::print("wrote {}\n", path);
 }
 
 nlohmann::json machine_json(const GpuInfo& gpu) {

@@ -21,11 +21,21 @@ void progress(const std::string& line);
 // Seconds from t0 to now.
 double seconds_since(std::chrono::steady_clock::time_point t0);
 
+// Sets CUDA_MODULE_LOADING=EAGER unless the environment gives a value; call it before any CUDA
+// call of the process. Ranks that spin on each other need it: a lazily loaded kernel (cuBLASLt's)
+// waits for the spinning ones. Returns the line that says which: "CUDA_MODULE_LOADING=EAGER (set
+// by <set_by>)", or "CUDA_MODULE_LOADING=<value> (from the environment)" followed by
+// "; WARNING: not EAGER, <risk>" when the value is not EAGER.
+std::string load_modules_eagerly(const std::string& set_by, const std::string& risk);
+
 // "12.3 MiB": `bytes` in MiB with one decimal.
 std::string mib(size_t bytes);
 
 // `s` on one line (newlines become spaces), cut to `max` characters with "..." at the end.
 std::string one_line(std::string s, size_t max = 160);
+
+// Writes `doc` to --json `path` and says so; InputError when that fails.
+void write_json(const std::string& path, const nlohmann::json& doc);
 
 struct GpuInfo {
   std::string name;

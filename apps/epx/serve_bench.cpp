@@ -51,16 +51,7 @@ namespace {
 // CUDA_DEVICE_MAX_CONNECTIONS, one hardware work queue per rank stream (`epx` sets 32 unless the
 // environment gives a value; CUDA's default is 8). Returns the line that reports both.
 std::string apply_cuda_env() {
-  const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  std::string note = "CUDA_MODULE_LOADING=EAGER (set by epx serve-bench)";
-  if (loading == nullptr) {
-    ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  } else {
-    note = fmt::format("CUDA_MODULE_LOADING={} (from the environment){}", loading,
-                       std::string(loading) == "EAGER"
-                           ? ""
-                           : "; WARNING: not EAGER, a lazy kernel load may deadlock");
-  }
+  std::string note = load_modules_eagerly("epx serve-bench", "a lazy kernel load may deadlock");
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   note += fmt::format(", CUDA_DEVICE_MAX_CONNECTIONS={}", connections ? connections : "8");
   return note;
@@ -72,7 +63,7 @@ std::string apply_cuda_env() {
 // passed the small shape three times, docs/perf-notes.md). Half the SM budget stays the
 // default until the full budget has been measured on the R1 shape.
 void default_launch_shapes(const InProcessWorld& world, LaunchSource& launch) {
-  if (launch.origin != "backend defaults" || world.ranks_on_device(world.device_of(0)) <= 1) return;
+  if (launch.from_file || world.ranks_on_device(world.device_of(0)) <= 1) return;
   const int blocks = std::max(1, world.sm_budget(0) / 2);
   launch.launch.dispatch.num_blocks = launch.launch.combine.num_blocks = blocks;
   launch.origin = fmt::format(
@@ -97,7 +88,7 @@ bool run_serve_bench(const serve::Plan& plan) {
   serve::Ranks ranks = serve::make_ranks(p, world);
   const serve::LayerWeights weights = serve::build_layers(p, world, ranks);
   fmt::print("  weights: {}; activations and layers ready in {:.1f} s\n", weights.note,
-             serve::seconds_since(t0));
+             seconds_since(t0));
   std::fflush(stdout);
 
   serve::RankThreads threads(p.workload.world);
@@ -109,14 +100,14 @@ bool run_serve_bench(const serve::Plan& plan) {
 
   serve::print_table(results);
   if (!p.json_path.empty()) {
-    serve::write_json(p.json_path, serve::make_json(p, world.sm_budget(0), gpu, weights.note,
-                                                    weights.distinct, results));
+    write_json(p.json_path, serve::make_json(p, world.sm_budget(0), gpu, weights.note,
+                                             weights.distinct, results));
   }
   bool ok = true;
   for (const serve::BackendResult& br : results)
     ok &= br.status == "ok" || br.status == "unavailable";
   fmt::print("{} ({:.0f} s)\n", ok ? "done" : "done, with erroneous backends (exit 1)",
-             serve::seconds_since(t_start));
+             seconds_since(t_start));
   return ok;
 }
 

@@ -69,32 +69,14 @@ void check_multiple_of_512(const char* flag, int value, bool zero_ok) {
                         flag, value, zero_ok ? "0 (none) or " : "", kMaxHidden));
 }
 
-void check_model_flags(const Flags& f, int W) {
+// The rules of the MoE layer's shape beyond EpConfig's (which make_config() leaves to
+// EpConfig::validate()).
+void check_model_flags(const Flags& f) {
   check_range("--layers", f.layers, 1, 1024);
   check_multiple_of_512("hidden", f.hidden, false);
   check_multiple_of_512("intermediate", f.intermediate, false);
   check_multiple_of_512("shared-intermediate", f.shared_intermediate, true);
-  check_range("--experts", f.experts, W, 1 << 16, "at least --world");
-  if (f.experts % W != 0) {
-    EPX_THROW(ConfigError, fmt::format("--experts = {}, expected a multiple of --world = {} "
-                                       "(every rank holds E/W experts)",
-                                       f.experts, W));
-  }
-  check_range("--topk", f.topk, 1, std::min(kMaxTopk, f.experts), "at most min(32, --experts)");
-}
-
-std::vector<Backend> parse_backends(const std::string& list) {
-  std::vector<Backend> out;
-  for (const std::string& name : split_list(list, "--backends")) {
-    const Backend b = parse_backend_flag(name, "--backends");
-    if (std::find(out.begin(), out.end(), b) != out.end()) {
-      EPX_THROW(ConfigError, fmt::format("--backends = '{}' lists {} twice, expected each "
-                                         "backend once",
-                                         list, name));
-    }
-    out.push_back(b);
-  }
-  return out;
+  check_range("--experts", f.experts, 1, 1 << 16, "the MoE layer's routed experts");
 }
 
 WeightsMode parse_weights(const std::string& name) {
@@ -107,15 +89,14 @@ WeightsMode parse_weights(const std::string& name) {
 
 // DeepSeek-R1 routing (sigmoid, best 4 of 8 groups) where the expert count allows it,
 // otherwise one group (plain sigmoid top-k).
-ref::moe::MoeShape make_shape(const Flags& f) {
-  ref::moe::MoeShape s;
+MoeShape make_shape(const Flags& f) {
+  MoeShape s;
   s.hidden = f.hidden;
   s.intermediate = f.intermediate;
   s.num_experts = f.experts;
   s.topk = f.topk;
   s.shared_intermediate = f.shared_intermediate;
-  s.scoring = ref::moe::Scoring::kSigmoidGrouped;
-  s.routed_scaling = 2.5f;
+  s.scoring = MoeScoring::kSigmoidGrouped;
   const bool grouped = f.experts % 8 == 0 && f.experts / 8 >= 2 && f.topk <= 4 * (f.experts / 8);
   s.num_groups = grouped ? 8 : 1;
   s.topk_groups = grouped ? 4 : 1;
@@ -123,29 +104,17 @@ ref::moe::MoeShape make_shape(const Flags& f) {
   return s;
 }
 
-// One rank's All2All config; its max_tokens_per_rank is the chunk.
+// One rank's All2All config through the shape flags' path (EpConfig::validate() decides, in flag
+// names); its max_tokens_per_rank is the chunk.
 EpConfig make_config(const Flags& f) {
-  EpConfig cfg;
-  cfg.world_size = f.workload.world;
-  cfg.hidden = f.hidden;
-  cfg.num_experts = f.experts;
-  cfg.topk = f.topk;
-  cfg.max_tokens_per_rank = f.workload.chunk_size;
-  try {
-    cfg.dtype = parse_dispatch_dtype(f.dtype);
-  } catch (const ConfigError&) {
-    EPX_THROW(ConfigError,
-              fmt::format("--dtype = '{}', expected one of bf16, fp8, bf16-to-fp8", f.dtype));
-  }
-  try {
-    cfg.layout = parse_output_layout(f.layout);
-  } catch (const ConfigError&) {
-    EPX_THROW(ConfigError, fmt::format("--layout = '{}', expected token or expert", f.layout));
-  }
-  const EnvSettings env = read_env();  // throws ConfigError naming the variable
-  if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
-  cfg.validate();  // anything the checks above missed, named by field
-  return cfg;
+  ShapeFlags shape;
+  shape.world = f.workload.world;
+  shape.hidden = f.hidden;
+  shape.experts = f.experts;
+  shape.topk = f.topk;
+  shape.dtype = f.dtype;
+  shape.layout = f.layout;
+  return shape.config(f.workload.chunk_size, "--chunk-size");
 }
 
 // ---- --cuda-graph and its diagnosis options ----------------------------------------------------
@@ -216,11 +185,11 @@ Plan make_plan(Flags f, const std::set<std::string>& given) {
   p.preset_note = apply_preset(f, given);
   p.workload = f.workload;
   validate(p.workload);
-  check_model_flags(f, p.workload.world);
-  p.backends = parse_backends(f.backends);
+  check_model_flags(f);
+  p.cfg = make_config(f);
+  p.backends = parse_backend_list(f.backends, "--backends");
   p.weights = parse_weights(f.weights);
   p.shape = make_shape(f);
-  p.cfg = make_config(f);
   p.launch = launch_from_env();
   p.layers = f.layers;
   p.seed = f.seed;

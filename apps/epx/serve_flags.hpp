@@ -11,7 +11,7 @@
 
 #include "bench_common.hpp"
 #include "epx/config.hpp"
-#include "reference/moe_ref.hpp"
+#include "epx/moe_shape.hpp"
 #include "serve_sched.hpp"
 
 namespace epx::cli::serve {
@@ -51,7 +51,7 @@ const char* graph_experts_name(GraphExperts g);  // "switch" | "all-rows"
 struct Plan {
   Workload workload;
   std::vector<Backend> backends;
-  ref::moe::MoeShape shape;
+  MoeShape shape;
   EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
   int layers = 2;
   WeightsMode weights = WeightsMode::kAuto;

@@ -24,10 +24,6 @@
 
 namespace epx::cli::serve {
 
-inline double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // fn(i) for i in [0, n) on up to `threads` host threads; rethrows the first exception (by index).
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
 

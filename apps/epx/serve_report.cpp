@@ -218,12 +218,4 @@ void check_json_path(const std::string& path) {
   if (!probe) EPX_THROW(InputError, fmt::format("--json = '{}' cannot be written", path));
 }
 
-void write_json(const std::string& path, const nlohmann::json& doc) {
-  std::ofstream out(path);
-  out << doc.dump(2) << "\n";
-  out.close();
-  if (!out) EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
-  fmt::print("wrote {}\n", path);
-}
-
 }  // namespace epx::cli::serve

@@ -49,7 +49,5 @@ void check_json_path(const std::string& path);
 nlohmann::json make_json(const Plan& p, int sm_budget_per_rank, const GpuInfo& gpu,
                          const std::string& weights_note, int distinct_layers,
                          const std::vector<BackendResult>& results);
-// Writes `doc` to `path` and says so; InputError when that fails.
-void write_json(const std::string& path, const nlohmann::json& doc);
 
 }  // namespace epx::cli::serve

@@ -3,6 +3,7 @@
 // name the flag, the value and the bound.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
@@ -106,6 +107,24 @@ TEST(CliFlags, NamedValuesSpeakOfTheirFlag) {
   EXPECT_EQ(parse_scale_layout_flag("column"), ScaleLayout::kColumnMajor);
   EXPECT_MESSAGE_HAS(config_error([] { parse_scale_layout_flag("token"); }),
                      "--scale-layout = \"token\", expected one of row, column");
+}
+
+TEST(CliFlags, BackendListInOrderEachOnce) {
+  EXPECT_EQ(parse_backend_list("low_latency,naive", "--backends"),
+            (std::vector<Backend>{Backend::kLowLatency, Backend::kNaive}));
+  EXPECT_EQ(parse_backend_list("allgather_reducescatter", "--backends"),
+            (std::vector<Backend>{Backend::kAllgatherReduceScatter}));
+  EXPECT_MESSAGE_HAS(
+      config_error([] { parse_backend_list("naive,low_latency,naive", "--backends"); }),
+      "--backends = 'naive,low_latency,naive' lists naive twice, expected each "
+      "backend once");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("naive,fastest", "--backends"); }),
+                     "--backends = \"fastest\", expected one of naive, allgather_reducescatter, "
+                     "low_latency");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("naive,", "--backends"); }),
+                     "--backends = 'naive,', expected a non-empty comma list");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_backend_list("", "--backends"); }),
+                     "--backends = '', expected a non-empty comma list");
 }
 
 TEST(CliFlags, BackendFromFlagThenEnvironment) {
@@ -270,6 +289,32 @@ TEST(CliFlags, SweepValidatesEveryTokenCount) {
   f.shape.experts = 12;
   EXPECT_MESSAGE_HAS(config_error([&] { (void)make_sweep(f); }),
                      "--experts = 12, expected a multiple of --world = 8");
+}
+
+// ---- environment -------------------------------------------------------------------------------
+
+TEST(CliFlags, LaunchSourceSaysWhetherAFileGaveTheShapes) {
+  {
+    ScopedEnv unset("EPX_CONFIG_PATH", nullptr);
+    const LaunchSource s = launch_from_env();
+    EXPECT_FALSE(s.from_file);
+    EXPECT_EQ(s.origin, "backend defaults");
+    EXPECT_EQ(s.launch.dispatch.num_blocks, 0);
+  }
+  char path[] = "/tmp/epx_launch_XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  const std::string text = R"({"global": {"num_blocks": 8}})";
+  ASSERT_EQ(::write(fd, text.data(), text.size()), ssize_t(text.size()));
+  ::close(fd);
+  {
+    ScopedEnv set("EPX_CONFIG_PATH", path);
+    const LaunchSource s = launch_from_env();
+    EXPECT_TRUE(s.from_file);
+    EXPECT_EQ(s.origin, std::string("EPX_CONFIG_PATH=") + path);
+    EXPECT_EQ(s.launch.dispatch.num_blocks, 8);
+  }
+  ::unlink(path);
 }
 
 }  // namespace

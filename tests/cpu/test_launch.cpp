@@ -144,6 +144,27 @@ TEST(ServeCli, GraphBucketsAreChecked) {
   }
 }
 
+// The shape flags go through the flags module's EpConfig path: messages in flag names.
+TEST(ServeCli, ModelFlagsSpeakInFlagNames) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--experts", "100"}, "--experts = 100, expected a multiple of --world = 8"},
+      {{"--world", "4", "--experts", "2"}, "--experts = 2, expected >= --world = 4"},
+      {{"--topk", "40"}, "--topk = 40, expected in [1, min(kMaxTopk = 32, --experts = 256)]"},
+      {{"--dtype", "fp4"}, "--dtype = \"fp4\", expected one of bf16, fp8, bf16-to-fp8"},
+      {{"--layout", "row"}, "--layout = \"row\", expected one of token, expert"},
+      {{"--hidden", "1000"}, "--hidden = 1000, expected a multiple of 512 in [512, 65536]"},
+      {{"--experts", "131072"}, "--experts = 131072, expected in [1, 65536]"},
+      {{"--backends", "naive,naive"}, "--backends = 'naive,naive' lists naive twice"},
+      {{"--backends", "fastest"}, "--backends = \"fastest\", expected one of naive"}};
+  for (const auto& [extra, message] : cases) {
+    std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = run_command(argv);
+    EXPECT_EQ(exit_code(r), 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
 // Runs inside `epx launch` (see the next test); skipped when run on its own.
 TEST(LaunchedRank, BootstrapFromEnv) {
   if (std::getenv("EPX_TEST_LAUNCHED") == nullptr) GTEST_SKIP() << "runs under epx launch only";
