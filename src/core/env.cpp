@@ -103,6 +103,11 @@ BootstrapOptions bootstrap() {
 
 std::string nccl_library() { return parse_nccl_library(raw("EPX_NCCL_LIBRARY")); }
 
+std::string ablate_text() {
+  const char* v = raw("EPX_ABLATE");
+  return v == nullptr ? std::string() : std::string(v);
+}
+
 int hardware_queues_per_gpu() {
   return ::epx::hardware_queues_per_gpu(raw("CUDA_DEVICE_MAX_CONNECTIONS"));
 }

@@ -9,6 +9,8 @@
 //   EPX_BOOTSTRAP                its peers (`epx launch` sets them)
 //   EPX_NCCL_LIBRARY             libnccl to open                nccl_library()
 //   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU        hardware_queues_per_gpu()
+//   EPX_ABLATE                   stages a measurement build     ablate_text()
+//                                leaves out (release builds never ask)
 //
 // Each variable has a pure parser, which takes the variable's text (nullptr = unset) and never
 // looks at the process environment, so that tests can feed it any value, and a getter, which
@@ -53,6 +55,8 @@ int timeout_ms();        // EPX_TIMEOUT_MS, else EpConfig's default (10 s)
 BootstrapOptions bootstrap();
 std::string nccl_library();
 int hardware_queues_per_gpu();  // CUDA_DEVICE_MAX_CONNECTIONS, else CUDA's default 8
+// EPX_ABLATE as set ("" when unset): parsed by the peer engine of a measurement build only.
+std::string ablate_text();
 
 }  // namespace epx::env
 

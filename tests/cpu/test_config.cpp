@@ -492,17 +492,21 @@ TEST(Env, GettersReadTheProcessEnvironment) {
     ScopedEnv timeout("EPX_TIMEOUT_MS", nullptr);
     ScopedEnv library("EPX_NCCL_LIBRARY", nullptr);
     ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", nullptr);
+    ScopedEnv ablate("EPX_ABLATE", nullptr);
     EXPECT_EQ(env::timeout_ms(), EpConfig{}.timeout_ms);
     EXPECT_EQ(env::nccl_library(), "libnccl.so.2");
     EXPECT_EQ(env::hardware_queues_per_gpu(), 8);
+    EXPECT_EQ(env::ablate_text(), "");
   }
   {
     ScopedEnv timeout("EPX_TIMEOUT_MS", "4321");
     ScopedEnv library("EPX_NCCL_LIBRARY", "/x/libnccl.so");
     ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    ScopedEnv ablate("EPX_ABLATE", "payload,pull");
     EXPECT_EQ(env::timeout_ms(), 4321);
     EXPECT_EQ(env::nccl_library(), "/x/libnccl.so");
     EXPECT_EQ(env::hardware_queues_per_gpu(), 32);
+    EXPECT_EQ(env::ablate_text(), "payload,pull");
   }
   {
     ScopedEnv timeout("EPX_TIMEOUT_MS", "1s");

@@ -6,8 +6,9 @@
 #include <cstring>
 #include <optional>
 #if EPX_MEASUREMENT
-#include <cstdlib>
 #include <sstream>
+
+#include "core/env.hpp"
 #endif
 
 #include "backends/peer/kernels.hpp"
@@ -402,8 +403,8 @@ std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
 
 #if EPX_MEASUREMENT
 int32_t ablate_from_env() {
-  const char* env = std::getenv("EPX_ABLATE");
-  if (env == nullptr || *env == 0) return 0;
+  const std::string env = env::ablate_text();
+  if (env.empty()) return 0;
   int32_t bits = 0;
   std::string item;
   std::stringstream ss(env);
