@@ -117,6 +117,19 @@ TEST(CheckCli, GraphDiagnosisFlagsNeedAGraphRun) {
 }
 
 // `epx serve-bench --graph-buckets` (ascending sizes within the largest decode batch) and
+// Each case: `epx serve-bench` with these flags exits 2 (before any GPU is needed) with a message
+// holding the text.
+void expect_serve_bench_refuses(
+    const std::vector<std::pair<std::vector<std::string>, std::string>>& cases) {
+  for (const auto& [extra, message] : cases) {
+    std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const auto r = run_command(argv);
+    EXPECT_EQ(exit_code(r), 2) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
 // `--graph-scope` (rank or world), with --cuda-graph only; refused before any GPU is needed.
 TEST(ServeCli, GraphBucketsAreChecked) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
@@ -135,13 +148,7 @@ TEST(ServeCli, GraphBucketsAreChecked) {
       {{"--graph-split", "none"}, "--graph-split = 'none', expected only with --cuda-graph"},
       {{"--graph-split", "expert", "--graph-scope", "world", "--cuda-graph"},
        "--graph-split = 'expert', expected only with --graph-scope rank"}};
-  for (const auto& [extra, message] : cases) {
-    std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const auto r = run_command(argv);
-    EXPECT_EQ(exit_code(r), 2) << r.err;
-    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
-  }
+  expect_serve_bench_refuses(cases);
 }
 
 // The shape flags go through the flags module's EpConfig path: messages in flag names.
@@ -156,13 +163,7 @@ TEST(ServeCli, ModelFlagsSpeakInFlagNames) {
       {{"--experts", "131072"}, "--experts = 131072, expected in [1, 65536]"},
       {{"--backends", "naive,naive"}, "--backends = 'naive,naive' lists naive twice"},
       {{"--backends", "fastest"}, "--backends = \"fastest\", expected one of naive"}};
-  for (const auto& [extra, message] : cases) {
-    std::vector<std::string> argv = {EPX_CLI_PATH, "serve-bench"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const auto r = run_command(argv);
-    EXPECT_EQ(exit_code(r), 2) << r.err;
-    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
-  }
+  expect_serve_bench_refuses(cases);
 }
 
 // Runs inside `epx launch` (see the next test); skipped when run on its own.
