@@ -116,7 +116,6 @@ TEST(CheckCli, GraphDiagnosisFlagsNeedAGraphRun) {
   }
 }
 
-// `epx serve-bench --graph-buckets` (ascending sizes within the largest decode batch) and
 // Each case: `epx serve-bench` with these flags exits 2 (before any GPU is needed) with a message
 // holding the text.
 void expect_serve_bench_refuses(
@@ -130,6 +129,7 @@ void expect_serve_bench_refuses(
   }
 }
 
+// `epx serve-bench --graph-buckets` (ascending sizes within the largest decode batch) and
 // `--graph-scope` (rank or world), with --cuda-graph only; refused before any GPU is needed.
 TEST(ServeCli, GraphBucketsAreChecked) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
