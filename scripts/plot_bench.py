@@ -43,6 +43,11 @@ def collect(docs, paths, mode):
         for r in doc["results"]:
             if r["mode"] != mode:
                 continue
+            # in-process documents carry both launch modes: plot one launch per GPU
+            # (older documents and process worlds have per-rank launches only)
+            if r.get("launch", "per_rank") == "per_rank" and any(
+                    x.get("launch") == "one_per_gpu" for x in doc["results"]):
+                continue
             if r["status"] != "ok":
                 skipped[(os.path.basename(path), r["backend"], r["status"])].add(
                     r["tokens_per_rank"])

@@ -49,14 +49,30 @@ struct BackendResult {
   std::string verification = "not_run";  // passed | failed | skipped | not_run
   std::string message;
   struct Mode {
+    bool run = false;  // this timing / launch pair was measured (ok or error)
     bool ok = false;
     std::string error;
     Stats op[2];  // dispatch, combine; ipc: those of the slowest rank (largest median)
     // ipc only: every rank's own figures, and which rank op[] comes from
     std::vector<Stats> per_rank[2];
     int slowest_rank[2] = {-1, -1};
-  } mode[2];  // graph, eager
+  } mode[4];  // mode_index(timing, launch)
 };
+
+// Index into BackendResult::mode. In-process runs measure all four; one process per rank (ipc)
+// launches per rank only.
+inline int mode_index(TimingMode t, LaunchMode l) {
+  return (l == LaunchMode::kOnePerGpu ? 0 : 2) + (t == TimingMode::kGraph ? 0 : 1);
+}
+inline TimingMode timing_of(int m) { return m % 2 == 0 ? TimingMode::kGraph : TimingMode::kEager; }
+inline LaunchMode launch_of(int m) { return m < 2 ? LaunchMode::kOnePerGpu : LaunchMode::kPerRank; }
+// The mode of the headline figures (table, floor ratio): one launch per GPU in graph mode where
+// measured, else per-rank graph.
+inline int headline_mode(const BackendResult& br) {
+  return br.mode[mode_index(TimingMode::kGraph, LaunchMode::kOnePerGpu)].run
+             ? mode_index(TimingMode::kGraph, LaunchMode::kOnePerGpu)
+             : mode_index(TimingMode::kGraph, LaunchMode::kPerRank);
+}
 
 struct TokenResult {
   int tokens = 0;

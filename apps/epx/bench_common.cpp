@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -159,6 +161,10 @@ const char* to_string(TimingMode m) {
   return m == TimingMode::kGraph ? "graph" : "eager";
 }
 
+const char* to_string(LaunchMode m) {
+  return m == LaunchMode::kOnePerGpu ? "one_per_gpu" : "per_rank";
+}
+
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<void*> bufs(fj.size(), nullptr);
   GraphExec graph;
@@ -195,14 +201,52 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
 }
 
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
-                         int warmup, int iters) {
+                         LaunchMode launch, int warmup, int iters) {
   const int W = int(group.size());
   EPX_CHECK(W == fj.size(), InputError, "group size", W,
             "the world size " + std::to_string(fj.size()));
+  // One launch per GPU: the ranks of each GPU with their arguments, launched from the stream
+  // of the GPU's first rank (or the main stream, when there is one GPU).
+  struct GpuRanks {
+    int first = -1;
+    std::vector<All2All*> ranks;
+    std::vector<DispatchInput> inputs;
+    std::vector<const void*> outs;
+    std::vector<void*> ys;
+  };
+  std::vector<GpuRanks> gpus;
+  for (int r = 0; r < W; ++r) {
+    const int dev = fj.device_of(r);
+    auto it = std::find_if(gpus.begin(), gpus.end(),
+                           [&](const GpuRanks& g) { return fj.device_of(g.first) == dev; });
+    if (it == gpus.end()) it = gpus.insert(gpus.end(), GpuRanks{.first = r});
+    it->ranks.push_back(group[r].get());
+    it->inputs.push_back(inputs.input(r));
+    it->outs.push_back(group[r]->combine_buffer());
+    it->ys.push_back(inputs.y(r));
+  }
+  auto per_gpu = [&](const std::function<void(GpuRanks&, cudaStream_t)>& op) {
+    if (gpus.size() == 1) {
+      op(gpus[0], fj.main());
+      return;
+    }
+    fj.run([&](int r, cudaStream_t s) {
+      for (GpuRanks& g : gpus)
+        if (g.first == r) op(g, s);
+    });
+  };
   auto dispatch_all = [&] {
+    if (launch == LaunchMode::kOnePerGpu) {
+      per_gpu([](GpuRanks& g, cudaStream_t s) { (void)dispatch_group(g.ranks, g.inputs, s); });
+      return;
+    }
     fj.run([&](int r, cudaStream_t s) { (void)group[r]->dispatch(inputs.input(r), s); });
   };
   auto combine_all = [&] {
+    if (launch == LaunchMode::kOnePerGpu) {
+      per_gpu([](GpuRanks& g, cudaStream_t s) { combine_group(g.ranks, g.outs, g.ys, s); });
+      return;
+    }
     fj.run([&](int r, cudaStream_t s) {
       group[r]->combine(group[r]->combine_buffer(), inputs.y(r), s);
     });

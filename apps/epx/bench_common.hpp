@@ -65,6 +65,7 @@ class ForkJoin {
   cudaStream_t main() const { return main_; }
   int main_device() const { return main_device_; }
   cudaStream_t rank(int r) const { return streams_[r]; }
+  int device_of(int r) const { return devices_[r]; }
   int size() const { return int(streams_.size()); }
   // Enqueues on the main stream: fork -> op(r, stream_r) on every rank -> join. No allocation
   // or synchronous CUDA call happens between the first and the last rank's op.
@@ -89,6 +90,12 @@ double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
 enum class TimingMode { kGraph, kEager };
 const char* to_string(TimingMode m);
 
+// How the ranks of an in-process world launch their ops: the ranks of each GPU in one kernel
+// (dispatch_group / combine_group: what a rank with a GPU of its own pays), or every rank its
+// own kernel on its own stream, forked and joined (the cost of fanning out W launches).
+enum class LaunchMode { kOnePerGpu, kPerRank };
+const char* to_string(LaunchMode m);
+
 struct RoundSamples {
   std::vector<double> dispatch_us;
   std::vector<double> combine_us;
@@ -97,11 +104,13 @@ struct RoundSamples {
 using Group = std::vector<std::unique_ptr<All2All>>;
 
 // `warmup` untimed then `iters` timed dispatch+combine rounds of every rank, with the method
-// described at the top of this file. The expert stage is skipped: combine reads whatever its
-// buffer holds. Throws what the backend throws (the group is then unusable); the streams are
-// drained before the exception leaves.
+// described at the top of this file (kPerRank), or with one launch per GPU per op (kOnePerGpu:
+// on the main stream when every rank shares its GPU, else forked to each GPU's first rank
+// stream). The expert stage is skipped: combine reads whatever its buffer holds. Throws what the
+// backend throws (the group is then unusable); the streams are drained before the exception
+// leaves.
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,
-                         int warmup, int iters);
+                         LaunchMode launch, int warmup, int iters);
 
 // One process of an IPC world: `warmup` untimed then `iters` timed dispatch+combine rounds of
 // this rank's object on `stream`, with events on that stream (a, dispatch, b, combine, c) and, in

@@ -110,9 +110,9 @@ BackendResult run_backend_ipc(const Plan& p, Backend backend, const EpConfig& cf
     }
   } stream_guard{stream};
   std::unique_ptr<All2All> a2a;
-  for (int m = 0; m < 2; ++m) {
-    const TimingMode mode = m == 0 ? TimingMode::kGraph : TimingMode::kEager;
-    auto& res = br.mode[m];
+  for (const TimingMode mode : {TimingMode::kGraph, TimingMode::kEager}) {
+    auto& res = br.mode[mode_index(mode, LaunchMode::kPerRank)];
+    res.run = true;
     if (!a2a) {  // collective; a rank that fails makes the others throw, so agree right after
       std::string status = "ok", message;
       try {

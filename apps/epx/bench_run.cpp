@@ -67,9 +67,11 @@ BackendResult run_backend(const Plan& p, Backend backend, const EpConfig& cfg,
   }
 
   Group group;
-  for (int m = 0; m < 2; ++m) {
-    const TimingMode mode = m == 0 ? TimingMode::kGraph : TimingMode::kEager;
+  for (int m = 0; m < 4; ++m) {
+    const TimingMode mode = timing_of(m);
+    const LaunchMode launch = launch_of(m);
     auto& res = br.mode[m];
+    res.run = true;
     try {
       if (group.empty()) group = make_all2all_group(backend, cfg, world, p.launch.launch);
     } catch (const UnsupportedError& e) {
@@ -84,16 +86,18 @@ BackendResult run_backend(const Plan& p, Backend backend, const EpConfig& cfg,
       return br;
     }
     try {
-      const RoundSamples s = time_rounds(group, inputs, fj, mode, p.warmup, p.iters);
+      const RoundSamples s = time_rounds(group, inputs, fj, mode, launch, p.warmup, p.iters);
       res.op[0] = summarize(s.dispatch_us);
       res.op[1] = summarize(s.combine_us);
       res.ok = true;
-      progress(fmt::format("{}: {:<5} dispatch {:8.2f} us, combine {:8.2f} us (median of {})", tag,
-                           to_string(mode), res.op[0].median_us, res.op[1].median_us, p.iters));
+      progress(fmt::format("{}: {:<5} {:<11} dispatch {:8.2f} us, combine {:8.2f} us (median of {})",
+                           tag, to_string(mode), to_string(launch), res.op[0].median_us,
+                           res.op[1].median_us, p.iters));
     } catch (const Error& e) {
       res.error = e.what();
       group.clear();  // unusable after an error; the next mode gets a fresh group
-      progress(fmt::format("{}: {} timing error: {}", tag, to_string(mode), one_line(res.error)));
+      progress(fmt::format("{}: {} {} timing error: {}", tag, to_string(mode), to_string(launch),
+                           one_line(res.error)));
     }
   }
   return br;

@@ -40,7 +40,8 @@ class Tuner {
         }
         Group group = make_all2all_group(p_.backend, cfg, world_, c.launch);
         const RoundSamples s =
-            time_rounds(group, *inputs_[i], fj_, TimingMode::kGraph, p_.warmup, p_.iters);
+            time_rounds(group, *inputs_[i], fj_, TimingMode::kGraph, LaunchMode::kOnePerGpu,
+                        p_.warmup, p_.iters);
         c.median_us[0].push_back(summarize(s.dispatch_us).median_us);
         c.median_us[1].push_back(summarize(s.combine_us).median_us);
       } catch (const UnsupportedError&) {

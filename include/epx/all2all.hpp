@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,10 +49,14 @@ struct DispatchInput {
 };
 
 // Device pointers into the object's own memory; valid until the next dispatch.
-// Token-major (cfg.layout == kTokenMajor): rows [0, *recv_count) are valid, ordered by
-// (source rank, source index).
-// Expert-major: expert e's rows [0, expert_counts[e]) of [E/W][capacity] are valid, ordered the
-// same way; token-major staging fields are still filled (recv_count rows).
+// Token-major (cfg.layout == kTokenMajor): rows [0, *recv_count) are valid. With
+// cfg.deterministic they are ordered by (source rank, source index) (the ranks exchange their
+// counts before any row moves); without it (the default) each sender places its rows where it
+// reserved them, so rows from one sender keep their order in runs but the runs of different
+// senders interleave from call to call. Combine's result is the same bits either way (it sums
+// in rank order). The naive backend always orders its rows.
+// Expert-major: expert e's rows [0, expert_counts[e]) of [E/W][capacity] are valid, in the
+// order of the token-major rows; token-major staging fields are still filled (recv_count rows).
 struct DispatchResult {
   int capacity = 0;                 // rows of the token-major area; rows per expert (expert-major)
   const int32_t* recv_count = nullptr;      // device scalar M
@@ -103,6 +108,21 @@ class All2All {
 // Bytes of device memory one rank's object needs for `cfg` (the one sizing function).
 size_t buffer_bytes(Backend backend, const EpConfig& cfg);
 size_t low_latency_buffer_bytes(const EpConfig& cfg);
+
+// One kernel launch for several ranks of one in-process group that share a GPU: their
+// dispatches (combines) in a single kernel on `stream`, so that the group pays one launch per op
+// as a rank with a GPU of its own does, instead of one per rank on parallel streams. Same
+// checks, contract and results as each rank's dispatch() / combine(); the objects stay usable
+// per rank (poll(), synchronize(), and per-rank calls in later rounds). `ranks` are distinct
+// ranks of one make_all2all_group() result on one GPU with the same launch shapes, in any order;
+// inputs / expert_out / y are given per entry of `ranks`, and all inputs use one id type.
+// InputError (nothing launched) otherwise. A rank left out of a round must make its own call, or
+// its peers wait for it.
+std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
+                                           std::span<const DispatchInput> inputs,
+                                           cudaStream_t stream);
+void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
+                   std::span<void* const> y, cudaStream_t stream);
 
 // One object per rank of an in-process world; cfg.rank and cfg.world_size are set per rank.
 // `launch` entries left at 0 are chosen per world and shape; explicit values above a rank's SM

@@ -48,9 +48,11 @@ struct EpConfig {
   DispatchDtype dtype = DispatchDtype::kBF16ToFP8;
   ScaleLayout scale_layout = ScaleLayout::kRowMajor;
   OutputLayout layout = OutputLayout::kTokenMajor;
-  // Rows are always ordered by (source rank, source index) in this implementation; the flag is
-  // kept so callers can state the requirement and a future reordering backend must honour it.
-  bool deterministic = true;
+  // Token-major rows ordered by (source rank, source index) on every call. Costs one exchange of
+  // counts between the ranks before any row moves; without it each sender reserves its rows in
+  // the receiver's area with one atomic (rows from different senders interleave). Combine's
+  // result is the same bits either way.
+  bool deterministic = false;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }

@@ -53,6 +53,17 @@ std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& 
   return peer::make_nccl_rank(cfg, world, launch, algorithm_of(backend));
 }
 
+std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
+                                           std::span<const DispatchInput> inputs,
+                                           cudaStream_t stream) {
+  return peer::dispatch_group(ranks, inputs, stream);
+}
+
+void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
+                   std::span<void* const> y, cudaStream_t stream) {
+  peer::combine_group(ranks, expert_out, y, stream);
+}
+
 size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
   return peer::buffer_bytes(cfg, algorithm_of(backend));
 }

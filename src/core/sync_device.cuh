@@ -41,6 +41,19 @@ __device__ __forceinline__ int32_t atomic_add_release_sys(int32_t* p, int32_t v)
   asm volatile("atom.add.release.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
+// Relaxed system-scope add that returns the old value (a slot reservation in a peer's buffer).
+__device__ __forceinline__ int32_t atomic_add_relaxed_sys(int32_t* p, int32_t v) {
+  int32_t old;
+  asm volatile("atom.add.relaxed.sys.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Relaxed system-scope add without a result (a count in a peer's buffer, ordered by a later
+// release).
+__device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
+  asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
   int32_t old;
   asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -129,15 +142,16 @@ __device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t
   }
 }
 
-// Grid-wide barrier over the blocks of one kernel (all resident by construction). Works across
-// launches with different grid sizes: `count` returns to 0 at each generation.
-__device__ inline bool grid_barrier(GridBarrierWord* bar, const WaitContext& ctx) {
+// Barrier over the `num_blocks` blocks of one rank in a kernel (all resident by construction; a
+// launch may serve several ranks, each with its own word). Works across launches with different
+// grid sizes: `count` returns to 0 at each generation.
+__device__ inline bool grid_barrier(GridBarrierWord* bar, int num_blocks, const WaitContext& ctx) {
   __shared__ int32_t ok;
   __syncthreads();
   if (threadIdx.x == 0) {
     const int32_t gen = ld_acquire_sys(&bar->generation);
     __threadfence();
-    if (atomic_add_acq_rel_gpu(&bar->count, 1) == static_cast<int32_t>(gridDim.x) - 1) {
+    if (atomic_add_acq_rel_gpu(&bar->count, 1) == num_blocks - 1) {
       bar->count = 0;
       st_release_sys(&bar->generation, gen + 1);
       ok = 1;
@@ -151,18 +165,24 @@ __device__ inline bool grid_barrier(GridBarrierWord* bar, const WaitContext& ctx
   return ok != 0;
 }
 
-// Last-block-out ticket: returns true in exactly one block (the last to arrive), after which
-// every block's earlier writes are visible to it. Resets itself.
-__device__ inline bool last_block(int32_t* ticket) {
+// Last-block-out ticket over the `num_blocks` blocks of one rank: returns true in exactly one
+// block (the last to arrive), after which every block's earlier writes are visible to it.
+// Resets itself.
+__device__ inline bool last_block(int32_t* ticket, int num_blocks) {
   __shared__ int32_t last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    last = atomic_add_acq_rel_gpu(ticket, 1) == static_cast<int32_t>(gridDim.x) - 1;
+    last = atomic_add_acq_rel_gpu(ticket, 1) == num_blocks - 1;
     if (last) *ticket = 0;
   }
   __syncthreads();
   return last != 0;
+}
+
+// Epoch `seen` is `want` or later (wrap-around safe: epochs are compared within 2^31 calls).
+__device__ __forceinline__ bool epoch_reached(uint32_t seen, uint32_t want) {
+  return int32_t(seen - want) >= 0;
 }
 
 __device__ __forceinline__ uint32_t lanemask_lt() {

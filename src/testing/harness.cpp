@@ -62,6 +62,10 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (o.log) o.log(s);
   };
 
+  EPX_CHECK(!o.one_launch || (!o.mixed && !o.conditional && !o.rank_threads &&
+                              o.graph_execs == 1 && !o.graph_split),
+            InputError, "one_launch", "with mixed or a graph variant",
+            "one launch per GPU: plain eager calls and one captured graph per GPU");
   std::vector<int> devices;
   for (int g = 0; g < o.gpus; ++g) devices.push_back(g);
   InProcessWorld world(W, devices);
@@ -151,9 +155,43 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (cut) cut();
     a.combine(a.combine_buffer(), rb[r].y, rb[r].stream);
   };
+  // one_launch: the ranks of GPU g (r % gpus == g) in one kernel per op on their first rank's
+  // stream; the inputs were uploaded on each rank's own stream (synchronised first).
+  const int num_gpus = std::min(o.gpus, W);
+  auto enqueue_gpu = [&](int gpu) {
+    std::vector<All2All*> ranks;
+    std::vector<DispatchInput> ins;
+    std::vector<const void*> outs;
+    std::vector<void*> ys;
+    for (int r = gpu; r < W; r += num_gpus) {
+      DispatchInput in;
+      in.num_tokens = counts[r];
+      in.x = rb[r].x;
+      in.x_scales = cfg.input_fp8() ? rb[r].scales : nullptr;
+      in.topk_ids = rb[r].ids;
+      in.ids_type = o.ids_int64 ? IdType::kInt64 : IdType::kInt32;
+      in.topk_weights = rb[r].weights;
+      ranks.push_back(group[r].get());
+      ins.push_back(in);
+      outs.push_back(group[r]->combine_buffer());
+      ys.push_back(rb[r].y);
+    }
+    cudaStream_t st = rb[gpu].stream;
+    EPX_CUDA_CHECK(cudaSetDevice(world.device_of(gpu)));
+    const std::vector<DispatchResult> res = dispatch_group(ranks, ins, st);
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      results[gpu + i * num_gpus] = res[i];
+      launch_identity_expert(ranks[i]->config(), res[i], ranks[i]->combine_buffer(), st);
+    }
+    combine_group(ranks, outs, ys, st);
+  };
+  auto sync_all = [&] {
+    for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamSynchronize(rb[r].stream));
+  };
   Comparer cmp(rep, o.max_report);
   auto finish_and_compare = [&](const InputSet& s) -> bool {
     try {
+      if (o.one_launch) sync_all();
       for (int r = 0; r < W; ++r) group[r]->synchronize(rb[r].stream);
     } catch (const Error& e) {
       cmp.add(std::string("device error: ") + e.what());
@@ -181,10 +219,58 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   for (int it = 0; it < o.iters && rep.ok; ++it) {
     const InputSet& s = sets[it % pool];
     for (int r = 0; r < W; ++r) upload(r, s);
-    for (int r = 0; r < W; ++r) enqueue(r, false);
+    if (o.one_launch) {
+      sync_all();
+      for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);
+    } else {
+      for (int r = 0; r < W; ++r) enqueue(r, false);
+    }
     finish_and_compare(s);
   }
-  if (o.iters > 0) say(fmt::format("eager: {} call(s) checked", rep.calls));
+  if (o.iters > 0)
+    say(fmt::format("eager{}: {} call(s) checked", o.one_launch ? " (one launch per GPU)" : "",
+                    rep.calls));
+
+  // Graph replays, one launch per GPU: one graph per GPU.
+  if (o.one_launch && o.graph_replays > 0 && rep.ok) {
+    std::vector<cudaGraphExec_t> execs;
+    struct Execs {
+      std::vector<cudaGraphExec_t>& e;
+      std::function<void()> drain;
+      ~Execs() {
+        drain();
+        for (cudaGraphExec_t x : e) (void)cudaGraphExecDestroy(x);
+      }
+    } guard{execs, [&] {
+              for (auto& b : rb) (void)cudaStreamSynchronize(b.stream);
+            }};
+    for (int g = 0; g < num_gpus; ++g) {
+      cudaStream_t st = rb[g].stream;
+      EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
+      EPX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_gpu(g);
+        execs.push_back(end_capture_and_instantiate(st));
+      } catch (...) {
+        abandon_capture(st);
+        throw;
+      }
+    }
+    const int64_t before = rep.calls;
+    for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
+      const InputSet& s = sets[(o.iters + i) % pool];
+      for (int r = 0; r < W; ++r) upload(r, s);
+      sync_all();
+      for (int g = 0; g < num_gpus; ++g) {
+        EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
+        EPX_CUDA_CHECK(cudaGraphLaunch(execs[size_t(g)], rb[g].stream));
+      }
+      finish_and_compare(s);
+      if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
+    }
+    say(fmt::format("graph (one launch per GPU): {} replay(s) checked", rep.calls - before));
+    return rep;
+  }
 
   // Graph replays.
   if (o.graph_replays > 0 && rep.ok) {

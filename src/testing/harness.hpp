@@ -31,6 +31,9 @@ struct CheckOptions {
   int iters = 2;                    // eager calls, each with fresh inputs
   int graph_replays = 0;            // > 0: capture once per rank, replay this many times
   bool mixed = false;               // with graph_replays: rank 0 eager, the others replay
+  bool one_launch = false;          // in-process: the ranks of each GPU in one kernel per op
+                                    // (dispatch_group / combine_group) on one stream, eager and
+                                    // captured; not with mixed or the graph variants below
   // Variants of the graph replay (with graph_replays, in-process only) that diagnose the MoE
   // layer's captured path (`epx diag graph-replay`, tests/gpu):
   bool conditional = false;         // the captured expert runs in a SWITCH node (as MoeLayer's

@@ -134,6 +134,30 @@ inline std::vector<float> device_scales(const EpConfig& cfg, const DispatchResul
   return out;
 }
 
+// Rows of a dispatch output in (source rank, source index) order: the reference's order.
+// Without cfg.deterministic the device places runs of rows in arrival order, so the comparison
+// permutes the downloaded rows first (the contract is order-insensitive there); with it the rows
+// are compared as they are (the order is part of the contract).
+struct RowOrder {
+  std::vector<int> rows;  // rows[i] = device row holding the i-th row in reference order
+  RowOrder(const std::vector<int32_t>& src_rank, const std::vector<int32_t>& src_idx, bool sort) {
+    rows.resize(src_rank.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = int(i);
+    if (!sort) return;
+    std::stable_sort(rows.begin(), rows.end(), [&](int a, int b) {
+      return std::pair(src_rank[a], src_idx[a]) < std::pair(src_rank[b], src_idx[b]);
+    });
+  }
+  // v holds `width` elements per row.
+  template <typename T>
+  std::vector<T> apply(const std::vector<T>& v, size_t width) const {
+    std::vector<T> out(v.size());
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::copy_n(v.begin() + rows[i] * width, width, out.begin() + i * width);
+    return out;
+  }
+};
+
 inline void compare_dispatch(const EpConfig& cfg, int rank, const DispatchResult& d, const InputSet& set,
                       Comparer& cmp) {
   const TokenMajorRecv& want = set.tm[rank];
@@ -145,16 +169,22 @@ inline void compare_dispatch(const EpConfig& cfg, int rank, const DispatchResult
   }
   const int K = cfg.topk, G = cfg.num_scale_groups();
   const size_t rb = cfg.wire_row_bytes();
-  cmp.eq(download<uint8_t>(d.recv_x, M * rb), want.x.data(), M * rb, int(rb), who + " x (bytes)");
+  const bool sort = !cfg.deterministic;
+  const RowOrder order(download<int32_t>(d.recv_src_rank, M), download<int32_t>(d.recv_src_idx, M),
+                       sort);
+  cmp.eq(order.apply(download<uint8_t>(d.recv_x, M * rb), rb), want.x.data(), M * rb, int(rb),
+         who + " x (bytes)");
   if (cfg.wire_fp8())
-    cmp.eq(device_scales(cfg, d, d.recv_scales, M, d.capacity), want.scales.data(), size_t(M) * G,
-           G, who + " scales");
-  cmp.eq(download<int32_t>(d.recv_src_rank, M), want.src_rank.data(), M, 1, who + " src_rank");
-  cmp.eq(download<int32_t>(d.recv_src_idx, M), want.src_idx.data(), M, 1, who + " src_idx");
-  cmp.eq(download<int32_t>(d.recv_topk_ids, size_t(M) * K), want.topk_ids.data(), size_t(M) * K, K,
-         who + " topk_ids");
-  cmp.eq(download<float>(d.recv_topk_weights, size_t(M) * K), want.topk_weights.data(),
-         size_t(M) * K, K, who + " topk_weights");
+    cmp.eq(order.apply(device_scales(cfg, d, d.recv_scales, M, d.capacity), G),
+           want.scales.data(), size_t(M) * G, G, who + " scales");
+  cmp.eq(order.apply(download<int32_t>(d.recv_src_rank, M), 1), want.src_rank.data(), M, 1,
+         who + " src_rank");
+  cmp.eq(order.apply(download<int32_t>(d.recv_src_idx, M), 1), want.src_idx.data(), M, 1,
+         who + " src_idx");
+  cmp.eq(order.apply(download<int32_t>(d.recv_topk_ids, size_t(M) * K), K), want.topk_ids.data(),
+         size_t(M) * K, K, who + " topk_ids");
+  cmp.eq(order.apply(download<float>(d.recv_topk_weights, size_t(M) * K), K),
+         want.topk_weights.data(), size_t(M) * K, K, who + " topk_weights");
   const int Le = cfg.num_local_experts();
   const auto counts = download<int32_t>(d.expert_counts, Le);
   if (cfg.layout == OutputLayout::kTokenMajor) {
@@ -171,15 +201,22 @@ inline void compare_dispatch(const EpConfig& cfg, int rank, const DispatchResult
     if (n == 0) continue;
     const std::string w = fmt::format("{} expert {}", ewho, e);
     const size_t row0 = size_t(e) * cap;
-    cmp.eq(download<uint8_t>(static_cast<const uint8_t*>(d.expert_x) + row0 * rb, n * rb),
+    const RowOrder eo(download<int32_t>(d.expert_src_rank + row0, n),
+                      download<int32_t>(d.expert_src_idx + row0, n), sort);
+    cmp.eq(eo.apply(download<uint8_t>(static_cast<const uint8_t*>(d.expert_x) + row0 * rb, n * rb),
+                    rb),
            em.x[e].data(), n * rb, int(rb), w + " x (bytes)");
     if (cfg.wire_fp8())
-      cmp.eq(device_scales(cfg, d, d.expert_scales + row0 * G, n, int(cap)), em.scales[e].data(),
-             size_t(n) * G, G, w + " scales");
-    cmp.eq(download<int32_t>(d.expert_src_rank + row0, n), em.src_rank[e].data(), n, 1, w + " src_rank");
-    cmp.eq(download<int32_t>(d.expert_src_idx + row0, n), em.src_idx[e].data(), n, 1, w + " src_idx");
-    cmp.eq(download<int32_t>(d.expert_topk_slot + row0, n), em.topk_slot[e].data(), n, 1, w + " topk_slot");
-    cmp.eq(download<float>(d.expert_weight + row0, n), em.weight[e].data(), n, 1, w + " weight");
+      cmp.eq(eo.apply(device_scales(cfg, d, d.expert_scales + row0 * G, n, int(cap)), G),
+             em.scales[e].data(), size_t(n) * G, G, w + " scales");
+    cmp.eq(eo.apply(download<int32_t>(d.expert_src_rank + row0, n), 1), em.src_rank[e].data(), n, 1,
+           w + " src_rank");
+    cmp.eq(eo.apply(download<int32_t>(d.expert_src_idx + row0, n), 1), em.src_idx[e].data(), n, 1,
+           w + " src_idx");
+    cmp.eq(eo.apply(download<int32_t>(d.expert_topk_slot + row0, n), 1), em.topk_slot[e].data(), n,
+           1, w + " topk_slot");
+    cmp.eq(eo.apply(download<float>(d.expert_weight + row0, n), 1), em.weight[e].data(), n, 1,
+           w + " weight");
   }
 }
 

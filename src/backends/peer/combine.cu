@@ -1,12 +1,15 @@
 // The peer engine's combine kernel (every backend: naive, allgather_reducescatter, low_latency).
 //
-// One kernel on every rank, in two phases:
-//   A. publish: partials (copied in, or folded from expert rows in f32) are ready; the last
-//               block tells every rank so.
+// One kernel serves one or several ranks (an in-process group sharing a GPU launches once); on
+// each rank, in two phases:
+//   A. publish: when the expert stage wrote its partials into combine_buffer(), block 0 tells
+//               every rank at once that they are ready; otherwise the partials are copied in (or
+//               folded from expert rows in f32) first and the last block tells them.
 //   B. pull:    one warp per (token, column chunk) reads the partial of each rank that got the
 //               token, in rank order, sums in f32 and writes bf16. The naive backend instead
 //               all-reduces every row over the ranks and takes its own tokens' rows.
-// Every wait is bounded (WaitContext); epochs live in State and are advanced by the kernel.
+// Combine serves the round of the last dispatch (State::dispatch_epoch): its flags carry that
+// round, so a combine needs no state of its own. Every wait is bounded (WaitContext).
 
 #include <cuda_bf16.h>
 
@@ -26,39 +29,51 @@ constexpr int kChunkVecs = kWarpSize * 4;
 // What every phase of one combine call on one block knows.
 struct CombineCall {
   const CombineParams& p;
+  const CombineRank& me;
+  int rank;
   uint8_t* local;         // this rank's buffer
   uint8_t* const* peers;  // every rank's buffer (block-shared)
   State* state;
   dev::WaitContext wait;
-  uint32_t epoch;  // this call (1 = the first)
+  uint32_t round;  // the dispatch this combine serves (1 = the first)
+  int b, nb;       // this block among the rank's nb blocks
   int M;           // rows the last dispatch received: the partials' rows
   int N;           // tokens of the last dispatch: y's rows
 };
 
-// Combine's flag round: the last block of this rank to arrive at `ticket` tells every rank
-// (flags[s] = epoch in each rank's buffer at offset `flags`) that this rank's stage is done; then
-// every block waits, bounded, until every rank has said so. False if a wait failed.
-__device__ inline bool publish_and_wait_all(int32_t* ticket, uint8_t* const* peers, size_t flags,
-                                            uint8_t* local, int W, int s, uint32_t epoch,
-                                            const dev::WaitContext& wait) {
+// Tells every rank (flags[s] = round in each rank's buffer at offset `flags`) that this rank's
+// stage of the round is done. One thread per destination.
+__device__ __forceinline__ void tell_all(const CombineCall& c, size_t flags) {
+  const int W = c.p.common.shape.world;
+  for (int d = threadIdx.x; d < W; d += blockDim.x) {
+    dev::fence_acq_rel_sys();
+    dev::st_release_sys(at<int32_t>(c.peers[d], flags) + c.rank, int32_t(c.round));
+  }
+}
+
+// Waits, bounded, until every rank has told this one (flags[q] = round or later). False if a wait
+// failed.
+__device__ inline bool wait_all(const CombineCall& c, size_t flags) {
   __shared__ int32_t failed_wait;
   if (threadIdx.x == 0) failed_wait = 0;
-  if (dev::last_block(ticket)) {  // last_block synchronises the block first
-    for (int d = threadIdx.x; d < W; d += blockDim.x) {
-      dev::fence_acq_rel_sys();
-      dev::st_release_sys(at<int32_t>(peers[d], flags) + s, int32_t(epoch));
-    }
-  }
-  const int32_t* mine = at<int32_t>(local, flags);
-  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+  __syncthreads();
+  const int32_t* mine = at<int32_t>(c.local, flags);
+  for (int q = threadIdx.x; q < c.p.common.shape.world; q += blockDim.x) {
     const bool ok = dev::bounded_wait(
-        wait, Phase::kCombineReady, q, epoch,
-        [&] { return dev::ld_acquire_sys(mine + q) == int32_t(epoch); },
+        c.wait, Phase::kCombineReady, q, c.round,
+        [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(mine + q)), c.round); },
         [&] { return int64_t(dev::ld_acquire_sys(mine + q)); });
     if (!ok) failed_wait = 1;
   }
   __syncthreads();
   return failed_wait == 0;
+}
+
+// The last block of this rank to arrive at `ticket` tells every rank; then every block waits
+// for every rank. False if a wait failed.
+__device__ inline bool publish_and_wait_all(const CombineCall& c, int32_t* ticket, size_t flags) {
+  if (dev::last_block(ticket, c.nb)) tell_all(c, flags);  // last_block synchronises the block first
+  return wait_all(c, flags);
 }
 
 // ---- A. publish ------------------------------------------------------------------------------
@@ -69,29 +84,32 @@ __device__ inline bool publish_and_wait_all(int32_t* ticket, uint8_t* const* pee
 // [M_q][H] are complete and readable. False when a wait failed.
 template <typename PartialT>
 __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
-  const CombineParams& p = c.p;
-  const Shape& S = p.shape;
-  const Layout& L = p.layout;
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
   const int K = S.topk, H = S.hidden, M = c.M;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int nb = gridDim.x, b = blockIdx.x;
+  const int nb = c.nb, b = c.b;
   PartialT* partials = at<PartialT>(c.local, L.partials);
   const int vecs = H / 8;  // 8 elements per lane step
   if constexpr (sizeof(PartialT) == 2) {
-    if (p.expert_out != partials) {
-      const int4* src = static_cast<const int4*>(p.expert_out);
+    if (c.me.expert_out == partials) {
+      // The expert stage wrote them in place and finished before this kernel: publish now.
+      if (b == 0) tell_all(c, L.ready);
+      return wait_all(c, L.ready);
+    } else {
+      const int4* src = static_cast<const int4*>(c.me.expert_out);
       int4* dst = reinterpret_cast<int4*>(partials);
       const size_t total = size_t(M) * vecs;
       for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < total; i += size_t(nb) * blockDim.x)
         dst[i] = src[i];
     }
   } else {
-    const __nv_bfloat16* out = static_cast<const __nv_bfloat16*>(p.expert_out);
+    const __nv_bfloat16* out = static_cast<const __nv_bfloat16*>(c.me.expert_out);
     const int32_t* row_slot = at<int32_t>(c.local, L.row_expert_slot);
     const int32_t* rids = at<int32_t>(c.local, L.recv_topk_ids);
     const float* rw = at<float>(c.local, L.recv_topk_w);
-    const int e0 = S.rank * S.num_local;
+    const int e0 = c.rank * S.num_local;
     for (int j = b * num_warps + warp; j < M; j += nb * num_warps) {
       for (int v = lane; v < vecs; v += kWarpSize) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -111,8 +129,7 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
       }
     }
   }
-  return publish_and_wait_all(&c.state->combine_ready_ticket, c.peers, L.ready, c.local, S.world,
-                              S.rank, c.epoch, c.wait);
+  return publish_and_wait_all(c, &c.state->combine_ready_ticket, L.ready);
 }
 
 // ---- B. pull ---------------------------------------------------------------------------------
@@ -123,14 +140,14 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
 // in rank order, of the partials of the ranks that got token n (0 for a token sent nowhere).
 template <typename PartialT>
 __device__ __forceinline__ void pull_partials(const CombineCall& c) {
-  const Shape& S = c.p.shape;
-  const Layout& L = c.p.layout;
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
   const int W = S.world, H = S.hidden, N = c.N;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int nb = gridDim.x, b = blockIdx.x;
+  const int nb = c.nb, b = c.b;
   const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
-  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(c.p.y);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(c.me.y);
   const int vecs = H / 8;
   const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
   constexpr int kVecInts = sizeof(PartialT) / 2;  // int4 per 8 elements: bf16 1, f32 2
@@ -190,12 +207,12 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
 // M rows in the same order. After (true): y[n] = the sum over all ranks, in rank order, of row
 // send_slot[n][s] (0 for a token sent nowhere). False when a wait failed.
 __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
-  const Shape& S = c.p.shape;
-  const Layout& L = c.p.layout;
-  const int W = S.world, s = S.rank, H = S.hidden, M = c.M, N = c.N;
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
+  const int W = S.world, s = c.rank, H = S.hidden, M = c.M, N = c.N;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int nb = gridDim.x, b = blockIdx.x;
+  const int nb = c.nb, b = c.b;
   const int vecs = H / 8;
   const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
   // Reduce-scatter: rank s sums rows [r0, r1) over all ranks in rank order into its `reduced`
@@ -219,10 +236,7 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
       store_bf16x8(reduced + size_t(j) * H + v * 8, acc);
     }
   }
-  if (!publish_and_wait_all(&c.state->combine_reduced_ticket, c.peers, L.ready2, c.local, W, s,
-                            c.epoch, c.wait)) {
-    return false;
-  }
+  if (!publish_and_wait_all(c, &c.state->combine_reduced_ticket, L.ready2)) return false;
   // ... all-gather: every rank copies all M reduced rows into its own partials area (every
   // peer has finished reading it: they published ready2 after their reduce-scatter) ...
   int4* gathered = at<int4>(c.local, L.partials);
@@ -231,10 +245,10 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
     const int j = int(i / vecs);
     gathered[i] = at<const int4>(c.peers[j / per], L.reduced)[i];
   }
-  if (!dev::grid_barrier(&c.state->barrier, c.wait)) return false;
+  if (!dev::grid_barrier(&c.state->barrier, nb, c.wait)) return false;
   // ... and takes its own tokens' rows.
   const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
-  int4* y = static_cast<int4*>(c.p.y);
+  int4* y = static_cast<int4*>(c.me.y);
   for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
        i += size_t(nb) * blockDim.x) {
     const int n = int(i / vecs), v = int(i % vecs);
@@ -248,38 +262,41 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
 
 // PartialT: __nv_bfloat16 for token-major partials, float for expert-major (folded in f32).
 template <typename PartialT>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock) combine_kernel(const CombineParams p) {
+__global__ void __launch_bounds__(kMaxThreadsPerBlock)
+    combine_kernel(const __grid_constant__ CombineParams p) {
   static_assert(std::is_same_v<PartialT, __nv_bfloat16> || std::is_same_v<PartialT, float>);
   __shared__ uint8_t* peers[kMaxRanks];
-  uint8_t* local = p.sym.local;
-  State* state = at<State>(local, p.layout.state);
-  dev::WaitContext wait = make_wait(p.sym, p.layout, p.waits);
+  const RankBlock rb = rank_block(p.common.num_ranks);
+  const CombineRank& me = p.ranks[rb.slot];
+  uint8_t* local = me.local;
+  State* state = at<State>(local, p.common.layout.state);
+  dev::WaitContext wait = make_wait(local, me.host_status, me.rank, p.common);
   if (dev::aborted(wait)) return;
-  const uint32_t epoch = state->combine_epoch + 1;
-  wait.call = epoch;
+  const uint32_t round = state->dispatch_epoch;
+  wait.call = round;
   const CombineCall c{.p = p,
+                      .me = me,
+                      .rank = me.rank,
                       .local = local,
                       .peers = peers,
                       .state = state,
                       .wait = wait,
-                      .epoch = epoch,
+                      .round = round,
+                      .b = rb.b,
+                      .nb = rb.nb,
                       .M = state->recv_count,
                       .N = state->num_tokens};
-  for (int r = threadIdx.x; r < p.shape.world; r += blockDim.x) peers[r] = p.sym.peers[r];
+  for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x) peers[r] = p.common.peers[r];
   __syncthreads();
 
   if (!publish_partials<PartialT>(c)) return;
   // Only token-major (bf16) partials are ever all-reduced (validate_for: expert-major is
   // low_latency's alone).
   constexpr bool kMayAllReduce = std::is_same_v<PartialT, __nv_bfloat16>;
-  if (kMayAllReduce && p.shape.all_reduce) {
-    if (!pull_all_reduced(c)) return;
+  if (kMayAllReduce && p.common.shape.all_reduce) {
+    (void)pull_all_reduced(c);
   } else {
     pull_partials<PartialT>(c);
-  }
-  // Last block out: the call is complete.
-  if (dev::last_block(&state->combine_ticket)) {
-    if (threadIdx.x == 0) state->combine_epoch = epoch;
   }
 }
 
@@ -292,8 +309,8 @@ void load_combine_kernels() {
 }
 
 void launch_combine(const CombineParams& p, LaunchConfig lc, cudaStream_t stream) {
-  const dim3 grid(lc.num_blocks), block(lc.warps_per_block * kWarpSize);
-  if (p.shape.expert_major) {
+  const dim3 grid(lc.num_blocks * p.common.num_ranks), block(lc.warps_per_block * kWarpSize);
+  if (p.common.shape.expert_major) {
     combine_kernel<float><<<grid, block, 0, stream>>>(p);
   } else {
     combine_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);

@@ -1,19 +1,24 @@
 // The peer engine's dispatch kernel (every backend: naive, allgather_reducescatter, low_latency).
 //
-// One kernel on every rank s, in five phases:
-//   1. route:   warp 0 of each block walks the block's tokens in order, several tokens per
-//               step (one lane per top-k entry); for each destination rank r it gives the token
-//               its position among the block's tokens sent to r (ballots), so rows end up
-//               ordered by (source rank, source index).
-//   2. counts:  block 0 posts s's per-destination row counts into every rank's count matrix;
-//               every block then waits for the full W x W matrix (this exchange is also the
-//               barrier that makes it safe to overwrite the peers' receive areas).
+// One kernel serves one or several ranks (an in-process group sharing a GPU launches once); on
+// each rank s's blocks:
+//   1. route:   the block's warps walk its tokens, several per step (one lane per top-k entry):
+//               each token's destination ranks (deduplicated), its position among the block's
+//               rows for each destination (ballots, so rows keep source order within a block),
+//               and one count per (token, expert) added at the expert's rank.
+//   2. place:   each block reserves its rows in each destination's receive area with one atomic
+//               per destination (sender-picked slots, no exchange). With ordered rows
+//               (EpConfig::deterministic, and the naive backend) the ranks instead exchange
+//               their counts first, after a barrier over the rank's blocks.
 //   3. send:    one warp per token writes the row (quantised on the fly for bf16-to-fp8) and its
 //               metadata straight into each destination rank's receive area, once per rank.
-//   4. arrive:  each block adds the rows it sent to r to r's arrival counter (release); each
-//               rank waits until every sender's rows have arrived.
-//   5. finish:  per-local-expert counts (token-major) or expansion into expert rows
-//               (expert-major); the last block resets the arrival counters and bumps the epoch.
+//   4. signal:  the last block of s to finish tells each destination that s's rows are written
+//               (one release per destination, tagged with the round's epoch).
+//   5. receive: s waits once for every sender's signal; then per-local-expert counts
+//               (token-major) or the expansion into expert rows (expert-major), and the round's
+//               State. Buffers touched by senders are double-buffered by epoch parity: a sender
+//               is at most one round ahead of any receiver (it waits for every rank's rows of
+//               its own round first).
 // Every wait is bounded (WaitContext); epochs live in State and are advanced by the kernel.
 
 #include <cuda_bf16.h>
@@ -30,40 +35,49 @@ namespace {
 // What every phase of one dispatch call on one block knows.
 struct DispatchCall {
   const DispatchParams& p;
+  const DispatchRank& me;
+  int rank;
   uint8_t* local;  // this rank's buffer
   State* state;
   dev::WaitContext wait;
   uint32_t epoch;  // this call (1 = the first)
   int par;         // epoch parity: the half of the double-buffered words this call uses
+  int b, nb;       // this block among the rank's nb blocks
   int t0, t1;      // this block's tokens [t0, t1)
+  int per_warp;    // tokens of each warp's chunk of [t0, t1) in route
 };
 
 // Block-shared values of one dispatch call.
 struct DispatchShared {
   uint8_t* peers[kMaxRanks];  // every rank's buffer
+  int32_t count[kMaxRanks];   // this block's rows for rank r
   int32_t base[kMaxRanks];    // row in rank r's receive area of this block's first row for r
-  int32_t total[kMaxRanks];   // rows this rank sends to r (block 0 only)
+  int32_t total[kMaxRanks];   // ordered: rows this rank sends to r (block 0 only)
+  int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // first row of warp w's chunk for r, in block
   int32_t recv_total;         // rows every rank sends to this rank: M
   int32_t failed;             // a wait of this block failed
 };
 
-__device__ __forceinline__ int64_t load_topk_id(const DispatchParams& p, int n, int k) {
-  const size_t i = size_t(n) * p.shape.topk + k;
-  return p.ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[i]
-                     : static_cast<const int32_t*>(p.topk_ids)[i];
+__device__ __forceinline__ int64_t load_topk_id(const DispatchCall& c, int n, int k) {
+  const size_t i = size_t(n) * c.p.common.shape.topk + k;
+  return c.p.ids_int64 ? static_cast<const int64_t*>(c.me.topk_ids)[i]
+                       : static_cast<const int32_t*>(c.me.topk_ids)[i];
 }
 
 // ---- 1. route --------------------------------------------------------------------------------
 
-// Warp 0 of the block; bad ids are recorded in the status word and their token is sent nowhere.
-// After: send_slot[n][r] = position of token n among this block's rows for rank r, or -1;
-// block_counts[b][r] = this block's rows for rank r.
-__device__ __forceinline__ void route(const DispatchCall& c) {
-  const DispatchParams& p = c.p;
-  const Shape& S = p.shape;
+// Every warp walks its chunk of the block's tokens [t0, t1) in order; bad ids are recorded in the
+// status word and their token is sent nowhere. After: send_slot[n][r] = position of token n among
+// its warp's rows for rank r, or -1; sh.warp_base[w][r] = rows of warps < w for r; sh.count[r] =
+// the block's rows for r; each destination's expert_rows counts this block's (token, expert)
+// pairs of its local experts.
+__device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh) {
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
   const int W = S.world, K = S.topk;
-  const int lane = threadIdx.x % kWarpSize;
-  int32_t* send_slot = at<int32_t>(c.local, p.layout.send_slot);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
   // Lanes in groups of G >= K: group g handles token c + g, lane k of the group its k-th id,
   // so a token's ids arrive in one load and are checked with warp intrinsics.
   int G = 1;
@@ -71,12 +85,13 @@ __device__ __forceinline__ void route(const DispatchCall& c) {
   const int per_step = kWarpSize / G, sub = lane / G, k = lane % G;
   const uint32_t lt = dev::lanemask_lt();
   const uint64_t all_ranks = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
-  int cnt_lo = 0, cnt_hi = 0;  // lane l holds the block's count for ranks l and l + 32
-  for (int first = c.t0; first < c.t1; first += per_step) {
+  const int w0 = min(c.t1, c.t0 + warp * c.per_warp), w1 = min(c.t1, w0 + c.per_warp);
+  int cnt_lo = 0, cnt_hi = 0;  // lane l holds the warp's count for ranks l and l + 32
+  for (int first = w0; first < w1; first += per_step) {
     const int n = first + sub;
-    const bool tok = n < c.t1;
+    const bool tok = n < w1;
     const bool has = tok && k < K;
-    const int64_t id = has ? load_topk_id(p, n, k) : -1;
+    const int64_t id = has ? load_topk_id(c, n, k) : -1;
     int bad = 0;
     if (has && (id < -1 || id >= S.num_experts)) {
       dev::record_error(c.wait, StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id, n,
@@ -99,6 +114,11 @@ __device__ __forceinline__ void route(const DispatchCall& c) {
       bits |= __shfl_xor_sync(kFullWarp, bits, off);
       bad |= __shfl_xor_sync(kFullWarp, bad, off);
     }
+    if (expert && !bad) {
+      const int r = int(id / S.num_local);
+      dev::red_add_relaxed_sys(
+          at<int32_t>(sh.peers[r], L.expert_rows) + c.par * S.num_local + (id - r * S.num_local), 1);
+    }
     // The group's first lane carries the token; invalid tokens are sent nowhere.
     const bool leader = tok && k == 0;
     const uint64_t mask = leader && !bad ? (S.every_rank ? all_ranks : bits) : 0;
@@ -110,36 +130,61 @@ __device__ __forceinline__ void route(const DispatchCall& c) {
       if (lane == (r & 31)) (r < 32 ? cnt_lo : cnt_hi) += __popc(bal);
     }
   }
-  int32_t* block_counts = at<int32_t>(c.local, p.layout.block_counts) + blockIdx.x * W;
-  if (lane < W) block_counts[lane] = cnt_lo;
-  if (lane + 32 < W) block_counts[lane + 32] = cnt_hi;
+  if (lane < W) sh.warp_base[warp][lane] = cnt_lo;
+  if (lane + 32 < W) sh.warp_base[warp][lane + 32] = cnt_hi;
+  __syncthreads();
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    int32_t run = 0;
+    for (int w = 0; w < num_warps; ++w) {
+      const int32_t v = sh.warp_base[w][r];
+      sh.warp_base[w][r] = run;
+      run += v;
+    }
+    sh.count[r] = run;
+  }
+  __syncthreads();
 }
 
-// ---- 2. counts -------------------------------------------------------------------------------
+// ---- 2. place --------------------------------------------------------------------------------
 
-// Posts this rank's row count per destination to every rank, then reads the full matrix. Sums
-// use one load per thread and shared atomics (no serial chains of global loads). After (true):
-// sh.base[r] = row in r's receive area of this block's first row for r, sh.recv_total = M, and
-// the count matrix of this parity holds every rank's counts. False when a wait failed.
+// Sender-picked rows: one atomic per destination reserves this block's rows there. After:
+// sh.base[r] = row in r's receive area of this block's first row for r.
+__device__ __forceinline__ void reserve_rows(const DispatchCall& c, DispatchShared& sh) {
+  const Layout& L = c.p.common.layout;
+  for (int r = threadIdx.x; r < c.p.common.shape.world; r += blockDim.x) {
+    const int32_t rows = sh.count[r];
+    sh.base[r] =
+        rows > 0 ? dev::atomic_add_relaxed_sys(at<int32_t>(sh.peers[r], L.next_row) + c.par, rows)
+                 : 0;
+  }
+  __syncthreads();
+}
+
+// Ordered rows: the block's counts go to block_counts, then (after a barrier over the rank's
+// blocks) this rank posts its row count per destination to every rank and reads the full matrix.
+// Sums use one load per thread and shared atomics (no serial chains of global loads). After
+// (true): sh.base[r] = row in r's receive area of this block's first row for r, sh.recv_total = M.
+// False when a wait failed.
 __device__ __forceinline__ bool exchange_counts(const DispatchCall& c, DispatchShared& sh) {
-  const Layout& L = c.p.layout;
-  const int W = c.p.shape.world, s = c.p.shape.rank;
-  const int b = blockIdx.x;
-  const int32_t* block_counts = at<int32_t>(c.local, L.block_counts);
+  const Layout& L = c.p.common.layout;
+  const int W = c.p.common.shape.world, s = c.rank;
+  int32_t* block_counts = at<int32_t>(c.local, L.block_counts);  // [nb][W]
+  for (int r = threadIdx.x; r < W; r += blockDim.x) block_counts[c.b * W + r] = sh.count[r];
+  if (!dev::grid_barrier(&c.state->barrier, c.nb, c.wait)) return false;
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     sh.total[r] = 0;
     sh.base[r] = 0;
   }
   if (threadIdx.x == 0) sh.recv_total = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < int(gridDim.x) * W; i += blockDim.x) {
+  for (int i = threadIdx.x; i < c.nb * W; i += blockDim.x) {
     const int32_t v = block_counts[i];
     const int bb = i / W, r = i % W;
-    if (b == 0) atomicAdd(&sh.total[r], v);
-    if (bb < b) atomicAdd(&sh.base[r], v);
+    if (c.b == 0) atomicAdd(&sh.total[r], v);
+    if (bb < c.b) atomicAdd(&sh.base[r], v);
   }
   __syncthreads();
-  if (b == 0) {
+  if (c.b == 0) {
     for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
       const int d = i / W, r = i % W;
       uint64_t* dst =
@@ -186,15 +231,15 @@ inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
 // item, then stores them to every destination. The item with step0 == 0 also sends the token's
 // fp8 scales. Called by one whole warp.
 template <DispatchDtype kDtype>
-__device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* const* peers, int n,
+__device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* const* peers, int n,
                                              const RankSlots& slots, uint64_t dmask, int lane,
                                              int step0, int nsteps) {
-  const Shape& S = p.shape;
-  const Layout& L = p.layout;
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
   const int H = S.hidden;
   constexpr int kPer = kElemsPerVec<kDtype>;
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
-  const uint8_t* src = static_cast<const uint8_t*>(p.x) + size_t(n) * H * kInBytes;
+  const uint8_t* src = static_cast<const uint8_t*>(c.me.x) + size_t(n) * H * kInBytes;
   int4 v[kMaxSteps];
 #pragma unroll
   for (int u = 0; u < kMaxSteps; ++u) {
@@ -220,7 +265,7 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* c
         const int slot = slots.of(r);
         float* dst = at<float>(peers[r], L.recv_scales);
         for (int g = lane; g < S.groups; g += kWarpSize)
-          dst[scale_index(S, slot, g, S.capacity)] = __ldg(p.x_scales + size_t(n) * S.groups + g);
+          dst[scale_index(S, slot, g, S.capacity)] = __ldg(c.me.x_scales + size_t(n) * S.groups + g);
       }
     }
   } else {
@@ -257,22 +302,22 @@ __device__ __forceinline__ void send_payload(const DispatchParams& p, uint8_t* c
 // Slots and metadata, one warp per token: the absolute rows are written back to send_slot (read
 // by the payload loop and by combine), the token's origin and full top-k row to each destination.
 __device__ __forceinline__ void send_metadata(const DispatchCall& c, const DispatchShared& sh) {
-  const DispatchParams& p = c.p;
-  const Layout& L = p.layout;
-  const int W = p.shape.world, s = p.shape.rank, K = p.shape.topk;
+  const Layout& L = c.p.common.layout;
+  const int W = c.p.common.shape.world, s = c.rank, K = c.p.common.shape.topk;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
   for (int n = c.t0 + warp; n < c.t1; n += num_warps) {
+    const int w = (n - c.t0) / c.per_warp;  // the warp whose chunk holds n in route
     RankSlots slots{-1, -1};
     if (lane < W) {
       slots.lo = send_slot[size_t(n) * W + lane];
-      if (slots.lo >= 0) slots.lo += sh.base[lane];
+      if (slots.lo >= 0) slots.lo += sh.base[lane] + sh.warp_base[w][lane];
       send_slot[size_t(n) * W + lane] = slots.lo;
     }
     if (lane + 32 < W) {
       slots.hi = send_slot[size_t(n) * W + lane + 32];
-      if (slots.hi >= 0) slots.hi += sh.base[lane + 32];
+      if (slots.hi >= 0) slots.hi += sh.base[lane + 32] + sh.warp_base[w][lane + 32];
       send_slot[size_t(n) * W + lane + 32] = slots.hi;
     }
     const uint64_t dmask = slots.ranks();
@@ -280,8 +325,8 @@ __device__ __forceinline__ void send_metadata(const DispatchCall& c, const Dispa
     int32_t my_id = -1;
     float my_w = 0.f;
     if (lane < K) {
-      my_id = int32_t(load_topk_id(p, n, lane));
-      my_w = __ldg(p.topk_weights + size_t(n) * K + lane);
+      my_id = int32_t(load_topk_id(c, n, lane));
+      my_w = __ldg(c.me.topk_weights + size_t(n) * K + lane);
     }
     for (uint64_t m = dmask; m; m &= m - 1) {
       const int r = lowest_rank(m);
@@ -303,13 +348,12 @@ __device__ __forceinline__ void send_metadata(const DispatchCall& c, const Dispa
 // the block owns fewer tokens than it has warps.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void send_payloads(const DispatchCall& c, const DispatchShared& sh) {
-  const DispatchParams& p = c.p;
-  const int W = p.shape.world;
+  const int W = c.p.common.shape.world;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int32_t* send_slot = at<int32_t>(c.local, p.layout.send_slot);
+  const int32_t* send_slot = at<int32_t>(c.local, c.p.common.layout.send_slot);
   constexpr int kPer = kElemsPerVec<kDtype>;
-  const int steps = (p.shape.hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
+  const int steps = (c.p.common.shape.hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
   const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
   const int per_part = (steps + parts - 1) / parts;
   const int items = (c.t1 - c.t0) * parts;
@@ -319,7 +363,7 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
     const uint64_t dmask = slots.ranks();
     if (dmask == 0) continue;
     const int step0 = part * per_part;
-    send_payload<kDtype>(p, sh.peers, n, slots, dmask, lane, step0, min(per_part, steps - step0));
+    send_payload<kDtype>(c, sh.peers, n, slots, dmask, lane, step0, min(per_part, steps - step0));
   }
 }
 
@@ -330,75 +374,70 @@ __device__ __forceinline__ void send(const DispatchCall& c, const DispatchShared
   send_metadata(c, sh);
   __syncthreads();
 #if EPX_MEASUREMENT
-  if (c.p.shape.ablate & kAblatePayload) return;
+  if (c.p.common.shape.ablate & kAblatePayload) return;
 #endif
   send_payloads<kDtype>(c, sh);
 }
 
-// ---- 4. arrive -------------------------------------------------------------------------------
+// ---- 4. signal -------------------------------------------------------------------------------
 
-// Announces this block's rows to each destination, then waits for every sender's rows. After
-// (true): rows [0, M) of this rank's receive area are complete. False when a wait failed.
-__device__ __forceinline__ bool arrive(const DispatchCall& c, DispatchShared& sh) {
-  const Layout& L = c.p.layout;
-  const int W = c.p.shape.world, s = c.p.shape.rank;
+// The last of this rank's blocks to finish sending tells every destination that this rank's rows
+// of this round are written (each block fences its writes first; the ticket makes them visible
+// to the last block, whose release makes them visible to the receivers).
+__device__ __forceinline__ void signal_sent(const DispatchCall& c, const DispatchShared& sh) {
+  const Layout& L = c.p.common.layout;
+  const int W = c.p.common.shape.world;
   __syncthreads();
-  const int32_t* block_counts = at<int32_t>(c.local, L.block_counts) + blockIdx.x * W;
+  if (threadIdx.x == 0) dev::fence_acq_rel_sys();
+  if (!dev::last_block(&c.state->dispatch_ticket, c.nb)) return;
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
-    const int32_t rows = block_counts[r];
-    if (rows > 0) {
-      dev::fence_acq_rel_sys();
-      dev::atomic_add_release_sys(at<int32_t>(sh.peers[r], L.arrived) + c.par * W + s, rows);
-    }
+    dev::fence_acq_rel_sys();
+    dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par) * W + c.rank,
+                        uint64_t(c.epoch));
   }
-  const uint64_t* matrix = at<uint64_t>(c.local, L.count_matrix) + size_t(c.par) * W * W;
-  int32_t* arrived = at<int32_t>(c.local, L.arrived) + c.par * W;
+}
+
+// ---- 5. receive ------------------------------------------------------------------------------
+
+// Waits, once, until every sender has signalled this round. After (true): rows [0, M) of this
+// rank's receive area and the round's expert_rows are complete, and sh.recv_total = M. False
+// when a wait failed.
+__device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchShared& sh) {
+  const Layout& L = c.p.common.layout;
+  const int W = c.p.common.shape.world;
+  const uint64_t* sent = at<uint64_t>(c.local, L.sent) + size_t(c.par) * W;
   for (int q = threadIdx.x; q < W; q += blockDim.x) {
-    const int32_t expected = int32_t(uint32_t(matrix[q * W + s]));
     const bool ok = dev::bounded_wait(
-        c.wait, Phase::kDispatchData, q, expected,
-        [&] { return dev::ld_acquire_sys(arrived + q) == expected; },
-        [&] { return int64_t(dev::ld_acquire_sys(arrived + q)); });
+        c.wait, Phase::kDispatchData, q, c.epoch,
+        [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(sent + q)), c.epoch); },
+        [&] { return int64_t(uint32_t(dev::ld_acquire_sys(sent + q))); });
     if (!ok) sh.failed = 1;
   }
   __syncthreads();
-  return sh.failed == 0;
+  if (sh.failed) return false;
+  // Ordered rows: M came with the count exchange. Reserved rows: every reservation of the round
+  // precedes its sender's signal.
+  if (!c.p.common.shape.ordered && threadIdx.x == 0)
+    sh.recv_total = dev::ld_acquire_sys(at<int32_t>(c.local, L.next_row) + c.par);
+  __syncthreads();
+  return true;
 }
 
-// ---- 5. finish -------------------------------------------------------------------------------
-
-// Token-major. After: expert_counts[e] = received rows that use local expert e (atomics: every
-// block adds to counters block 0 cleared before the first grid barrier).
-__device__ __forceinline__ void count_local_experts(const DispatchCall& c, int M) {
-  const Layout& L = c.p.layout;
-  const int K = c.p.shape.topk, num_local = c.p.shape.num_local;
-  const int e0 = c.p.shape.rank * num_local;
-  const int32_t* rids = at<int32_t>(c.local, L.recv_topk_ids);
-  int32_t* expert_counts = at<int32_t>(c.local, L.expert_counts);
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < M; j += gridDim.x * blockDim.x) {
-    for (int k = 0; k < K; ++k) {
-      const int id = rids[size_t(j) * K + k];
-      if (id >= e0 && id < e0 + num_local) atomicAdd(expert_counts + (id - e0), 1);
-    }
-  }
-}
-
-// Expert-major: expansion of the received rows into expert rows, ordered by token-major row (thus
-// by source rank, index). After (true): expert e's rows [0, expert_counts[e]) of expert_x,
+// Expert-major: expansion of the received rows into expert rows, ordered by token-major row.
+// After (true): expert e's rows [0, expert_rows[e]) of expert_x,
 // expert_scales and the expert_* metadata are complete, and row_expert_slot[j][k] = the row of
 // (received row j, its k-th expert) in that expert, or -1. False when the grid barrier failed.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) {
   extern __shared__ int32_t expert_scratch[];  // [E/W]: counts, then this block's first slots
-  const Shape& S = c.p.shape;
-  const Layout& L = c.p.layout;
-  const int K = S.topk, num_local = S.num_local, e0 = S.rank * num_local;
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
+  const int K = S.topk, num_local = S.num_local, e0 = c.rank * num_local;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int nb = gridDim.x, b = blockIdx.x;
+  const int nb = c.nb, b = c.b;
   uint8_t* local = c.local;
   const int32_t* rids = at<int32_t>(local, L.recv_topk_ids);
-  int32_t* expert_counts = at<int32_t>(local, L.expert_counts);
   int32_t* row_slot = at<int32_t>(local, L.row_expert_slot);
   int32_t* bec = at<int32_t>(local, L.block_expert_counts);  // [block][E/W]
   const int rows_per_block = (M + nb - 1) / nb;
@@ -424,16 +463,11 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
   __syncthreads();
   for (int e = threadIdx.x; e < num_local; e += blockDim.x)
     bec[b * num_local + e] = expert_scratch[e];
-  if (!dev::grid_barrier(&c.state->barrier, c.wait)) return false;
+  if (!dev::grid_barrier(&c.state->barrier, nb, c.wait)) return false;
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
-    int32_t acc = 0, total = 0;
-    for (int bb = 0; bb < nb; ++bb) {
-      const int32_t v = bec[bb * num_local + e];
-      if (bb < b) acc += v;
-      total += v;
-    }
+    int32_t acc = 0;
+    for (int bb = 0; bb < b; ++bb) acc += bec[bb * num_local + e];
     expert_scratch[e] = acc;
-    if (b == 0) expert_counts[e] = total;
   }
   __syncthreads();
   const int row_bytes = S.wire_row_bytes;
@@ -476,16 +510,23 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
   return true;
 }
 
-// Last block out. After: the arrival counters of this parity are 0 again, and State holds this
-// call's M and N and its epoch (the call is complete).
-__device__ __forceinline__ void close_dispatch(const DispatchCall& c, int M) {
-  if (!dev::last_block(&c.state->dispatch_ticket)) return;
-  const int W = c.p.shape.world;
-  int32_t* arrived = at<int32_t>(c.local, c.p.layout.arrived) + c.par * W;
-  for (int q = threadIdx.x; q < W; q += blockDim.x) arrived[q] = 0;
+// Block 0, once the round's rows are in place (and, expert-major, every block has read M). After:
+// expert_counts holds the round's rows per local expert, the double-buffered words of this
+// parity are ready for the round after next, and State holds this call's M, N and epoch (the
+// call is complete).
+__device__ __forceinline__ void finish_round(const DispatchCall& c, int M) {
+  const Layout& L = c.p.common.layout;
+  const int num_local = c.p.common.shape.num_local;
+  int32_t* rows = at<int32_t>(c.local, L.expert_rows) + c.par * num_local;
+  int32_t* expert_counts = at<int32_t>(c.local, L.expert_counts);
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    expert_counts[e] = rows[e];
+    rows[e] = 0;
+  }
   if (threadIdx.x == 0) {
+    at<int32_t>(c.local, L.next_row)[c.par] = 0;
     c.state->recv_count = M;
-    c.state->num_tokens = c.p.num_tokens;
+    c.state->num_tokens = c.me.num_tokens;
     c.state->dispatch_epoch = c.epoch;
   }
 }
@@ -493,46 +534,54 @@ __device__ __forceinline__ void close_dispatch(const DispatchCall& c, int M) {
 // ---- the kernel ------------------------------------------------------------------------------
 
 template <DispatchDtype kDtype>
-__global__ void __launch_bounds__(kMaxThreadsPerBlock) dispatch_kernel(const DispatchParams p) {
+__global__ void __launch_bounds__(kMaxThreadsPerBlock)
+    dispatch_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ DispatchShared sh;
-  uint8_t* local = p.sym.local;
-  State* state = at<State>(local, p.layout.state);
-  dev::WaitContext wait = make_wait(p.sym, p.layout, p.waits);
+  const RankBlock rb = rank_block(p.common.num_ranks);
+  const DispatchRank& me = p.ranks[rb.slot];
+  uint8_t* local = me.local;
+  State* state = at<State>(local, p.common.layout.state);
+  dev::WaitContext wait = make_wait(local, me.host_status, me.rank, p.common);
   if (dev::aborted(wait)) return;  // an earlier call timed out: the peers' state is unknown
   const uint32_t epoch = state->dispatch_epoch + 1;
   wait.call = epoch;
-  // Block b owns tokens [t0, t1).
-  const int N = p.num_tokens, nb = gridDim.x, b = blockIdx.x;
-  const int per_block = (N + nb - 1) / nb;
-  const int t0 = min(N, b * per_block);
+  // Block b owns tokens [t0, t1); each of its warps a chunk of per_warp of them in route.
+  const int N = me.num_tokens;
+  const int per_block = (N + rb.nb - 1) / rb.nb;
+  const int t0 = min(N, rb.b * per_block), t1 = min(N, t0 + per_block);
+  const int num_warps = blockDim.x / kWarpSize;
   const DispatchCall c{.p = p,
+                       .me = me,
+                       .rank = me.rank,
                        .local = local,
                        .state = state,
                        .wait = wait,
                        .epoch = epoch,
                        .par = int(epoch & 1),
+                       .b = rb.b,
+                       .nb = rb.nb,
                        .t0 = t0,
-                       .t1 = min(N, t0 + per_block)};
-  for (int r = threadIdx.x; r < p.shape.world; r += blockDim.x) sh.peers[r] = p.sym.peers[r];
+                       .t1 = t1,
+                       .per_warp = max(1, (t1 - t0 + num_warps - 1) / num_warps)};
+  for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x)
+    sh.peers[r] = p.common.peers[r];
   if (threadIdx.x == 0) sh.failed = 0;
-  // Cleared before the first grid barrier, counted after it (token-major) or set by block 0.
-  if (b == 0) {
-    int32_t* expert_counts = at<int32_t>(local, p.layout.expert_counts);
-    for (int e = threadIdx.x; e < p.shape.num_local; e += blockDim.x) expert_counts[e] = 0;
-  }
+  __syncthreads();
 
-  if (threadIdx.x < kWarpSize) route(c);
-  if (!dev::grid_barrier(&state->barrier, wait)) return;
-  if (!exchange_counts(c, sh)) return;
-  send<kDtype>(c, sh);
-  if (!arrive(c, sh)) return;
-  const int M = sh.recv_total;
-  if (!p.shape.expert_major) {
-    count_local_experts(c, M);
-  } else if (!expand_to_experts<kDtype>(c, M)) {
-    return;
+  route(c, sh);
+  if (p.common.shape.ordered) {
+    if (!exchange_counts(c, sh)) return;
+  } else {
+    reserve_rows(c, sh);
   }
-  close_dispatch(c, M);
+  send<kDtype>(c, sh);
+  signal_sent(c, sh);
+  const bool expert_major = p.common.shape.expert_major;
+  if (!expert_major && rb.b != 0) return;  // token-major: block 0 receives for the rank
+  if (!await_senders(c, sh)) return;
+  const int M = sh.recv_total;
+  if (expert_major && !expand_to_experts<kDtype>(c, M)) return;
+  if (rb.b == 0) finish_round(c, M);
 }
 
 }  // namespace
@@ -546,9 +595,10 @@ void load_dispatch_kernels() {
 
 void launch_dispatch(const DispatchParams& p, DispatchDtype dtype, LaunchConfig lc,
                      cudaStream_t stream) {
-  const dim3 grid(lc.num_blocks), block(lc.warps_per_block * kWarpSize);
+  const dim3 grid(lc.num_blocks * p.common.num_ranks), block(lc.warps_per_block * kWarpSize);
   // expert-major: one counter per local expert (validate_for bounds E/W by kMaxExpertMajorLocal)
-  const size_t smem = p.shape.expert_major ? size_t(p.shape.num_local) * sizeof(int32_t) : 0;
+  const size_t smem =
+      p.common.shape.expert_major ? size_t(p.common.shape.num_local) * sizeof(int32_t) : 0;
   switch (dtype) {
     case DispatchDtype::kBF16:
       dispatch_kernel<DispatchDtype::kBF16><<<grid, block, smem, stream>>>(p);

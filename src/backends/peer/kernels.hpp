@@ -11,13 +11,12 @@
 #include "backends/peer/layout.hpp"
 #include "core/device_status.hpp"
 #include "epx/config.hpp"
-#include "epx/symmetric.hpp"
 
 namespace epx::peer {
 
+// What every rank of a launch shares.
 struct Shape {
   int32_t world;
-  int32_t rank;
   int32_t hidden;
   int32_t num_experts;
   int32_t num_local;
@@ -30,6 +29,7 @@ struct Shape {
   int32_t wire_row_bytes;
   int32_t every_rank;        // dispatch every valid token to every rank
   int32_t all_reduce;        // combine by all-reduce + slice
+  int32_t ordered;           // rows ordered by (source rank, source index): counts exchanged first
 #if EPX_MEASUREMENT
   int32_t ablate;            // kAblate* bits: stages left out to time the rest (wrong results)
 #endif
@@ -46,34 +46,50 @@ inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 
 int32_t ablate_from_env();
 #endif
 
-struct Waits {
-  DeviceStatus* host_status;  // mapped host mirror
-  uint64_t timeout_ns;
-};
+// One launch serves `num_ranks` ranks that share a GPU (an in-process group), each with
+// gridDim.x / num_ranks consecutive blocks; a rank with a GPU of its own launches alone.
+inline constexpr int kMaxLaunchRanks = 32;  // ranks per GPU (CUDA_DEVICE_MAX_CONNECTIONS <= 32)
 
-struct DispatchParams {
-  SymmetricHandle sym;
+struct LaunchCommon {
+  uint8_t* const* peers;  // device array [W]: every rank's buffer, valid on this GPU
   Layout layout;
   Shape shape;
-  Waits waits;
+  uint64_t timeout_ns;
+  int32_t num_ranks;  // ranks served by this launch
+};
+
+struct DispatchRank {
+  uint8_t* local;             // this rank's buffer (== peers[rank])
+  DeviceStatus* host_status;  // mapped host mirror of its status word
+  int32_t rank;
   int32_t num_tokens;
   const void* x;
   const float* x_scales;
   const void* topk_ids;
-  int32_t ids_int64;
   const float* topk_weights;
 };
 
-struct CombineParams {
-  SymmetricHandle sym;
-  Layout layout;
-  Shape shape;
-  Waits waits;
+struct DispatchParams {
+  LaunchCommon common;
+  int32_t ids_int64;
+  DispatchRank ranks[kMaxLaunchRanks];
+};
+
+struct CombineRank {
+  uint8_t* local;
+  DeviceStatus* host_status;
+  int32_t rank;
   const void* expert_out;  // token-major partials [cap][H] bf16 or expert outputs [E/W][cap][H]
   void* y;                 // [N][H] bf16
 };
 
-// Kernels take their params by value: trivially copyable, within the 4 KiB of kernel arguments.
+struct CombineParams {
+  LaunchCommon common;
+  CombineRank ranks[kMaxLaunchRanks];
+};
+
+// Kernels take their params as __grid_constant__ values: trivially copyable, within the 4 KiB of
+// kernel arguments every CUDA version accepts.
 static_assert(std::is_trivially_copyable_v<DispatchParams> && sizeof(DispatchParams) <= 4096);
 static_assert(std::is_trivially_copyable_v<CombineParams> && sizeof(CombineParams) <= 4096);
 
@@ -89,6 +105,7 @@ void load_combine_kernels();
 // loads its module and waits for the work already running on the device: if that work is
 // another rank's kernel spinning on this one, the two wait for each other. Load up front.
 void preload_kernels(int device);
+// `lc` is one rank's shape: the grid is p.common.num_ranks times lc.num_blocks.
 void launch_dispatch(const DispatchParams& p, DispatchDtype dtype, LaunchConfig lc,
                      cudaStream_t stream);
 void launch_combine(const CombineParams& p, LaunchConfig lc, cudaStream_t stream);

@@ -21,23 +21,24 @@ struct Algorithm {
 
 // Device-resident cross-call state of one rank (DESIGN §5.1: epochs advance on the device).
 struct State {
-  uint32_t dispatch_epoch;  // last completed dispatch
-  uint32_t combine_epoch;   // last completed combine
+  uint32_t dispatch_epoch;  // the round of the last completed dispatch (combine serves it)
   int32_t num_tokens;       // N of the last dispatch (combine's output rows)
   int32_t recv_count;       // M of the last dispatch
   GridBarrierWord barrier;
   int32_t dispatch_ticket;
   int32_t combine_ready_ticket;
-  int32_t combine_ticket;
   int32_t combine_reduced_ticket;
 };
 
 struct Layout {
   // symmetric part
-  size_t count_matrix;   // uint64 [2][W][W]: (epoch << 32 | rows) from sender q for dest r
-  size_t arrived;        // int32 [2][W]: rows arrived from sender q
-  size_t ready;          // int32 [W]: combine epoch whose partials rank q has published
-  size_t ready2;         // int32 [W]: all-reduce: combine epoch whose reduced chunk q published
+  // Double-buffered by epoch parity: a sender may be one round ahead of its receiver.
+  size_t sent;           // uint64 [2][W]: epoch whose rows sender q has finished writing here
+  size_t next_row;       // int32 [2]: rows reserved here so far this round (senders' atomics)
+  size_t expert_rows;    // int32 [2][E/W]: rows of this round using each local expert
+  size_t count_matrix;   // uint64 [2][W][W]: ordered rows only: (epoch << 32 | rows) q sends r
+  size_t ready;          // int32 [W]: round whose partials rank q has published
+  size_t ready2;         // int32 [W]: all-reduce: round whose reduced chunk q published
   size_t recv_x;         // [cap][wire_row_bytes]
   size_t recv_scales;    // f32 [cap][G] or [G][cap] (fp8 wires)
   size_t recv_src_rank;  // int32 [cap]

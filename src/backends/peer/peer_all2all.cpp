@@ -15,6 +15,7 @@
 #include "backends/peer/layout.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
+#include "epx/symmetric.hpp"
 #include "epx/world.hpp"
 
 namespace epx {
@@ -37,8 +38,10 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   const bool em = cfg.layout == OutputLayout::kExpertMajor;
   Layout L{};
   size_t c = 0;
+  L.sent = carve(c, 2 * W * sizeof(uint64_t));
+  L.next_row = carve(c, 2 * sizeof(int32_t));
+  L.expert_rows = carve(c, 2 * Le * sizeof(int32_t));
   L.count_matrix = carve(c, 2 * W * W * sizeof(uint64_t));
-  L.arrived = carve(c, 2 * W * sizeof(int32_t));
   L.ready = carve(c, W * sizeof(int32_t));
   L.ready2 = carve(c, W * sizeof(int32_t));
   L.recv_x = carve(c, cap * row);
@@ -95,6 +98,26 @@ class PeerAll2All final : public All2All {
   }
 
   DispatchResult dispatch(const DispatchInput& in, cudaStream_t stream) override {
+    DispatchParams p{};
+    p.common = launch_common();
+    p.ids_int64 = in.ids_type == IdType::kInt64;
+    p.ranks[0] = prepare_dispatch(in);
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    launch_dispatch(p, cfg_.dtype, launch_.dispatch, stream);
+    return result();
+  }
+
+  void combine(const void* expert_out, void* y, cudaStream_t stream) override {
+    CombineParams p{};
+    p.common = launch_common();
+    p.ranks[0] = prepare_combine(expert_out, y);
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    launch_combine(p, launch_.combine, stream);
+  }
+
+  // This rank's part of a dispatch launch, after the host checks (nothing is launched when they
+  // throw).
+  DispatchRank prepare_dispatch(const DispatchInput& in) {
     poll();
     check_usable();
     const int N = in.num_tokens;
@@ -106,42 +129,49 @@ class PeerAll2All final : public All2All {
       check_ptr(in.topk_weights, "topk_weights", 4);
       if (cfg_.input_fp8()) check_ptr(in.x_scales, "x_scales", 4);
     }
-    DispatchParams p{};
-    p.sym = buf_.device_handle();
-    p.layout = layout_;
-    p.shape = shape();
-    p.waits = waits();
-    p.num_tokens = N;
     last_tokens_ = N;
-    p.x = in.x;
-    p.x_scales = in.x_scales;
-    p.topk_ids = in.topk_ids;
-    p.ids_int64 = in.ids_type == IdType::kInt64;
-    p.topk_weights = in.topk_weights;
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    launch_dispatch(p, cfg_.dtype, launch_.dispatch, stream);
-    return result();
+    return DispatchRank{.local = buf_.local(),
+                        .host_status = host_status_dev_,
+                        .rank = cfg_.rank,
+                        .num_tokens = N,
+                        .x = in.x,
+                        .x_scales = in.x_scales,
+                        .topk_ids = in.topk_ids,
+                        .topk_weights = in.topk_weights};
   }
 
-  void combine(const void* expert_out, void* y, cudaStream_t stream) override {
-    // No poll() here: a bad-input error recorded by this round's dispatch must not keep this
-    // rank out of the round's combine (its peers would wait for it); it surfaces at
-    // synchronize() or the next dispatch.
+  // This rank's part of a combine launch. No poll() here: a bad-input error recorded by this
+  // round's dispatch must not keep this rank out of the round's combine (its peers would wait
+  // for it); it surfaces at synchronize() or the next dispatch.
+  CombineRank prepare_combine(const void* expert_out, void* y) {
     check_usable();
     check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer (null, or one past the end of the caller's
     // buffer, as a chunked forward's empty chunks pass) is fine.
     if (last_tokens_ > 0) check_ptr(y, "y", 16);
-    CombineParams p{};
-    p.sym = buf_.device_handle();
-    p.layout = layout_;
-    p.shape = shape();
-    p.waits = waits();
-    p.expert_out = expert_out;
-    p.y = y;
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    launch_combine(p, launch_.combine, stream);
+    return CombineRank{.local = buf_.local(),
+                       .host_status = host_status_dev_,
+                       .rank = cfg_.rank,
+                       .expert_out = expert_out,
+                       .y = y};
   }
+
+  // What every rank of a launch shares.
+  LaunchCommon launch_common() const {
+    return LaunchCommon{.peers = buf_.device_handle().peers,
+                        .layout = layout_,
+                        .shape = shape(),
+                        .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
+                        .num_ranks = 1};
+  }
+
+  // Ranks that may share one launch: the same in-process group, GPU, configuration and launch
+  // shapes. Empty for ranks of process worlds.
+  const std::shared_ptr<const void>& launch_group() const { return launch_group_; }
+  void set_launch_group(std::shared_ptr<const void> g) { launch_group_ = std::move(g); }
+  int device() const { return buf_.device(); }
+  const LaunchConfigs& launch_configs() const { return launch_; }
+  DispatchResult dispatch_result() const { return result(); }
 
   void poll() override {
     check_usable();
@@ -221,7 +251,6 @@ class PeerAll2All final : public All2All {
   }
   Shape shape() const {
     return Shape{.world = cfg_.world_size,
-                 .rank = cfg_.rank,
                  .hidden = cfg_.hidden,
                  .num_experts = cfg_.num_experts,
                  .num_local = cfg_.num_local_experts(),
@@ -234,13 +263,12 @@ class PeerAll2All final : public All2All {
                  .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
                  .every_rank = algo_.every_rank,
                  .all_reduce = algo_.all_reduce,
+                 // the naive all-reduce needs every rank to hold the same rows in the same order
+                 .ordered = cfg_.deterministic || algo_.all_reduce,
 #if EPX_MEASUREMENT
                  .ablate = ablate_,
 #endif
     };
-  }
-  Waits waits() const {
-    return Waits{host_status_dev_, uint64_t(cfg_.timeout_ms) * 1000000ull};
   }
   DispatchResult result() const {
     uint8_t* b = buf_.local();
@@ -276,6 +304,7 @@ class PeerAll2All final : public All2All {
   bool failed_ = false;
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
   std::string first_error_;
+  std::shared_ptr<const void> launch_group_;
 #if EPX_MEASUREMENT
   int32_t ablate_ = ablate_from_env();
 #endif
@@ -320,6 +349,85 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
 
 }  // namespace
 
+namespace {
+
+// The ranks of one launch, checked: distinct ranks of one in-process group on one GPU, with the
+// same launch shape. The first rank's peer table serves all (an in-process group's tables are
+// identical: plain device pointers).
+std::vector<PeerAll2All*> launch_ranks(std::span<All2All* const> ranks, size_t num_args,
+                                       const char* op) {
+  EPX_CHECK(!ranks.empty() && ranks.size() <= size_t(kMaxLaunchRanks), InputError,
+            fmt::format("{} ranks", op), ranks.size(),
+            fmt::format("1..{} ranks of one GPU", kMaxLaunchRanks));
+  EPX_CHECK(num_args == ranks.size(), InputError, fmt::format("{} arguments", op), num_args,
+            fmt::format("one per rank ({})", ranks.size()));
+  std::vector<PeerAll2All*> out;
+  uint64_t seen = 0;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    auto* r = dynamic_cast<PeerAll2All*>(ranks[i]);
+    EPX_CHECK(r != nullptr && r->launch_group() != nullptr, InputError,
+              fmt::format("{} ranks[{}]", op, i), "not a rank of make_all2all_group()",
+              "ranks of one in-process group");
+    const PeerAll2All& first = out.empty() ? *r : *out.front();
+    EPX_CHECK(r->launch_group() == first.launch_group(), InputError,
+              fmt::format("{} ranks[{}]", op, i), "a rank of another group",
+              "ranks of one in-process group");
+    EPX_CHECK(r->device() == first.device(), InputError, fmt::format("{} ranks[{}] GPU", op, i),
+              r->device(), fmt::format("GPU {} (one launch serves one GPU)", first.device()));
+    const LaunchConfigs& a = r->launch_configs();
+    const LaunchConfigs& b = first.launch_configs();
+    EPX_CHECK(a.dispatch.num_blocks == b.dispatch.num_blocks &&
+                  a.dispatch.warps_per_block == b.dispatch.warps_per_block &&
+                  a.combine.num_blocks == b.combine.num_blocks &&
+                  a.combine.warps_per_block == b.combine.warps_per_block,
+              InputError, fmt::format("{} ranks[{}] launch shape", op, i), r->config().rank,
+              "the launch shape of ranks[0]");
+    const int rank = r->config().rank;
+    EPX_CHECK(((seen >> rank) & 1) == 0, InputError, fmt::format("{} ranks[{}]", op, i), rank,
+              "distinct ranks (given twice)");
+    seen |= uint64_t(1) << rank;
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
+                                           std::span<const DispatchInput> inputs,
+                                           cudaStream_t stream) {
+  const std::vector<PeerAll2All*> rs = launch_ranks(ranks, inputs.size(), "dispatch_group");
+  const bool int64_ids = inputs[0].ids_type == IdType::kInt64;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    EPX_CHECK((inputs[i].ids_type == IdType::kInt64) == int64_ids, InputError,
+              fmt::format("inputs[{}].ids_type", i), int64_ids ? "int32" : "int64",
+              "the id type of inputs[0]");
+  }
+  DispatchParams p{};
+  p.common = rs[0]->launch_common();
+  p.common.num_ranks = int32_t(rs.size());
+  p.ids_int64 = int64_ids;
+  for (size_t i = 0; i < rs.size(); ++i) p.ranks[i] = rs[i]->prepare_dispatch(inputs[i]);
+  EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
+  launch_dispatch(p, rs[0]->config().dtype, rs[0]->launch_configs().dispatch, stream);
+  std::vector<DispatchResult> out;
+  for (PeerAll2All* r : rs) out.push_back(r->dispatch_result());
+  return out;
+}
+
+void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
+                   std::span<void* const> y, cudaStream_t stream) {
+  const std::vector<PeerAll2All*> rs = launch_ranks(ranks, expert_out.size(), "combine_group");
+  EPX_CHECK(y.size() == rs.size(), InputError, "combine_group y", y.size(),
+            fmt::format("one per rank ({})", rs.size()));
+  CombineParams p{};
+  p.common = rs[0]->launch_common();
+  p.common.num_ranks = int32_t(rs.size());
+  for (size_t i = 0; i < rs.size(); ++i) p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i]);
+  EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
+  launch_combine(p, rs[0]->launch_configs().combine, stream);
+}
+
 void preload_kernels(int device) {
   int prev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&prev));
@@ -340,6 +448,8 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
   const Layout L = make_layout(cfg, algo);
   for (int r = 0; r < world.size(); ++r) preload_kernels(world.device_of(r));
   auto bufs = SymmetricBuffer::create_in_process(world, L.total);
+  // Identity of this group for launches that serve several of its ranks.
+  const auto group = std::make_shared<const int>(0);
   std::vector<std::unique_ptr<All2All>> out;
   for (int r = 0; r < world.size(); ++r) {
     EpConfig rc = cfg;
@@ -349,7 +459,9 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
     // bound by the latency of remote reads and gains from more warps in flight.
     LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", r, world.size(), kDefaultDispatchWarps),
                      resolve(launch.combine, budget, "combine", r, world.size(), kDefaultCombineWarps)};
-    out.push_back(std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc));
+    auto rank = std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc);
+    rank->set_launch_group(group);
+    out.push_back(std::move(rank));
   }
   return out;
 }

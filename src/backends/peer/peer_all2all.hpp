@@ -4,6 +4,7 @@
 // SymmetricBuffer, configured by an Algorithm.
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "backends/peer/layout.hpp"
@@ -27,5 +28,11 @@ std::unique_ptr<All2All> make_ipc_rank(const EpConfig& cfg, IpcWorld& world,
 std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
                                         const LaunchConfigs& launch, const Algorithm& algo);
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo);
+// One launch serving several ranks of an in-process group (epx::dispatch_group / combine_group).
+std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
+                                           std::span<const DispatchInput> inputs,
+                                           cudaStream_t stream);
+void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
+                   std::span<void* const> y, cudaStream_t stream);
 }  // namespace peer
 }  // namespace epx

@@ -31,11 +31,23 @@ __device__ __forceinline__ T* at(uint8_t* base, size_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
-// The bounded-wait context of this rank: its status word, the host mirror, the timeout.
-__device__ __forceinline__ dev::WaitContext make_wait(const SymmetricHandle& sym, const Layout& L,
-                                                      const Waits& w) {
-  return dev::WaitContext{at<DeviceStatus>(sym.local, L.status), w.host_status, w.timeout_ns,
-                          sym.rank};
+// Which rank of a launch this block serves, and its place among that rank's blocks.
+struct RankBlock {
+  int slot;  // index into the launch's per-rank arguments
+  int b;     // block of this rank: 0 .. nb - 1
+  int nb;    // blocks per rank
+};
+
+__device__ __forceinline__ RankBlock rank_block(int num_ranks) {
+  const int nb = int(gridDim.x) / num_ranks;
+  return RankBlock{int(blockIdx.x) / nb, int(blockIdx.x) % nb, nb};
+}
+
+// The bounded-wait context of a rank: its status word, the host mirror, the timeout.
+__device__ __forceinline__ dev::WaitContext make_wait(uint8_t* local, DeviceStatus* host_status,
+                                                      int rank, const LaunchCommon& common) {
+  return dev::WaitContext{at<DeviceStatus>(local, common.layout.status), host_status,
+                          common.timeout_ns, rank};
 }
 
 // Index of the f32 scale of (row, group) in a [rows][groups] or [groups][rows] scale area.
