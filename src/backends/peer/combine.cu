@@ -26,19 +26,25 @@ namespace {
 // Columns of one pull work item: 4 vectors of 8 elements per lane.
 constexpr int kChunkVecs = kWarpSize * 4;
 
-// What every phase of one combine call on one block knows.
+// What every phase of one combine call on one block knows. Kept small (kernels of 1024 threads
+// have 64 registers each): what derives from the launch arguments is recomputed where used.
 struct CombineCall {
   const CombineParams& p;
   const CombineRank& me;
-  int rank;
-  uint8_t* local;         // this rank's buffer
   uint8_t* const* peers;  // every rank's buffer (block-shared)
-  State* state;
-  dev::WaitContext wait;
   uint32_t round;  // the dispatch this combine serves (1 = the first)
   int b, nb;       // this block among the rank's nb blocks
   int M;           // rows the last dispatch received: the partials' rows
   int N;           // tokens of the last dispatch: y's rows
+
+  __device__ __forceinline__ int rank() const { return me.rank; }
+  __device__ __forceinline__ uint8_t* local() const { return me.local; }  // this rank's buffer
+  __device__ __forceinline__ State* state() const { return at<State>(me.local, p.common.layout.state); }
+  __device__ __forceinline__ dev::WaitContext wait() const {
+    dev::WaitContext w = make_wait(me.local, me.host_status, me.rank, p.common);
+    w.call = round;
+    return w;
+  }
 };
 
 // Tells every rank (flags[s] = round in each rank's buffer at offset `flags`) that this rank's
@@ -47,7 +53,7 @@ __device__ __forceinline__ void tell_all(const CombineCall& c, size_t flags) {
   const int W = c.p.common.shape.world;
   for (int d = threadIdx.x; d < W; d += blockDim.x) {
     dev::fence_acq_rel_sys();
-    dev::st_release_sys(at<int32_t>(c.peers[d], flags) + c.rank, int32_t(c.round));
+    dev::st_release_sys(at<int32_t>(c.peers[d], flags) + c.rank(), int32_t(c.round));
   }
 }
 
@@ -57,10 +63,10 @@ __device__ inline bool wait_all(const CombineCall& c, size_t flags) {
   __shared__ int32_t failed_wait;
   if (threadIdx.x == 0) failed_wait = 0;
   __syncthreads();
-  const int32_t* mine = at<int32_t>(c.local, flags);
+  const int32_t* mine = at<int32_t>(c.local(), flags);
   for (int q = threadIdx.x; q < c.p.common.shape.world; q += blockDim.x) {
     const bool ok = dev::bounded_wait(
-        c.wait, Phase::kCombineReady, q, c.round,
+        c.wait(), Phase::kCombineReady, q, c.round,
         [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(mine + q)), c.round); },
         [&] { return int64_t(dev::ld_acquire_sys(mine + q)); });
     if (!ok) failed_wait = 1;
@@ -90,7 +96,7 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int nb = c.nb, b = c.b;
-  PartialT* partials = at<PartialT>(c.local, L.partials);
+  PartialT* partials = at<PartialT>(c.local(), L.partials);
   const int vecs = H / 8;  // 8 elements per lane step
   if constexpr (sizeof(PartialT) == 2) {
     if (c.me.expert_out == partials) {
@@ -106,10 +112,10 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
     }
   } else {
     const __nv_bfloat16* out = static_cast<const __nv_bfloat16*>(c.me.expert_out);
-    const int32_t* row_slot = at<int32_t>(c.local, L.row_expert_slot);
-    const int32_t* rids = at<int32_t>(c.local, L.recv_topk_ids);
-    const float* rw = at<float>(c.local, L.recv_topk_w);
-    const int e0 = c.rank * S.num_local;
+    const int32_t* row_slot = at<int32_t>(c.local(), L.row_expert_slot);
+    const int32_t* rids = at<int32_t>(c.local(), L.recv_topk_ids);
+    const float* rw = at<float>(c.local(), L.recv_topk_w);
+    const int e0 = c.rank() * S.num_local;
     for (int j = b * num_warps + warp; j < M; j += nb * num_warps) {
       for (int v = lane; v < vecs; v += kWarpSize) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -129,7 +135,7 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
       }
     }
   }
-  return publish_and_wait_all(c, &c.state->combine_ready_ticket, L.ready);
+  return publish_and_wait_all(c, &c.state()->combine_ready_ticket, L.ready);
 }
 
 // ---- B. pull ---------------------------------------------------------------------------------
@@ -146,7 +152,7 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int nb = c.nb, b = c.b;
-  const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  const int32_t* send_slot = at<int32_t>(c.local(), L.send_slot);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(c.me.y);
   const int vecs = H / 8;
   const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
@@ -209,7 +215,7 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
 __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
   const Shape& S = c.p.common.shape;
   const Layout& L = c.p.common.layout;
-  const int W = S.world, s = c.rank, H = S.hidden, M = c.M, N = c.N;
+  const int W = S.world, s = c.rank(), H = S.hidden, M = c.M, N = c.N;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int nb = c.nb, b = c.b;
@@ -219,7 +225,7 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
   // area ...
   const int per = (M + W - 1) / W;
   const int r0 = min(M, s * per), r1 = min(M, r0 + per);
-  __nv_bfloat16* reduced = at<__nv_bfloat16>(c.local, L.reduced);
+  __nv_bfloat16* reduced = at<__nv_bfloat16>(c.local(), L.reduced);
   for (int item = b * num_warps + warp; item < (r1 - r0) * chunks; item += nb * num_warps) {
     const int j = r0 + item / chunks, chunk = item % chunks;
 #pragma unroll
@@ -236,18 +242,18 @@ __device__ __forceinline__ bool pull_all_reduced(const CombineCall& c) {
       store_bf16x8(reduced + size_t(j) * H + v * 8, acc);
     }
   }
-  if (!publish_and_wait_all(c, &c.state->combine_reduced_ticket, L.ready2)) return false;
+  if (!publish_and_wait_all(c, &c.state()->combine_reduced_ticket, L.ready2)) return false;
   // ... all-gather: every rank copies all M reduced rows into its own partials area (every
   // peer has finished reading it: they published ready2 after their reduce-scatter) ...
-  int4* gathered = at<int4>(c.local, L.partials);
+  int4* gathered = at<int4>(c.local(), L.partials);
   const size_t total = size_t(M) * vecs;
   for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < total; i += size_t(nb) * blockDim.x) {
     const int j = int(i / vecs);
     gathered[i] = at<const int4>(c.peers[j / per], L.reduced)[i];
   }
-  if (!dev::grid_barrier(&c.state->barrier, nb, c.wait)) return false;
+  if (!dev::grid_barrier(&c.state()->barrier, nb, c.wait())) return false;
   // ... and takes its own tokens' rows.
-  const int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  const int32_t* send_slot = at<int32_t>(c.local(), L.send_slot);
   int4* y = static_cast<int4*>(c.me.y);
   for (size_t i = size_t(b) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
        i += size_t(nb) * blockDim.x) {
@@ -268,20 +274,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   __shared__ uint8_t* peers[kMaxRanks];
   const RankBlock rb = rank_block(p.common.num_ranks);
   const CombineRank& me = p.ranks[rb.slot];
-  uint8_t* local = me.local;
-  State* state = at<State>(local, p.common.layout.state);
-  dev::WaitContext wait = make_wait(local, me.host_status, me.rank, p.common);
-  if (dev::aborted(wait)) return;
-  const uint32_t round = state->dispatch_epoch;
-  wait.call = round;
+  const State* state = at<State>(me.local, p.common.layout.state);
+  if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
   const CombineCall c{.p = p,
                       .me = me,
-                      .rank = me.rank,
-                      .local = local,
                       .peers = peers,
-                      .state = state,
-                      .wait = wait,
-                      .round = round,
+                      .round = state->dispatch_epoch,
                       .b = rb.b,
                       .nb = rb.nb,
                       .M = state->recv_count,

@@ -32,19 +32,26 @@
 namespace epx::peer {
 namespace {
 
-// What every phase of one dispatch call on one block knows.
+// What every phase of one dispatch call on one block knows. Kept small (kernels of 1024 threads
+// have 64 registers each): what derives from the launch arguments is recomputed where used.
 struct DispatchCall {
   const DispatchParams& p;
   const DispatchRank& me;
-  int rank;
-  uint8_t* local;  // this rank's buffer
-  State* state;
-  dev::WaitContext wait;
   uint32_t epoch;  // this call (1 = the first)
-  int par;         // epoch parity: the half of the double-buffered words this call uses
   int b, nb;       // this block among the rank's nb blocks
   int t0, t1;      // this block's tokens [t0, t1)
   int per_warp;    // tokens of each warp's chunk of [t0, t1) in route
+
+  __device__ __forceinline__ int rank() const { return me.rank; }
+  __device__ __forceinline__ uint8_t* local() const { return me.local; }  // this rank's buffer
+  __device__ __forceinline__ State* state() const { return at<State>(me.local, p.common.layout.state); }
+  // Epoch parity: the half of the double-buffered words this call uses.
+  __device__ __forceinline__ int par() const { return int(epoch & 1); }
+  __device__ __forceinline__ dev::WaitContext wait() const {
+    dev::WaitContext w = make_wait(me.local, me.host_status, me.rank, p.common);
+    w.call = epoch;
+    return w;
+  }
 };
 
 // Block-shared values of one dispatch call.
@@ -77,7 +84,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
   const int W = S.world, K = S.topk;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  int32_t* send_slot = at<int32_t>(c.local(), L.send_slot);
   // Lanes in groups of G >= K: group g handles token c + g, lane k of the group its k-th id,
   // so a token's ids arrive in one load and are checked with warp intrinsics.
   int G = 1;
@@ -94,7 +101,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
     const int64_t id = has ? load_topk_id(c, n, k) : -1;
     int bad = 0;
     if (has && (id < -1 || id >= S.num_experts)) {
-      dev::record_error(c.wait, StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id, n,
+      dev::record_error(c.wait(), StatusCode::kInput, Phase::kDispatchRoute, -1, S.num_experts, id, n,
                         k);
       bad = 1;
     }
@@ -105,7 +112,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
     const uint32_t same = __match_any_sync(kFullWarp, key);
     if (expert && (same & lt) != 0) {
       // expected = the earlier slot holding the same expert
-      dev::record_error(c.wait, StatusCode::kInput, Phase::kDispatchRoute, -1,
+      dev::record_error(c.wait(), StatusCode::kInput, Phase::kDispatchRoute, -1,
                         (__ffs(same) - 1) - sub * G, id, n, k);
       bad = 1;
     }
@@ -117,7 +124,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
     if (expert && !bad) {
       const int r = int(id / S.num_local);
       dev::red_add_relaxed_sys(
-          at<int32_t>(sh.peers[r], L.expert_rows) + c.par * S.num_local + (id - r * S.num_local), 1);
+          at<int32_t>(sh.peers[r], L.expert_rows) + c.par() * S.num_local + (id - r * S.num_local), 1);
     }
     // The group's first lane carries the token; invalid tokens are sent nowhere.
     const bool leader = tok && k == 0;
@@ -154,7 +161,7 @@ __device__ __forceinline__ void reserve_rows(const DispatchCall& c, DispatchShar
   for (int r = threadIdx.x; r < c.p.common.shape.world; r += blockDim.x) {
     const int32_t rows = sh.count[r];
     sh.base[r] =
-        rows > 0 ? dev::atomic_add_relaxed_sys(at<int32_t>(sh.peers[r], L.next_row) + c.par, rows)
+        rows > 0 ? dev::atomic_add_relaxed_sys(at<int32_t>(sh.peers[r], L.next_row) + c.par(), rows)
                  : 0;
   }
   __syncthreads();
@@ -167,10 +174,10 @@ __device__ __forceinline__ void reserve_rows(const DispatchCall& c, DispatchShar
 // False when a wait failed.
 __device__ __forceinline__ bool exchange_counts(const DispatchCall& c, DispatchShared& sh) {
   const Layout& L = c.p.common.layout;
-  const int W = c.p.common.shape.world, s = c.rank;
-  int32_t* block_counts = at<int32_t>(c.local, L.block_counts);  // [nb][W]
+  const int W = c.p.common.shape.world, s = c.rank();
+  int32_t* block_counts = at<int32_t>(c.local(), L.block_counts);  // [nb][W]
   for (int r = threadIdx.x; r < W; r += blockDim.x) block_counts[c.b * W + r] = sh.count[r];
-  if (!dev::grid_barrier(&c.state->barrier, c.nb, c.wait)) return false;
+  if (!dev::grid_barrier(&c.state()->barrier, c.nb, c.wait())) return false;
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     sh.total[r] = 0;
     sh.base[r] = 0;
@@ -188,18 +195,18 @@ __device__ __forceinline__ bool exchange_counts(const DispatchCall& c, DispatchS
     for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
       const int d = i / W, r = i % W;
       uint64_t* dst =
-          at<uint64_t>(sh.peers[d], L.count_matrix) + size_t(c.par) * W * W + size_t(s) * W + r;
+          at<uint64_t>(sh.peers[d], L.count_matrix) + size_t(c.par()) * W * W + size_t(s) * W + r;
       dev::st_release_sys(dst, (uint64_t(c.epoch) << 32) | uint32_t(sh.total[r]));
     }
   }
   // base[r] += rows that ranks < s send to r; recv_total = rows every rank sends to s.
-  const uint64_t* matrix = at<uint64_t>(c.local, L.count_matrix) + size_t(c.par) * W * W;  // [q][r]
+  const uint64_t* matrix = at<uint64_t>(c.local(), L.count_matrix) + size_t(c.par()) * W * W;  // [q][r]
   for (int i = threadIdx.x; i < W * W; i += blockDim.x) {
     const int q = i / W, r = i % W;
     const uint64_t* word = matrix + i;
     uint64_t seen = 0;
     const bool ok = dev::bounded_wait(
-        c.wait, Phase::kDispatchCounts, q, c.epoch,
+        c.wait(), Phase::kDispatchCounts, q, c.epoch,
         [&] {
           seen = dev::ld_acquire_sys(word);
           return uint32_t(seen >> 32) == c.epoch;
@@ -303,10 +310,10 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
 // by the payload loop and by combine), the token's origin and full top-k row to each destination.
 __device__ __forceinline__ void send_metadata(const DispatchCall& c, const DispatchShared& sh) {
   const Layout& L = c.p.common.layout;
-  const int W = c.p.common.shape.world, s = c.rank, K = c.p.common.shape.topk;
+  const int W = c.p.common.shape.world, s = c.rank(), K = c.p.common.shape.topk;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  int32_t* send_slot = at<int32_t>(c.local, L.send_slot);
+  int32_t* send_slot = at<int32_t>(c.local(), L.send_slot);
   for (int n = c.t0 + warp; n < c.t1; n += num_warps) {
     const int w = (n - c.t0) / c.per_warp;  // the warp whose chunk holds n in route
     RankSlots slots{-1, -1};
@@ -351,7 +358,7 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
   const int W = c.p.common.shape.world;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  const int32_t* send_slot = at<int32_t>(c.local, c.p.common.layout.send_slot);
+  const int32_t* send_slot = at<int32_t>(c.local(), c.p.common.layout.send_slot);
   constexpr int kPer = kElemsPerVec<kDtype>;
   const int steps = (c.p.common.shape.hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
   const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
@@ -389,10 +396,10 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
   const int W = c.p.common.shape.world;
   __syncthreads();
   if (threadIdx.x == 0) dev::fence_acq_rel_sys();
-  if (!dev::last_block(&c.state->dispatch_ticket, c.nb)) return;
+  if (!dev::last_block(&c.state()->dispatch_ticket, c.nb)) return;
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     dev::fence_acq_rel_sys();
-    dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par) * W + c.rank,
+    dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par()) * W + c.rank(),
                         uint64_t(c.epoch));
   }
 }
@@ -405,10 +412,10 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
 __device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchShared& sh) {
   const Layout& L = c.p.common.layout;
   const int W = c.p.common.shape.world;
-  const uint64_t* sent = at<uint64_t>(c.local, L.sent) + size_t(c.par) * W;
+  const uint64_t* sent = at<uint64_t>(c.local(), L.sent) + size_t(c.par()) * W;
   for (int q = threadIdx.x; q < W; q += blockDim.x) {
     const bool ok = dev::bounded_wait(
-        c.wait, Phase::kDispatchData, q, c.epoch,
+        c.wait(), Phase::kDispatchData, q, c.epoch,
         [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(sent + q)), c.epoch); },
         [&] { return int64_t(uint32_t(dev::ld_acquire_sys(sent + q))); });
     if (!ok) sh.failed = 1;
@@ -418,7 +425,7 @@ __device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchSha
   // Ordered rows: M came with the count exchange. Reserved rows: every reservation of the round
   // precedes its sender's signal.
   if (!c.p.common.shape.ordered && threadIdx.x == 0)
-    sh.recv_total = dev::ld_acquire_sys(at<int32_t>(c.local, L.next_row) + c.par);
+    sh.recv_total = dev::ld_acquire_sys(at<int32_t>(c.local(), L.next_row) + c.par());
   __syncthreads();
   return true;
 }
@@ -432,11 +439,11 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
   extern __shared__ int32_t expert_scratch[];  // [E/W]: counts, then this block's first slots
   const Shape& S = c.p.common.shape;
   const Layout& L = c.p.common.layout;
-  const int K = S.topk, num_local = S.num_local, e0 = c.rank * num_local;
+  const int K = S.topk, num_local = S.num_local, e0 = c.rank() * num_local;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int nb = c.nb, b = c.b;
-  uint8_t* local = c.local;
+  uint8_t* local = c.local();
   const int32_t* rids = at<int32_t>(local, L.recv_topk_ids);
   int32_t* row_slot = at<int32_t>(local, L.row_expert_slot);
   int32_t* bec = at<int32_t>(local, L.block_expert_counts);  // [block][E/W]
@@ -463,7 +470,7 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
   __syncthreads();
   for (int e = threadIdx.x; e < num_local; e += blockDim.x)
     bec[b * num_local + e] = expert_scratch[e];
-  if (!dev::grid_barrier(&c.state->barrier, nb, c.wait)) return false;
+  if (!dev::grid_barrier(&c.state()->barrier, nb, c.wait())) return false;
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
     int32_t acc = 0;
     for (int bb = 0; bb < b; ++bb) acc += bec[bb * num_local + e];
@@ -517,17 +524,17 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
 __device__ __forceinline__ void finish_round(const DispatchCall& c, int M) {
   const Layout& L = c.p.common.layout;
   const int num_local = c.p.common.shape.num_local;
-  int32_t* rows = at<int32_t>(c.local, L.expert_rows) + c.par * num_local;
-  int32_t* expert_counts = at<int32_t>(c.local, L.expert_counts);
+  int32_t* rows = at<int32_t>(c.local(), L.expert_rows) + c.par() * num_local;
+  int32_t* expert_counts = at<int32_t>(c.local(), L.expert_counts);
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
     expert_counts[e] = rows[e];
     rows[e] = 0;
   }
   if (threadIdx.x == 0) {
-    at<int32_t>(c.local, L.next_row)[c.par] = 0;
-    c.state->recv_count = M;
-    c.state->num_tokens = c.me.num_tokens;
-    c.state->dispatch_epoch = c.epoch;
+    at<int32_t>(c.local(), L.next_row)[c.par()] = 0;
+    c.state()->recv_count = M;
+    c.state()->num_tokens = c.me.num_tokens;
+    c.state()->dispatch_epoch = c.epoch;
   }
 }
 
@@ -539,12 +546,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   __shared__ DispatchShared sh;
   const RankBlock rb = rank_block(p.common.num_ranks);
   const DispatchRank& me = p.ranks[rb.slot];
-  uint8_t* local = me.local;
-  State* state = at<State>(local, p.common.layout.state);
-  dev::WaitContext wait = make_wait(local, me.host_status, me.rank, p.common);
-  if (dev::aborted(wait)) return;  // an earlier call timed out: the peers' state is unknown
+  const State* state = at<State>(me.local, p.common.layout.state);
+  // An earlier call timed out: the peers' state is unknown.
+  if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
   const uint32_t epoch = state->dispatch_epoch + 1;
-  wait.call = epoch;
   // Block b owns tokens [t0, t1); each of its warps a chunk of per_warp of them in route.
   const int N = me.num_tokens;
   const int per_block = (N + rb.nb - 1) / rb.nb;
@@ -552,12 +557,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const int num_warps = blockDim.x / kWarpSize;
   const DispatchCall c{.p = p,
                        .me = me,
-                       .rank = me.rank,
-                       .local = local,
-                       .state = state,
-                       .wait = wait,
                        .epoch = epoch,
-                       .par = int(epoch & 1),
                        .b = rb.b,
                        .nb = rb.nb,
                        .t0 = t0,
