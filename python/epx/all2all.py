@@ -25,6 +25,31 @@ from . import _torch as T
 from .config import EpConfig, LaunchConfigs, backend_from_env, launch_configs_from_env
 
 
+class ConfigValues(NamedTuple):
+    """An EpConfig as plain Python values (what torch.compile can read while it traces)."""
+
+    rank: int
+    world_size: int
+    hidden: int
+    num_experts: int
+    topk: int
+    max_tokens_per_rank: int
+    dtype: str
+    scale_layout: str
+    layout: str
+    deterministic: bool
+    timeout_ms: int
+    capacity: int
+    num_local_experts: int
+    num_scale_groups: int
+    input_fp8: bool
+    wire_fp8: bool
+
+    @classmethod
+    def of(cls, c: EpConfig) -> "ConfigValues":
+        return cls(*(getattr(c, f) for f in cls._fields))
+
+
 class DispatchOutput(NamedTuple):
     """What one dispatch delivered to this rank: views of epx memory, valid until the next
     dispatch (of any rank). ``capacity = world_size * max_tokens_per_rank`` rows.
@@ -79,7 +104,7 @@ def from_handle(handle: int) -> "All2All":
     return a2a
 
 
-def _field_specs(cfg: EpConfig):
+def _field_specs(cfg: "ConfigValues"):
     """name -> (shape, strides, kind) of every field dispatch returns for `cfg`; kind is 'x'
     (bf16 or fp8 by the wire), 'f32' or 'i32'. The extension's views must match (checked)."""
     cap, H, K = cfg.capacity, cfg.hidden, cfg.topk
@@ -126,7 +151,8 @@ class All2All:
     def __init__(self, impl, world=None):
         self._impl = impl
         self._world = world  # the world outlives its objects
-        self.config: EpConfig = impl.config
+        self.ep_config: EpConfig = impl.config  # the library's value (validate, replace, ...)
+        self.config: ConfigValues = ConfigValues.of(self.ep_config)
         self.backend: str = impl.backend
         self._combine_array = impl.combine_buffer()
         self.device_index: int = int(self._combine_array.__dlpack_device__()[1])
@@ -176,7 +202,7 @@ class All2All:
 
     def buffer_bytes(self) -> int:
         """Bytes of device memory the library sizes for this object's config and backend."""
-        return _epx.buffer_bytes(self.backend, self.config)
+        return _epx.buffer_bytes(self.backend, self.ep_config)
 
     # ---- dispatch ------------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ class MoeLayer:
         self.shape = shape
         self.a2a = a2a
         self._impl = _epx.MoeLayer(shape, router.data_ptr(), bias_ptr, ptrs, shared_ptrs,
-                                   a2a.config, gemm_sms)
+                                   a2a.ep_config, gemm_sms)
 
     @classmethod
     def from_stacked(cls, shape, a2a, router, w13, w13_scale_inv, w2, w2_scale_inv,
