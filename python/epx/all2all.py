@@ -158,6 +158,9 @@ class All2All:
         self.device_index: int = int(self._combine_array.__dlpack_device__()[1])
         self._specs = _field_specs(self.config)
         self._names: List[str] = list(self._specs)
+        # Where each DispatchOutput field sits in the ops' output list (-1: absent, None).
+        self._positions = [self._names.index(n) if n in self._specs else -1
+                           for n in DispatchOutput._fields]
         self._views: Optional[DispatchOutput] = None
         self._views_key = None
         self._combine_tensor = None
@@ -165,10 +168,11 @@ class All2All:
         self._round: list = []
         self.handle: int = next(_next_handle)
         _registry[self.handle] = self
-        if T.has_torch():  # the custom ops exist before anything is compiled
+        if T.has_torch():  # the custom ops and the buffer's tensor exist before any tracing
             from . import ops
 
             ops.register()
+            self.combine_buffer()
 
     # ---- construction ------------------------------------------------------------------------
 
@@ -222,7 +226,7 @@ class All2All:
             outs = torch.ops.epx.dispatch(self.handle, x, topk_ids, topk_weights, x_scales)
             self._round = outs
             self._num_tokens = x.shape[0]
-            return DispatchOutput(**dict(zip(self._names, outs)))
+            return DispatchOutput(*[outs[i] if i >= 0 else None for i in self._positions])
         return self._dispatch_eager(x, topk_ids, topk_weights, x_scales)
 
     def check_dispatch_inputs(self, x, topk_ids, topk_weights, x_scales) -> None:

@@ -16,7 +16,6 @@ The fake implementations check the tensors as eager calls do (InputError at trac
 describe the outputs from the object's config.
 """
 
-from __future__ import annotations
 
 from typing import List, Optional
 

@@ -259,7 +259,8 @@ def test_torch_compile_fullgraph(gpu):
         y_c = compiled(x, ids, w)
         y_e = step(x, ids, w)
         a.synchronize()
-        assert torch.equal(y_c, y_e)
+        # The compiler may fuse the expert stage's f32 sums in another order: not bit-equal.
+        torch.testing.assert_close(y_c, y_e, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(y_c.float(), ref.combined(cfg, x, ids, w, None),
                                    rtol=3e-2, atol=3e-2)
     # The ops themselves, traced with fake tensors.

@@ -24,7 +24,6 @@ def test_prepare_expert_finalize(gpu, layout, dtype):
     pfs = [epx.vllm.EpxPrepareAndFinalize(a) for a in group]
     qc = SimpleNamespace(quant_dtype=torch.float8_e4m3fn if dtype != "bf16" else None,
                          block_shape=[128, 128] if dtype != "bf16" else None)
-    streams = [torch.cuda.Stream() for _ in range(W)]
     c = group[0].config
     L = c.num_local_experts
     fmt = pfs[0].activation_format
@@ -42,30 +41,36 @@ def test_prepare_expert_finalize(gpu, layout, dtype):
             return (xv[:, None, :] * coef[..., None]).to(torch.bfloat16), w, ids  # [cap, K, H]
         return ref.expert_outputs(c, r, a1q, scales), None, None
 
-    # Kernels of the expert stage load before any rank spins.
-    for r in range(W):
-        x, ids, w, _ = ref.make_inputs(cfg, r, 4, 0, gpu)
-    torch.cuda.synchronize()
-    for seed in range(3):
-        inputs = [ref.make_inputs(cfg, r, N - 7 * r, seed, gpu, ids_dtype=torch.int64)
-                  for r in range(W)]
+    def run(group, pfs, inputs):
+        streams = [torch.cuda.Stream() for _ in group]
         prepared, outs, fused = [], [], []
-        for r in range(W):
+        for r in range(len(group)):
             streams[r].wait_stream(torch.cuda.current_stream())
             x, ids, w, _ = inputs[r]
             with torch.cuda.stream(streams[r]):
                 prepared.append(pfs[r].prepare(x, w, ids, E, None, False, qc))
-        for r in range(W):
+        for r in range(len(group)):
             with torch.cuda.stream(streams[r]):
                 fused.append(expert(r, prepared[r]))
-        for r in range(W):
-            x, ids, w, _ = inputs[r]
+        for r in range(len(group)):
+            x = inputs[r][0]
             out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=gpu)
             fo, tw, ti = fused[r]
             with torch.cuda.stream(streams[r]):
                 pfs[r].finalize(out, fo, tw, ti, False, None)
             outs.append(out)
         torch.cuda.synchronize()
+        return prepared, outs
+
+    # prepare's and finalize's torch kernels load in a world of one rank first: loaded while
+    # in-process peers spin on each other, a kernel would wait for them.
+    (solo,) = epx.make_group(cfg.replace(world_size=1), epx.InProcessWorld(1))
+    run([solo], [epx.vllm.EpxPrepareAndFinalize(solo)],
+        [ref.make_inputs(cfg, 0, 8, 0, gpu, ids_dtype=torch.int64)])
+    for seed in range(3):
+        inputs = [ref.make_inputs(cfg, r, N - 7 * r, seed, gpu, ids_dtype=torch.int64)
+                  for r in range(W)]
+        prepared, outs = run(group, pfs, inputs)
         for r in range(W):
             x, ids, w, _ = inputs[r]
             meta = prepared[r][2]
