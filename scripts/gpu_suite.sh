@@ -279,6 +279,27 @@ else
   echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
 fi
 
+# The Python package as users get it (`pip install --no-build-isolation .` into a scratch target:
+# torch, nanobind, scikit-build-core and pytest must be installed), its tests (each counts) and
+# its example of two processes on one GPU under `epx launch`.
+py=$build/python-target
+echo "=== python: pip install --no-build-isolation --target $py ."
+if CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
+     --upgrade -q --target "$py" . >"$logs/python_install.log" 2>&1; then
+  PYTHONPATH=$py timeout "${EPX_PYTHON_TIMEOUT_S:-1800}" python3 -m pytest -q -rs \
+    -p no:cacheprovider tests/python >"$logs/python_tests.log" 2>&1
+  line=$(grep -E "^[=]* ?[0-9]+ (passed|failed|skipped|error)" "$logs/python_tests.log" | tail -n 1)
+  count() { echo "$line" | grep -oE "[0-9]+ $1" | grep -oE "^[0-9]+" || echo 0; }
+  p=$(count passed); f=$(( $(count failed) + $(count error) )); s=$(count skipped)
+  [ -z "$line" ] && f=1  # pytest did not finish
+  passed=$((passed+p)); failed=$((failed+f))
+  echo "    python: $p passed, $f failed, $s skipped"
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$logs/python_tests.log" | head -20 | sed 's/^/      /'
+  run python_example_n2 $L -n 2 -- env PYTHONPATH="$py" python3 examples/python/two_ranks_one_gpu.py
+else
+  failed=$((failed+1)); echo "    FAILED: pip install"; tail -n 15 "$logs/python_install.log" | sed 's/^/      /'
+fi
+
 [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Set up, build, run every test: the CPU suite, and the GPU suite (reported as skipped when
-# no GPU is visible).
+# no GPU is visible); then the Python package's tests on the package built in build/python (its
+# GPU tests report themselves skipped without torch or a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build
 cd build
 ctest --output-on-failure -j 2
+cd ..
+if [ -f build/python/epx/__init__.py ]; then
+  PYTHONPATH=build/python python3 -m pytest -q -rs -p no:cacheprovider tests/python
+else
+  echo "python: the package was not built (no python3 headers or nanobind): its tests did not run"
+fi

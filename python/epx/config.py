@@ -1,0 +1,101 @@
+"""Configurations: EpConfig and MoeShape by keyword, launch shapes by keyword, JSON text, a JSON
+file or EPX_CONFIG_PATH, and the process environment (EPX_BACKEND, EPX_TIMEOUT_MS).
+
+Every rule is the library's: values go through EpConfig::validate(), parse_launch_configs() and
+read_env(), so Python accepts and refuses exactly what the C++ API and the ``epx`` CLI do, with
+the same messages (epx.ConfigError names the field or key, the value and the bound).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional
+
+from . import _epx
+
+EpConfig = _epx.EpConfig
+LaunchConfig = _epx.LaunchConfig
+LaunchConfigs = _epx.LaunchConfigs
+
+DEFAULT_BACKEND = "low_latency"
+BACKENDS = ("naive", "allgather_reducescatter", "low_latency")
+
+
+def ep_config(**fields: Any) -> EpConfig:
+    """EpConfig(**fields), validated: ConfigError names the first impossible field.
+
+    Keys: rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype ('bf16',
+    'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), layout ('token', 'expert'),
+    deterministic, timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    """
+    cfg = EpConfig(**fields)
+    cfg.validate()
+    return cfg
+
+
+def launch_configs(
+    dispatch: Optional[Mapping[str, int]] = None,
+    combine: Optional[Mapping[str, int]] = None,
+    **sections: Mapping[str, int],
+) -> LaunchConfigs:
+    """Launch shapes by keyword, read exactly as the JSON file would be.
+
+    ``launch_configs(dispatch={"num_blocks": 64}, combine={"warps_per_block": 8})``; a
+    ``global`` section (a Python keyword, so pass it as ``**{"global": {...}}`` or ``global_=``)
+    fills what an op leaves unset. The alias keys ``block_num`` / ``warp_num_per_block`` are
+    accepted; unknown keys and out-of-range values raise ConfigError.
+    """
+    doc: dict = {}
+    for key, value in sections.items():
+        name = "global" if key == "global_" else key
+        if name != "global":
+            raise _epx.ConfigError(
+                f"launch_configs key = '{key}', expected dispatch, combine or global"
+            )
+        doc["global"] = dict(value)
+    if dispatch is not None:
+        doc["dispatch"] = dict(dispatch)
+    if combine is not None:
+        doc["combine"] = dict(combine)
+    return _epx.parse_launch_configs(json.dumps(doc), "launch_configs() keyword arguments")
+
+
+def launch_configs_from_json(text: str, origin: str = "<json text>") -> LaunchConfigs:
+    """Parses launch JSON; ConfigError names `origin`, the key and the allowed range."""
+    return _epx.parse_launch_configs(text, origin)
+
+
+def launch_configs_from_file(path: "os.PathLike[str] | str") -> LaunchConfigs:
+    """Reads a launch file as ``epx tune`` writes it (DESIGN §6)."""
+    return _epx.load_launch_configs(os.fspath(path))
+
+
+def launch_configs_from_env() -> Optional[LaunchConfigs]:
+    """The file named by EPX_CONFIG_PATH, or None when it is unset."""
+    path = _epx.read_env()["config_path"]
+    return None if path is None else _epx.load_launch_configs(path)
+
+
+def env() -> dict:
+    """EPX_BACKEND, EPX_TIMEOUT_MS and EPX_CONFIG_PATH, parsed (None when unset)."""
+    return _epx.read_env()
+
+
+def backend_from_env(default: str = DEFAULT_BACKEND) -> str:
+    """EPX_BACKEND's backend, else `default`; ConfigError for an unknown name."""
+    name = _epx.read_env()["backend"]
+    return _epx.parse_backend(default) if name is None else name
+
+
+def with_env_timeout(cfg: EpConfig) -> EpConfig:
+    """`cfg` with timeout_ms from EPX_TIMEOUT_MS when that is set."""
+    t = _epx.read_env()["timeout_ms"]
+    return cfg if t is None else cfg.replace(timeout_ms=t)
+
+
+def buffer_bytes(config: EpConfig, backend: str = DEFAULT_BACKEND) -> int:
+    """Bytes of device memory one rank's All2All needs for `config` (the library's sizing)."""
+    if not _epx.has_cuda:
+        raise _epx.UnsupportedError("buffer_bytes: this epx was built without CUDA")
+    return _epx.buffer_bytes(backend, config)

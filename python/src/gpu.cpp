@@ -1,0 +1,286 @@
+// Worlds, All2All and the DLPack views of its memory. Data pointers and streams cross as
+// integers (the Python layer passes tensor.data_ptr() and torch.cuda.current_stream().cuda_stream);
+// what dispatch returns is described once, by views(): one DLPack array per field, each with a
+// storage of its own, owned by the All2All object (it stays alive while any view does).
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings.hpp"
+#include "epx/all2all.hpp"
+#include "epx/bootstrap.hpp"
+#include "epx/config.hpp"
+#include "epx/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "epx/world.hpp"
+
+namespace epx::python {
+
+namespace {
+
+using Array = nb::ndarray<>;
+
+constexpr nb::dlpack::dtype kBF16{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+constexpr nb::dlpack::dtype kU8{uint8_t(nb::dlpack::dtype_code::UInt), 8, 1};
+constexpr nb::dlpack::dtype kF32{uint8_t(nb::dlpack::dtype_code::Float), 32, 1};
+constexpr nb::dlpack::dtype kI32{uint8_t(nb::dlpack::dtype_code::Int), 32, 1};
+
+template <typename T>
+T* as_ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+IpcHandles parse_handles(const std::string& name) {
+  if (name == "auto") return IpcHandles::kAuto;
+  if (name == "posix-fd") return IpcHandles::kPosixFd;
+  if (name == "cuda-ipc") return IpcHandles::kCudaIpc;
+  EPX_CHECK(false, ConfigError, "handles", "\"" + name + "\"", "one of auto, posix-fd, cuda-ipc");
+  return IpcHandles::kAuto;
+}
+
+// The CUDA device that holds `p` (device memory of this process).
+int device_of_pointer(const void* p) {
+  cudaPointerAttributes attr{};
+  EPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  return attr.device;
+}
+
+// One view: `shape` and element `strides` over `data`, owned by `owner`.
+nb::object view(const void* data, std::vector<size_t> shape, std::vector<int64_t> strides,
+                nb::dlpack::dtype dtype, int device, nb::handle owner) {
+  Array a(const_cast<void*>(data), shape.size(), shape.data(), owner, strides.data(), dtype,
+          nb::device::cuda::value, device);
+  return nb::cast(a);
+}
+
+std::vector<int64_t> row_major(const std::vector<size_t>& shape) {
+  std::vector<int64_t> s(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) s[i - 1] = s[i] * int64_t(shape[i]);
+  return s;
+}
+
+nb::object contiguous(const void* data, std::vector<size_t> shape, nb::dlpack::dtype dtype,
+                      int device, nb::handle owner) {
+  std::vector<int64_t> strides = row_major(shape);
+  return view(data, std::move(shape), std::move(strides), dtype, device, owner);
+}
+
+// Every field of `r` as a view, keyed by its DispatchResult name. Scales are indexed [row, group]
+// in either layout: column-major scales are that view with the row index fastest in memory.
+nb::dict views(nb::handle owner, const All2All& a2a, const DispatchResult& r) {
+  const EpConfig& c = a2a.config();
+  const size_t cap = size_t(r.capacity), H = size_t(c.hidden), K = size_t(c.topk);
+  const size_t G = size_t(c.num_scale_groups()), L = size_t(c.num_local_experts());
+  const int dev = device_of_pointer(r.recv_x);
+  const nb::dlpack::dtype x_dtype = c.wire_fp8() ? kU8 : kBF16;
+  const bool col = c.scale_layout == ScaleLayout::kColumnMajor;
+  nb::dict d;
+  d["recv_count"] = contiguous(r.recv_count, {1}, kI32, dev, owner);
+  d["recv_x"] = contiguous(r.recv_x, {cap, H}, x_dtype, dev, owner);
+  if (r.recv_scales != nullptr) {
+    d["recv_scales"] = col ? view(r.recv_scales, {cap, G}, {1, int64_t(cap)}, kF32, dev, owner)
+                           : contiguous(r.recv_scales, {cap, G}, kF32, dev, owner);
+  }
+  d["recv_src_rank"] = contiguous(r.recv_src_rank, {cap}, kI32, dev, owner);
+  d["recv_src_idx"] = contiguous(r.recv_src_idx, {cap}, kI32, dev, owner);
+  d["recv_topk_ids"] = contiguous(r.recv_topk_ids, {cap, K}, kI32, dev, owner);
+  d["recv_topk_weights"] = contiguous(r.recv_topk_weights, {cap, K}, kF32, dev, owner);
+  d["expert_counts"] = contiguous(r.expert_counts, {L}, kI32, dev, owner);
+  if (r.expert_x != nullptr) {
+    d["expert_x"] = contiguous(r.expert_x, {L, cap, H}, x_dtype, dev, owner);
+    if (r.expert_scales != nullptr) {
+      d["expert_scales"] =
+          col ? view(r.expert_scales, {L, cap, G}, {int64_t(G * cap), 1, int64_t(cap)}, kF32, dev,
+                     owner)
+              : contiguous(r.expert_scales, {L, cap, G}, kF32, dev, owner);
+    }
+    d["expert_src_rank"] = contiguous(r.expert_src_rank, {L, cap}, kI32, dev, owner);
+    d["expert_src_idx"] = contiguous(r.expert_src_idx, {L, cap}, kI32, dev, owner);
+    d["expert_topk_slot"] = contiguous(r.expert_topk_slot, {L, cap}, kI32, dev, owner);
+    d["expert_weight"] = contiguous(r.expert_weight, {L, cap}, kF32, dev, owner);
+  }
+  return d;
+}
+
+nb::object combine_buffer_view(nb::handle owner, All2All& a2a) {
+  const EpConfig& c = a2a.config();
+  void* p = a2a.combine_buffer();
+  const size_t cap = size_t(c.capacity()), H = size_t(c.hidden);
+  const int dev = device_of_pointer(p);
+  if (c.layout == OutputLayout::kExpertMajor) {
+    return contiguous(p, {size_t(c.num_local_experts()), cap, H}, kBF16, dev, owner);
+  }
+  return contiguous(p, {cap, H}, kBF16, dev, owner);
+}
+
+nb::dict result_pointers(const DispatchResult& r) {
+  nb::dict d;
+  d["capacity"] = r.capacity;
+  d["recv_count"] = uintptr_t(r.recv_count);
+  d["recv_x"] = uintptr_t(r.recv_x);
+  d["recv_scales"] = uintptr_t(r.recv_scales);
+  d["expert_x"] = uintptr_t(r.expert_x);
+  return d;
+}
+
+}  // namespace
+
+void bind_gpu(nb::module_& m) {
+  m.def("cuda_device_count", &cuda_device_count, "Visible CUDA devices; 0 without driver or GPU.");
+  m.def("buffer_bytes",
+        [](const std::string& backend, const EpConfig& cfg) {
+          return buffer_bytes(parse_backend(backend), cfg);
+        },
+        nb::arg("backend"), nb::arg("config"),
+        "Bytes of device memory one rank's All2All needs for `config`.");
+
+  nb::class_<InProcessWorld>(m, "InProcessWorld")
+      .def(nb::init<int, std::vector<int>>(), nb::arg("num_ranks"),
+           nb::arg("devices") = std::vector<int>{})
+      .def_prop_ro("size", &InProcessWorld::size)
+      .def("device_of", &InProcessWorld::device_of, nb::arg("rank"))
+      .def("ranks_on_device", &InProcessWorld::ranks_on_device, nb::arg("device"))
+      .def("num_sms", &InProcessWorld::num_sms, nb::arg("rank"))
+      .def("sm_budget", &InProcessWorld::sm_budget, nb::arg("rank"));
+
+  nb::class_<IpcWorld>(m, "IpcWorld")
+      .def_static(
+          "from_env",
+          [](int device, const std::string& handles) {
+            return IpcWorld::from_env(device, parse_handles(handles));
+          },
+          nb::arg("device") = -1, nb::arg("handles") = "auto",
+          nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "from_all_gather",
+          [](int rank, int size, nb::object all_gather, int device, const std::string& handles) {
+            auto boot = std::make_unique<CallbackBootstrap>(rank, size,
+                                                            py_all_gather(std::move(all_gather)));
+            const IpcHandles h = parse_handles(handles);
+            nb::gil_scoped_release release;  // the all-gather takes the GIL when it runs
+            return IpcWorld(std::move(boot), device, h);
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("all_gather"), nb::arg("device") = -1,
+          nb::arg("handles") = "auto")
+      .def_prop_ro("rank", &IpcWorld::rank)
+      .def_prop_ro("size", &IpcWorld::size)
+      .def_prop_ro("device", &IpcWorld::device)
+      .def_prop_ro("ranks_on_device", &IpcWorld::ranks_on_device)
+      .def_prop_ro("num_sms", &IpcWorld::num_sms)
+      .def_prop_ro("sm_budget", &IpcWorld::sm_budget)
+      .def_prop_ro("handles", [](const IpcWorld& w) { return std::string(to_string(w.handles())); })
+      .def("barrier", [](IpcWorld& w) { w.bootstrap().barrier(); },
+           nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<NcclWorld>(m, "NcclWorld")
+      .def_static("from_env", [](int device) { return NcclWorld::from_env(device); },
+                  nb::arg("device") = -1, nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "from_all_gather",
+          [](int rank, int size, nb::object all_gather, int device) {
+            auto boot = std::make_unique<CallbackBootstrap>(rank, size,
+                                                            py_all_gather(std::move(all_gather)));
+            nb::gil_scoped_release release;
+            return NcclWorld(std::move(boot), device);
+          },
+          nb::arg("rank"), nb::arg("size"), nb::arg("all_gather"), nb::arg("device") = -1)
+      .def_prop_ro("rank", &NcclWorld::rank)
+      .def_prop_ro("size", &NcclWorld::size)
+      .def_prop_ro("device", &NcclWorld::device)
+      .def_prop_ro("ranks_on_device", &NcclWorld::ranks_on_device)
+      .def_prop_ro("num_sms", &NcclWorld::num_sms)
+      .def_prop_ro("sm_budget", &NcclWorld::sm_budget)
+      .def("barrier", [](NcclWorld& w) { w.bootstrap().barrier(); },
+           nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<DispatchResult>(m, "DispatchResult")
+      .def_ro("capacity", &DispatchResult::capacity)
+      .def("pointers", &result_pointers, "The addresses of the main fields (for caching views).");
+
+  nb::class_<All2All>(m, "All2All",
+                      "One rank's dispatch/combine (include/epx/all2all.hpp). Pointers and the "
+                      "stream are integers; use epx.All2All for torch tensors.")
+      .def_prop_ro("config", [](const All2All& a) { return a.config(); })
+      .def_prop_ro("backend", [](const All2All& a) { return std::string(to_string(a.backend())); })
+      .def_prop_ro("symmetric_bytes", &All2All::symmetric_bytes)
+      .def(
+          "dispatch",
+          [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
+             bool ids_int64, uintptr_t topk_weights, uintptr_t stream) {
+            DispatchInput in{.num_tokens = num_tokens,
+                             .x = as_ptr<const void>(x),
+                             .x_scales = as_ptr<const float>(x_scales),
+                             .topk_ids = as_ptr<const void>(topk_ids),
+                             .ids_type = ids_int64 ? IdType::kInt64 : IdType::kInt32,
+                             .topk_weights = as_ptr<const float>(topk_weights)};
+            return a.dispatch(in, as_stream(stream));
+          },
+          nb::arg("num_tokens"), nb::arg("x"), nb::arg("x_scales"), nb::arg("topk_ids"),
+          nb::arg("ids_int64"), nb::arg("topk_weights"), nb::arg("stream"),
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "combine",
+          [](All2All& a, uintptr_t expert_out, uintptr_t y, uintptr_t stream) {
+            a.combine(as_ptr<const void>(expert_out), as_ptr<void>(y), as_stream(stream));
+          },
+          nb::arg("expert_out"), nb::arg("y"), nb::arg("stream"),
+          nb::call_guard<nb::gil_scoped_release>())
+      .def("combine_buffer_ptr", [](All2All& a) { return uintptr_t(a.combine_buffer()); })
+      .def("poll", &All2All::poll)
+      .def(
+          "synchronize", [](All2All& a, uintptr_t stream) { a.synchronize(as_stream(stream)); },
+          nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "views",
+          [](nb::handle self, const DispatchResult& r) {
+            return views(self, nb::cast<const All2All&>(self), r);
+          },
+          nb::arg("result"),
+          "DLPack arrays over every field of a dispatch result, owned by this object.")
+      .def(
+          "combine_buffer",
+          [](nb::handle self) { return combine_buffer_view(self, nb::cast<All2All&>(self)); },
+          "DLPack array over combine_buffer(): [capacity, H] or [E/W, capacity, H] bf16.");
+
+  m.def(
+      "make_all2all_group",
+      [](const std::string& backend, const EpConfig& cfg, const InProcessWorld& world,
+         const LaunchConfigs& launch) {
+        return make_all2all_group(parse_backend(backend), cfg, world, launch);
+      },
+      nb::arg("backend"), nb::arg("config"), nb::arg("world"), nb::arg("launch") = LaunchConfigs{},
+      "One All2All per rank of an in-process world (rank and world_size set per rank).");
+  m.def(
+      "make_all2all",
+      [](const std::string& backend, const EpConfig& cfg, IpcWorld& world,
+         const LaunchConfigs& launch) {
+        const Backend b = parse_backend(backend);
+        nb::gil_scoped_release release;  // collective; a callback bootstrap takes the GIL itself
+        return make_all2all(b, cfg, world, launch);
+      },
+      nb::arg("backend"), nb::arg("config"), nb::arg("world"), nb::arg("launch") = LaunchConfigs{},
+      nb::keep_alive<0, 3>(), "This process's All2All of an IpcWorld (collective).");
+  m.def(
+      "make_all2all",
+      [](const std::string& backend, const EpConfig& cfg, NcclWorld& world,
+         const LaunchConfigs& launch) {
+        const Backend b = parse_backend(backend);
+        nb::gil_scoped_release release;
+        return make_all2all(b, cfg, world, launch);
+      },
+      nb::arg("backend"), nb::arg("config"), nb::arg("world"), nb::arg("launch") = LaunchConfigs{},
+      nb::keep_alive<0, 3>(), "This process's All2All of an NcclWorld (collective).");
+}
+
+}  // namespace epx::python

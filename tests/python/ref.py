@@ -1,0 +1,108 @@
+"""A torch reference of the dispatch/combine contract (DESIGN §4), written for these tests from
+the contract, not from the C++ reference: inputs, fp8 quantisation, what each rank receives,
+the expert stage, and combine's result."""
+
+try:
+    import torch
+except ImportError:  # the GPU tests that use this skip themselves without torch
+    torch = None
+
+FP8_MAX = 448.0
+
+
+def expert_scale(e):
+    """The test expert: f_e(x) = x * (1 + (e % 7) / 8)."""
+    return 1.0 + (e % 7) / 8.0
+
+
+def quantize(x):
+    """bf16 [N, H] -> (fp8 e4m3 [N, H], f32 [N, H/128]): per 1x128 block, scale = amax / 448."""
+    n, h = x.shape
+    blocks = x.float().view(n, h // 128, 128)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    a = torch.where(amax > 0, amax, torch.ones_like(amax))
+    inv = FP8_MAX / a
+    q = (blocks * inv).to(torch.float8_e4m3fn).view(n, h)
+    return q, (a / FP8_MAX).view(n, h // 128)
+
+
+def dequantize(q, scales):
+    n, h = q.shape
+    return (q.float().view(n, h // 128, 128) * scales.float().view(n, h // 128, 1)).view(n, h)
+
+
+def make_inputs(cfg, rank, n, seed, device, ids_dtype=None):
+    """x (as the config's dtype wants it), scales, topk_ids (distinct, some -1), weights."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank)
+    H, E, K = cfg.hidden, cfg.num_experts, cfg.topk
+    x = (torch.randn(n, H, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]) if n else \
+        torch.empty(0, K, dtype=torch.int64)
+    drop = torch.rand(n, K, generator=g) < 0.1
+    ids = torch.where(drop, torch.full_like(ids, -1), ids).to(ids_dtype or torch.int32)
+    w = torch.rand(n, K, generator=g).float()
+    scales = None
+    if cfg.dtype == "fp8":
+        xq, scales = quantize(x)
+        x = xq
+    return [t.to(device) if t is not None else None for t in (x, ids, w, scales)]
+
+
+def as_bf16_values(x, scales):
+    """What a row means in f32: bf16 as is, fp8 dequantised."""
+    return x.float() if scales is None else dequantize(x, scales)
+
+
+def wire_rows(cfg, x, scales):
+    """(bytes/values on the wire, scales) for the inputs of one rank."""
+    if cfg.dtype == "bf16-to-fp8":
+        return quantize(x)
+    return x, scales
+
+
+def expected_rows(cfg, inputs, rank, every_rank):
+    """Rows rank `rank` receives: list of (src_rank, src_idx) sorted, from every rank's inputs."""
+    L = cfg.num_local_experts
+    rows = []
+    for q, (x, ids, w, s) in enumerate(inputs):
+        for i in range(ids.shape[0]):
+            mine = ((ids[i] >= rank * L) & (ids[i] < (rank + 1) * L)).any().item()
+            if every_rank or mine:
+                rows.append((q, i))
+    return rows
+
+
+def token_partials(cfg, rank, recv_x, recv_scales, recv_ids, recv_w):
+    """The expert stage, token-major: partial = sum over local k of w_k * f_{e_k}(x), bf16, for
+    every row of the receive area (rows past recv_count are computed and ignored)."""
+    L = cfg.num_local_experts
+    xv = as_bf16_values(recv_x, recv_scales if cfg.wire_fp8 else None)
+    ids = recv_ids.long()
+    local = (ids >= rank * L) & (ids < (rank + 1) * L)
+    coef = torch.where(local, recv_w * (1.0 + (ids.clamp(min=0) % 7).float() / 8.0),
+                       torch.zeros_like(recv_w))
+    return (xv * coef.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+
+
+def expert_outputs(cfg, rank, expert_x, expert_scales):
+    """The expert stage, expert-major: out[e] = f_e(x) for every row of every local expert."""
+    L, cap, H = expert_x.shape
+    xv = as_bf16_values(expert_x.reshape(L * cap, H),
+                        expert_scales.reshape(L * cap, -1) if cfg.wire_fp8 else None)
+    coef = torch.tensor([expert_scale(rank * L + e) for e in range(L)],
+                        device=xv.device).repeat_interleave(cap)[:, None]
+    return (xv * coef).to(torch.bfloat16).view(L, cap, H)
+
+
+def combined(cfg, x, ids, w, scales):
+    """y = sum_k w_k f_{e_k}(x) in f32 from the values that travelled (fp8 wires: dequantised)."""
+    xs = x if cfg.dtype != "bf16-to-fp8" else None
+    if cfg.dtype == "bf16-to-fp8":
+        q, s = quantize(x)
+        xv = dequantize(q, s)
+    else:
+        xv = as_bf16_values(xs, scales)
+    idsl = ids.long()
+    coef = torch.where(idsl >= 0, w * (1.0 + (idsl.clamp(min=0) % 7).float() / 8.0),
+                       torch.zeros_like(w))
+    return xv * coef.sum(dim=1, keepdim=True)

@@ -1,0 +1,182 @@
+"""The parts of epx that need neither a GPU nor torch: the extension loads, configurations and
+launch files are read with the library's rules, sizes, the exception classes."""
+
+import json
+import sys
+
+import pytest
+
+import epx
+
+
+def test_import_needs_no_torch():
+    assert epx.__version__ == epx.library_version()
+    assert isinstance(epx.has_cuda, bool)
+    # Importing the package (all of it) must not import torch.
+    assert "torch" not in sys.modules or sys.modules["torch"] is not None
+
+
+def test_ep_config_by_keyword():
+    c = epx.EpConfig(hidden=4096, num_experts=64, topk=4, max_tokens_per_rank=128,
+                     dtype="fp8", layout="expert", scale_layout="column", world_size=8,
+                     deterministic=True, timeout_ms=500)
+    c.validate()
+    assert (c.hidden, c.num_experts, c.topk, c.world_size) == (4096, 64, 4, 8)
+    assert (c.dtype, c.layout, c.scale_layout) == ("fp8", "expert", "column")
+    assert c.capacity == 8 * 128 and c.num_local_experts == 8 and c.num_scale_groups == 32
+    assert c.replace(hidden=2048).hidden == 2048 and c.hidden == 4096
+    assert "hidden=4096" in repr(c)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"hiden": 4096}, "EpConfig key = 'hiden'"),
+        ({"hidden": "4096"}, "EpConfig.hidden = '4096' (str), expected an int"),
+        ({"topk": True}, "EpConfig.topk = True (bool), expected an int"),
+        ({"dtype": "fp16"}, "dtype"),
+        ({"layout": "rows"}, "layout"),
+        ({"deterministic": 1}, "EpConfig.deterministic = 1 (int), expected True or False"),
+    ],
+)
+def test_ep_config_refuses_bad_keywords(fields, message):
+    with pytest.raises(epx.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        epx.EpConfig(**fields)
+
+
+def test_validate_names_the_field():
+    with pytest.raises(epx.ConfigError, match="num_experts = 7, expected a multiple of world_size"):
+        epx.EpConfig(num_experts=7, world_size=2).validate()
+    with pytest.raises(epx.ConfigError, match="world_size = 0"):
+        epx.ep_config(world_size=0)
+    with pytest.raises(ValueError):  # ConfigError is a ValueError too
+        epx.ep_config(topk=0)
+
+
+def test_launch_configs_by_keyword_and_aliases():
+    lc = epx.launch_configs(dispatch={"block_num": 32}, combine={"num_blocks": 16},
+                            **{"global": {"warp_num_per_block": 8}})
+    assert (lc.dispatch.num_blocks, lc.dispatch.warps_per_block) == (32, 8)
+    assert (lc.combine.num_blocks, lc.combine.warps_per_block) == (16, 8)
+    assert epx.launch_configs(global_={"warps_per_block": 4}).combine.warps_per_block == 4
+    with pytest.raises(epx.ConfigError, match="unknown key dispatch.blocks"):
+        epx.launch_configs(dispatch={"blocks": 32})
+    with pytest.raises(epx.ConfigError, match="launch_configs key = 'scatter'"):
+        epx.launch_configs(scatter={"num_blocks": 1})
+
+
+def test_launch_file_and_env(tmp_path, monkeypatch):
+    path = tmp_path / "launch.json"
+    path.write_text(json.dumps({"dispatch": {"warp_num_per_block": 16, "block_num": 64}}))
+    lc = epx.launch_configs_from_file(path)
+    assert (lc.dispatch.num_blocks, lc.dispatch.warps_per_block) == (64, 16)
+    monkeypatch.delenv("EPX_CONFIG_PATH", raising=False)
+    assert epx.launch_configs_from_env() is None
+    monkeypatch.setenv("EPX_CONFIG_PATH", str(path))
+    assert epx.launch_configs_from_env().dispatch.num_blocks == 64
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"combine": {"warps_per_block": 999}}))
+    with pytest.raises(epx.ConfigError, match="bad.json"):
+        epx.launch_configs_from_file(bad)
+    with pytest.raises(epx.ConfigError, match="my text"):
+        epx.launch_configs_from_json("{not json", "my text")
+    with pytest.raises(epx.ConfigError):
+        epx.launch_configs_from_file(tmp_path / "missing.json")
+
+
+def test_environment(monkeypatch):
+    monkeypatch.setenv("EPX_BACKEND", "naive")
+    monkeypatch.setenv("EPX_TIMEOUT_MS", "250")
+    assert epx.env()["backend"] == "naive" and epx.env()["timeout_ms"] == 250
+    assert epx.backend_from_env() == "naive"
+    monkeypatch.setenv("EPX_BACKEND", "fastest")
+    with pytest.raises(epx.ConfigError, match="EPX_BACKEND"):
+        epx.env()
+    assert epx._epx.parse_env(None, None, None)["backend"] is None
+    with pytest.raises(epx.ConfigError, match="EPX_TIMEOUT_MS"):
+        epx._epx.parse_env(None, "0", None)
+    assert epx._epx.hardware_queues_per_gpu(None) == 8
+    with pytest.raises(epx.ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        epx._epx.hardware_queues_per_gpu("64")
+
+
+@pytest.mark.skipif(not epx.has_cuda, reason="epx built without CUDA: no sizing function")
+def test_buffer_sizes():
+    c = epx.EpConfig(hidden=7168, num_experts=256, topk=8, max_tokens_per_rank=128,
+                     world_size=8)
+    ll = epx.buffer_bytes(c, "low_latency")
+    assert ll > c.capacity * c.wire_row_bytes  # at least the receive rows
+    assert ll <= 64 << 20  # DESIGN §9's budget at 128 tokens per rank
+    bigger = epx.buffer_bytes(c.replace(max_tokens_per_rank=1024), "low_latency")
+    assert bigger > ll
+    with pytest.raises(epx.ConfigError, match="backend"):
+        epx.buffer_bytes(c, "fastest")
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [("config", "ConfigError"), ("input", "InputError"), ("timeout", "TimeoutError"),
+     ("peer", "PeerError"), ("cuda", "CudaError"), ("state", "StateError"),
+     ("unsupported", "UnsupportedError")],
+)
+def test_exception_mapping(code, cls):
+    with pytest.raises(getattr(epx, cls)) as info:
+        epx._epx._throw(code, f"the message of {code}")
+    assert type(info.value).__name__ == cls and type(info.value).__module__ == "epx"
+    assert isinstance(info.value, epx.Error) and str(info.value) == f"the message of {code}"
+    assert info.value.code == code
+    assert isinstance(info.value, ValueError) == (code in ("config", "input"))
+
+
+def test_callback_bootstrap_and_fingerprints():
+    c = epx.EpConfig(hidden=4096, num_experts=64, topk=4, world_size=2)
+    same = epx.CallbackBootstrap(0, 2, lambda b: [b, b])
+    assert same.all_gather(b"\x00\xffbytes") == [b"\x00\xffbytes"] * 2
+    same.check_fingerprints(c, "low_latency")
+    other = epx.CallbackBootstrap(
+        0, 2, lambda b: [b, b.replace(b"hidden=4096", b"hidden=2048")])
+    with pytest.raises(epx.ConfigError, match="hidden: rank 0 has 4096, rank 1 has 2048"):
+        other.check_fingerprints(c, "low_latency")
+    short = epx.CallbackBootstrap(0, 2, lambda b: [b])
+    with pytest.raises(epx.PeerError, match="result size = 1, expected 2"):
+        short.all_gather(b"x")
+
+    def failing(_):
+        raise KeyError("from the callback")
+
+    with pytest.raises(KeyError, match="from the callback"):
+        epx.CallbackBootstrap(0, 2, failing).all_gather(b"x")
+    with pytest.raises(epx.ConfigError, match="rank = 2"):
+        epx.CallbackBootstrap(2, 2, lambda b: [b, b])
+
+
+def test_bootstrap_options_from_env_values():
+    o = epx._epx.parse_bootstrap_options("1", "2", "@epx-test", "2000")
+    assert o == {"rank": 1, "world_size": 2, "address": "@epx-test", "timeout_ms": 2000}
+    with pytest.raises(epx.ConfigError, match="EPX_RANK"):
+        epx._epx.parse_bootstrap_options("2", "2", "@epx-test", None)
+
+
+def test_moe_shape_by_keyword():
+    if not epx.has_cuda:
+        pytest.skip("epx built without CUDA: no MoeShape")
+    s = epx.MoeShape(hidden=1024, intermediate=512, num_experts=8, topk=2, scoring="softmax",
+                     shared_intermediate=0, num_groups=1, topk_groups=1)
+    s.validate()
+    assert s.scoring == "softmax" and not s.has_shared_expert
+    with pytest.raises(epx.ConfigError, match="scoring"):
+        epx.MoeShape(scoring="argmax")
+
+
+def test_gpu_parts_refuse_cleanly_without_gpu():
+    if epx.has_cuda and epx._epx.cuda_device_count() > 0:
+        pytest.skip("a GPU is visible: the refusal is for machines without one")
+    with pytest.raises((epx.UnsupportedError, epx.CudaError)):
+        epx.InProcessWorld(2)
+
+
+def test_vllm_plugin_is_off_by_default(monkeypatch):
+    import epx.vllm
+
+    monkeypatch.delenv("EPX_VLLM", raising=False)
+    epx.vllm.register()  # a no-op, even without vLLM installed

@@ -1,0 +1,324 @@
+"""dispatch/combine on torch tensors, in-process ranks on one GPU, against the torch reference
+(ref.py): every dtype and layout, CUDA-graph replays, torch.compile, bad tensors.
+
+Ranks that share a GPU spin on each other, so every rank's dispatch is enqueued (each on its own
+stream) before any expert stage, and every expert stage before any combine; the expert kernels
+run once before the first round so that none loads while peers spin.
+"""
+
+import pytest
+
+import epx
+import ref
+
+DTYPES = ["bf16", "fp8", "bf16-to-fp8"]
+LAYOUTS = ["token", "expert"]
+
+
+def small_config(**kw):
+    base = dict(hidden=1024, num_experts=16, topk=4, max_tokens_per_rank=64, timeout_ms=5000)
+    base.update(kw)
+    return epx.EpConfig(**base)
+
+
+class Ranks:
+    """An in-process world of W ranks on one GPU, one stream each."""
+
+    def __init__(self, cfg, world_size, backend="low_latency"):
+        import torch
+
+        self.torch = torch
+        self.cfg = cfg.replace(world_size=world_size)
+        self.world = epx.InProcessWorld(world_size)
+        self.group = epx.make_group(self.cfg, self.world, backend)
+        self.streams = [torch.cuda.Stream() for _ in range(world_size)]
+        self.backend = backend
+
+    def expert_stage(self, r, d):
+        a = self.group[r]
+        c = a.config
+        if c.layout == "token":
+            a.combine_buffer().copy_(ref.token_partials(
+                c, r, d.recv_x, d.recv_scales, d.recv_topk_ids, d.recv_topk_weights))
+        else:
+            a.combine_buffer().copy_(ref.expert_outputs(c, r, d.expert_x, d.expert_scales))
+
+    def round(self, inputs, outs=None):
+        """One eager round; returns (dispatch outputs, y per rank)."""
+        torch = self.torch
+        main = torch.cuda.current_stream()
+        for s in self.streams:
+            s.wait_stream(main)
+        ds = []
+        for r, a in enumerate(self.group):
+            x, ids, w, sc = inputs[r]
+            with torch.cuda.stream(self.streams[r]):
+                ds.append(a.dispatch(x, ids, w, sc))
+        for r in range(len(self.group)):
+            with torch.cuda.stream(self.streams[r]):
+                self.expert_stage(r, ds[r])
+        ys = []
+        for r, a in enumerate(self.group):
+            with torch.cuda.stream(self.streams[r]):
+                ys.append(a.combine(a.combine_buffer(), out=None if outs is None else outs[r]))
+        for s in self.streams:
+            main.wait_stream(s)
+        for a in self.group:
+            a.synchronize()
+        return ds, ys
+
+    def warm_up_experts(self, device):
+        # The expert stage's kernels load here, before any rank spins.
+        torch = self.torch
+        for r, a in enumerate(self.group):
+            c = a.config
+            cap, H, K, L = c.capacity, c.hidden, c.topk, c.num_local_experts
+            x = torch.zeros(cap, H, dtype=torch.bfloat16, device=device)
+            if c.wire_fp8:
+                q, s = ref.quantize(x)
+                ref.token_partials(c, r, q, s, torch.zeros(cap, K, dtype=torch.int32,
+                                                            device=device),
+                                   torch.zeros(cap, K, device=device))
+                ref.expert_outputs(c, r, q.expand(L, cap, H).contiguous(),
+                                   s.expand(L, cap, H // 128).contiguous())
+            ref.token_partials(c, r, x, None, torch.zeros(cap, K, dtype=torch.int32,
+                                                          device=device),
+                               torch.zeros(cap, K, device=device))
+            ref.expert_outputs(c, r, x.expand(L, cap, H).contiguous(), None)
+            a.combine_buffer().zero_()
+            ref.quantize(torch.ones(2, H, dtype=torch.bfloat16, device=device))
+        torch.cuda.synchronize()
+
+
+def check_dispatch(rk, inputs, ds):
+    """Every rank received exactly the rows the contract says, compared order-insensitively."""
+    torch = rk.torch
+    cfg = rk.cfg
+    every = rk.backend != "low_latency"
+    for r, d in enumerate(ds):
+        c = rk.group[r].config
+        want = ref.expected_rows(cfg, inputs, r, every)
+        m = int(d.recv_count.item())
+        assert m == len(want), f"rank {r}: recv_count {m}, expected {len(want)}"
+        src_rank, src_idx = d.recv_src_rank[:m].tolist(), d.recv_src_idx[:m].tolist()
+        got = list(zip(src_rank, src_idx))
+        if c.deterministic:
+            assert got == want, f"rank {r}: rows not in (source rank, source index) order"
+        assert sorted(got) == want
+        fields = ["recv_x", "recv_topk_ids", "recv_topk_weights"]
+        if c.wire_fp8:
+            fields.append("recv_scales")
+        rows = dict(zip(fields, epx.sort_rows(d, fields)))
+        for j, (q, i) in enumerate(want):
+            x, ids, w, sc = inputs[q]
+            wx, ws = ref.wire_rows(cfg, x[i:i + 1], None if sc is None else sc[i:i + 1])
+            got_x = rows["recv_x"][j]
+            want_x = wx[0].view(torch.uint8) if c.wire_fp8 else wx[0]
+            assert torch.equal(got_x, want_x), f"rank {r} row {(q, i)}: x differs"
+            if c.wire_fp8:
+                assert torch.equal(rows["recv_scales"][j], ws[0]), f"rank {r}: scales differ"
+            assert torch.equal(rows["recv_topk_ids"][j], ids[i].int())
+            assert torch.equal(rows["recv_topk_weights"][j], w[i])
+        L = c.num_local_experts
+        counts = torch.zeros(L, dtype=torch.int32)
+        for (q, i) in want:
+            for e in inputs[q][1][i].tolist():
+                if r * L <= e < (r + 1) * L:
+                    counts[e - r * L] += 1
+        assert torch.equal(d.expert_counts.cpu(), counts), f"rank {r}: expert_counts"
+        if c.layout == "expert":
+            for e in range(L):
+                n_e = int(counts[e])
+                pairs = sorted(zip(d.expert_src_rank[e, :n_e].tolist(),
+                                   d.expert_src_idx[e, :n_e].tolist()))
+                ge = r * L + e
+                assert pairs == [(q, i) for (q, i) in want
+                                 if ge in inputs[q][1][i].tolist()], f"rank {r} expert {e}"
+
+
+def check_combine(rk, inputs, ys):
+    torch = rk.torch
+    for r, y in enumerate(ys):
+        x, ids, w, sc = inputs[r]
+        want = ref.combined(rk.cfg, x, ids, w, sc)
+        torch.testing.assert_close(y.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_every_dtype_and_layout(gpu, dtype, layout):
+    rk = Ranks(small_config(dtype=dtype, layout=layout), 2)
+    rk.warm_up_experts(gpu)
+    for seed, counts in enumerate([(64, 7), (0, 33), (1, 64)]):
+        inputs = [ref.make_inputs(rk.cfg, r, counts[r], seed, gpu) for r in range(2)]
+        ds, ys = rk.round(inputs)
+        check_dispatch(rk, inputs, ds)
+        check_combine(rk, inputs, ys)
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+def test_baseline_backends(gpu, backend):
+    rk = Ranks(small_config(dtype="bf16"), 3, backend)
+    rk.warm_up_experts(gpu)
+    inputs = [ref.make_inputs(rk.cfg, r, n, 1, gpu) for r, n in enumerate((5, 0, 64))]
+    ds, ys = rk.round(inputs)
+    check_dispatch(rk, inputs, ds)
+    check_combine(rk, inputs, ys)
+
+
+def test_deterministic_order_and_int64_ids(gpu):
+    import torch
+
+    rk = Ranks(small_config(dtype="bf16", deterministic=True), 4)
+    rk.warm_up_experts(gpu)
+    inputs = [ref.make_inputs(rk.cfg, r, 40, 3, gpu, ids_dtype=torch.int64) for r in range(4)]
+    ds, ys = rk.round(inputs)
+    check_dispatch(rk, inputs, ds)  # checks (source rank, source index) order when deterministic
+    check_combine(rk, inputs, ys)
+
+
+def test_views_are_epx_memory_and_out_is_written(gpu):
+    import torch
+
+    rk = Ranks(small_config(dtype="bf16-to-fp8"), 2)
+    rk.warm_up_experts(gpu)
+    inputs = [ref.make_inputs(rk.cfg, r, 16, 5, gpu) for r in range(2)]
+    outs = [torch.empty(16, rk.cfg.hidden, dtype=torch.bfloat16, device=gpu) for _ in range(2)]
+    ds, ys = rk.round(inputs, outs)
+    assert all(y is o for y, o in zip(ys, outs))
+    d = ds[0]
+    assert d.recv_x.dtype == torch.float8_e4m3fn and d.recv_x.shape == (rk.cfg.capacity, 1024)
+    assert d.recv_scales.shape == (rk.cfg.capacity, 8)
+    ds2, _ = rk.round(inputs)
+    assert ds2[0].recv_x.data_ptr() == d.recv_x.data_ptr()  # the same memory every round
+    check_combine(rk, inputs, ys)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_graph_replays_with_fresh_inputs(gpu, layout):
+    """1000 replays of captured rounds, fresh inputs copied in before each, equal to the torch
+    reference every time and bit-equal to an eager round on the same inputs every 100th."""
+    import torch
+
+    W, n = 2, 32
+    rk = Ranks(small_config(dtype="bf16-to-fp8", layout=layout), W)
+    rk.warm_up_experts(gpu)
+    static = [ref.make_inputs(rk.cfg, r, n, 0, gpu) for r in range(W)]
+    rk.round(static)  # eager first: views made, kernels loaded
+    ys = [None] * W
+    graphs = [torch.cuda.CUDAGraph() for _ in range(W)]
+    # Capture only records: each rank's whole round is captured on its own stream in turn.
+    for r, a in enumerate(rk.group):
+        x, ids, w, sc = static[r]
+        with torch.cuda.graph(graphs[r], stream=rk.streams[r]):
+            d = a.dispatch(x, ids, w, sc)
+            rk.expert_stage(r, d)
+            ys[r] = a.combine(a.combine_buffer())
+    main = torch.cuda.current_stream()
+    for it in range(1000):
+        fresh = [ref.make_inputs(rk.cfg, r, n, 100 + it, gpu) for r in range(W)]
+        for r in range(W):
+            for dst, src in zip(static[r][:3], fresh[r][:3]):
+                dst.copy_(src)
+        for s in rk.streams:
+            s.wait_stream(main)
+        for r in range(W):
+            with torch.cuda.stream(rk.streams[r]):
+                graphs[r].replay()
+        for s in rk.streams:
+            main.wait_stream(s)
+        check_combine(rk, fresh, ys)
+        if it % 100 == 0:
+            replayed = [y.clone() for y in ys]
+            _, eager = rk.round(fresh)
+            for r in range(W):
+                assert torch.equal(eager[r], replayed[r]), f"replay {it} rank {r} != eager"
+    for a in rk.group:
+        a.synchronize()
+
+
+def test_torch_compile_fullgraph(gpu):
+    """A compiled dispatch -> expert -> combine (one rank: the compiler's kernels load while
+    nothing spins), equal to eager; the custom ops show in the graph."""
+    import torch
+
+    cfg = small_config(dtype="bf16-to-fp8", world_size=1)
+    world = epx.InProcessWorld(1)
+    (a,) = epx.make_group(cfg, world)
+
+    def step(x, ids, w):
+        d = a.dispatch(x, ids, w)
+        buf = a.combine_buffer()
+        buf.copy_(ref.token_partials(a.config, 0, d.recv_x, d.recv_scales, d.recv_topk_ids,
+                                     d.recv_topk_weights))
+        return a.combine(buf)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(3):
+        x, ids, w, _ = ref.make_inputs(cfg, 0, 48, seed, gpu)
+        y_c = compiled(x, ids, w)
+        y_e = step(x, ids, w)
+        a.synchronize()
+        # The compiler may fuse the expert stage's f32 sums in another order: not bit-equal.
+        torch.testing.assert_close(y_c, y_e, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(y_c.float(), ref.combined(cfg, x, ids, w, None),
+                                   rtol=3e-2, atol=3e-2)
+    # The ops themselves, traced with fake tensors.
+    x, ids, w, _ = ref.make_inputs(cfg, 0, 8, 9, gpu)
+    outs = torch.library.opcheck(torch.ops.epx.dispatch.default, (a.handle, x, ids, w, None),
+                                 test_utils=("test_schema", "test_faketensor"))
+    assert outs is not None
+    a.synchronize()
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (lambda t, x, ids, w: (x.half(), ids, w), "x.dtype"),
+        (lambda t, x, ids, w: (x.cpu(), ids, w), "x.device"),
+        (lambda t, x, ids, w: (x[:, :512], ids, w), "x.shape"),
+        (lambda t, x, ids, w: (t.cat([x, x], 1)[:, ::2], ids, w), "x.stride"),
+        (lambda t, x, ids, w: (x, ids.t().contiguous().t(), w), "topk_ids.stride"),
+        (lambda t, x, ids, w: (x, ids.short(), w), "topk_ids.dtype"),
+        (lambda t, x, ids, w: (x, ids[:, :2].contiguous(), w), "topk_ids.shape"),
+        (lambda t, x, ids, w: (x, ids, w.double()), "topk_weights.dtype"),
+        (lambda t, x, ids, w: (x, ids, w[:-1]), "topk_weights.shape"),
+        (lambda t, x, ids, w: (t.cat([x] * 9), t.cat([ids] * 9), t.cat([w] * 9)), "x.shape[0]"),
+    ],
+)
+def test_bad_tensors_are_refused_by_name(gpu, change, name):
+    import torch
+
+    cfg = small_config(dtype="bf16", world_size=1)
+    (a,) = epx.make_group(cfg, epx.InProcessWorld(1))
+    x, ids, w, _ = ref.make_inputs(cfg, 0, 8, 0, gpu)
+    bx, bids, bw = change(torch, x, ids, w)
+    with pytest.raises(epx.InputError, match=name.replace("[", r"\[").replace("]", r"\]")):
+        a.dispatch(bx, bids, bw)
+    with pytest.raises(epx.InputError, match="x_scales"):
+        a.dispatch(x, ids, w, x_scales=torch.ones(8, 8, device=gpu))
+    # Nothing was launched: a good round still works.
+    d = a.dispatch(x, ids, w)
+    with pytest.raises(epx.InputError, match="expert_out.shape"):
+        a.combine(a.combine_buffer()[:8])
+    with pytest.raises(epx.InputError, match="out.shape"):
+        a.combine(a.combine_buffer(), out=torch.empty(3, cfg.hidden, dtype=torch.bfloat16,
+                                                      device=gpu))
+    a.combine_buffer().copy_(ref.token_partials(cfg, 0, d.recv_x, None, d.recv_topk_ids,
+                                                d.recv_topk_weights))
+    y = a.combine(a.combine_buffer())
+    a.synchronize()
+    torch.testing.assert_close(y.float(), ref.combined(cfg, x, ids, w, None), rtol=3e-2,
+                               atol=3e-2)
+
+
+def test_fp8_input_needs_scales(gpu):
+    cfg = small_config(dtype="fp8", world_size=1)
+    (a,) = epx.make_group(cfg, epx.InProcessWorld(1))
+    x, ids, w, sc = ref.make_inputs(cfg, 0, 4, 0, gpu)
+    with pytest.raises(epx.InputError, match="x_scales = None"):
+        a.dispatch(x, ids, w)
+    with pytest.raises(epx.InputError, match="x_scales.shape"):
+        a.dispatch(x, ids, w, sc[:, :3].contiguous())
+    with pytest.raises(epx.InputError, match="x.dtype"):
+        a.dispatch(x.float().bfloat16(), ids, w, sc)
