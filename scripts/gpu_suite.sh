@@ -4,6 +4,8 @@
 # "gpu-total: N passed, N failed" line. Logs go to build/gpu-logs, and as one archive
 # (gpu-logs.tar.gz) to $OUT when that is set.
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
+# EPX_SUITE_PARTS (default core,python): which parts run — core (the C++ suites and the CLI
+# runs), python (the package: pip install, pytest, the Python example).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
@@ -12,7 +14,9 @@ build=${1:-build}
 quick=${2:-}
 logs=$build/gpu-logs
 mkdir -p "$logs"
-if [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; then
+parts=${EPX_SUITE_PARTS:-core,python}
+want() { [[ ",$parts," == *",$1,"* ]]; }
+if want core && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
   scripts/setup.sh "$build" || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -26,6 +30,7 @@ run() {  # run NAME CMD...: one counted check
   else failed=$((failed+1)); echo "    FAILED:"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'; fi
 }
 
+if want core; then
 # GoogleTest suites: each test counts.
 for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
@@ -279,6 +284,9 @@ else
   echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
 fi
 
+fi  # core
+
+if want python; then
 # The Python package as users get it (`pip install --no-build-isolation .` into a scratch target:
 # torch, nanobind, scikit-build-core and pytest must be installed), its tests (each counts) and
 # its example of two processes on one GPU under `epx launch`.
@@ -299,6 +307,7 @@ if CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolati
 else
   failed=$((failed+1)); echo "    FAILED: pip install"; tail -n 15 "$logs/python_install.log" | sed 's/^/      /'
 fi
+fi  # python
 
 [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
 echo "gpu-total: $passed passed, $failed failed"

@@ -47,6 +47,9 @@ void add_check_run_flags(CLI::App* c, CheckRunFlags& f) {
   c->add_option("--graph", f.graph, "capture once per rank, replay N times with fresh inputs");
   c->add_flag("--mixed", f.mixed, "with --graph: rank 0 calls eagerly, the others replay");
   c->add_flag("--ids64", f.ids64, "pass topk_ids as int64");
+  c->add_flag("--one-launch", f.one_launch,
+              "in-process: the ranks of each GPU in one kernel per op (dispatch_group / "
+              "combine_group), eager and with --graph; not with --mixed");
 }
 
 void add_check(CLI::App& app, int& exit_code) {
@@ -86,7 +89,8 @@ void add_check(CLI::App& app, int& exit_code) {
           ->capture_default_str()};
   std::vector<CLI::Option*> not_moe;
   for (const char* name :
-       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--world-kind", "--gpus"})
+       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--one-launch", "--world-kind",
+        "--gpus"})
     not_moe.push_back(c->get_option(name));
   CLI::Option* world_opt = c->get_option("--world");
   CLI::Option* gpus_opt = c->get_option("--gpus");
@@ -103,6 +107,10 @@ void add_check(CLI::App& app, int& exit_code) {
     }
     for (CLI::Option* o : moe_only)
       EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given", "only with --moe");
+    EPX_CHECK(!f->run.one_launch || (!one_process_per_rank(kind) && !f->run.mixed), ConfigError,
+              "--one-launch", "given",
+              "only with --world-kind in-process and without --mixed (ranks of one process "
+              "share a launch; --mixed has rank 0 call on its own)");
     if (one_process_per_rank(kind)) {
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");

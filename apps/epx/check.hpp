@@ -27,10 +27,11 @@ struct CheckRunFlags {
   int graph = 0;
   bool mixed = false;
   bool ids64 = false;
+  bool one_launch = false;  // in-process: the ranks of each GPU in one kernel per op
 };
 
 // Binds the shape flags (with --max-tokens), --tokens, --routing, --backend, --seed, --iters,
-// --graph, --mixed and --ids64.
+// --graph, --mixed, --ids64 and --one-launch.
 void add_check_run_flags(CLI::App* c, CheckRunFlags& f);
 
 #if EPX_HAVE_CUDA

@@ -209,6 +209,7 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.dtype = parse_dtype_flag(dtype);
   cfg.layout = parse_layout_flag(layout);
   cfg.scale_layout = parse_scale_layout_flag(scale_layout);
+  cfg.deterministic = deterministic;
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -246,6 +247,9 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
       ->capture_default_str();
   c->add_option("--scale-layout", f.scale_layout, "row | column (received fp8 scales)")
       ->capture_default_str();
+  c->add_flag("--deterministic", f.deterministic,
+              "token-major rows in (source rank, source index) order on every call (the ranks "
+              "exchange counts before any row moves)");
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
 }

@@ -80,6 +80,7 @@ struct ShapeFlags {
   std::string dtype = "bf16-to-fp8";
   std::string layout = "token";
   std::string scale_layout = "row";
+  bool deterministic = false;  // --deterministic: rows in (source rank, source index) order
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

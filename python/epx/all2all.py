@@ -155,7 +155,7 @@ class All2All:
         self.config: ConfigValues = ConfigValues.of(self.ep_config)
         self.backend: str = impl.backend
         self._combine_array = impl.combine_buffer()
-        self.device_index: int = int(self._combine_array.__dlpack_device__()[1])
+        self.device_index: int = int(impl.device)
         self._specs = _field_specs(self.config)
         self._names: List[str] = list(self._specs)
         # Where each DispatchOutput field sits in the ops' output list (-1: absent, None).

@@ -214,6 +214,8 @@ void bind_gpu(nb::module_& m) {
       .def_prop_ro("config", [](const All2All& a) { return a.config(); })
       .def_prop_ro("backend", [](const All2All& a) { return std::string(to_string(a.backend())); })
       .def_prop_ro("symmetric_bytes", &All2All::symmetric_bytes)
+      .def_prop_ro("device", [](All2All& a) { return device_of_pointer(a.combine_buffer()); },
+                   "CUDA ordinal of the GPU this rank's memory is on")
       .def(
           "dispatch",
           [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
