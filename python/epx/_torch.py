@@ -83,7 +83,11 @@ def current_stream(device) -> int:
 
 
 def from_dlpack(array, fp8: bool = False):
-    """A tensor over an extension array; fp8 arrives as uint8 and is viewed as float8_e4m3fn."""
+    """A tensor over an extension array; fp8 arrives as uint8 and is viewed as float8_e4m3fn.
+
+    `array` is what the extension returns for a view: a DLPack capsule (nanobind 3) or an object
+    with ``__dlpack__`` (nanobind 2). Both go to torch.from_dlpack as they are, once (a capsule
+    is consumed by it); nothing else is called on them."""
     T = torch()
     t = T.from_dlpack(array)
     return t.view(T.float8_e4m3fn) if fp8 else t

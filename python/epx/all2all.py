@@ -295,7 +295,9 @@ class All2All:
                     f"expected {shape} {strides} {want} (extension and package disagree)"
                 )
             fields[name] = t
-        return DispatchOutput(**fields)
+        # Fields this config does not have (scales on a bf16 wire, the expert-major fields in
+        # the token layout) are None.
+        return DispatchOutput(*(fields.get(n) for n in DispatchOutput._fields))
 
     def empty_outputs(self, device) -> list:
         """Tensors shaped as dispatch's outputs (the custom op's fake implementation)."""
@@ -345,19 +347,33 @@ class All2All:
             return out
         return self._combine_eager(expert_out, out)
 
-    def check_combine_inputs(self, expert_out, out) -> None:
+    def check_combine_inputs(self, expert_out, out, num_tokens: Optional[int] = None) -> None:
+        """The host checks of combine, on real or fake tensors. `num_tokens` is the last
+        dispatch's token count, which `out` must have; None (the fake implementation, which
+        must not read this object's runtime state) checks only that it is at most
+        max_tokens_per_rank."""
         torch = T.torch()
+        c = self.config
         T.check("expert_out", expert_out, dtype=torch.bfloat16, shape=self.combine_shape(),
-                device=self.device, what=f"layout = '{self.config.layout}'")
-        T.check("out", out, dtype=torch.bfloat16, shape=(self._num_tokens, self.config.hidden),
-                device=self.device, what="the last dispatch's tokens")
+                device=self.device, what=f"layout = '{c.layout}'")
+        if num_tokens is not None:
+            T.check("out", out, dtype=torch.bfloat16, shape=(num_tokens, c.hidden),
+                    device=self.device, what="the last dispatch's tokens")
+            return
+        T.check("out", out, dtype=torch.bfloat16, shape=(None, c.hidden), device=self.device,
+                what="[N, H], N = the last dispatch's tokens")
+        if out.shape[0] > c.max_tokens_per_rank:
+            raise _epx.InputError(
+                f"out.shape[0] = {out.shape[0]}, expected at most max_tokens_per_rank = "
+                f"{c.max_tokens_per_rank} (the last dispatch's tokens)"
+            )
 
     def _combine_eager(self, expert_out, out):
         torch = T.torch()
         if out is None:
             out = torch.empty((self._num_tokens, self.config.hidden), dtype=torch.bfloat16,
                               device=self.device)
-        self.check_combine_inputs(expert_out, out)
+        self.check_combine_inputs(expert_out, out, self._num_tokens)
         self._impl.combine(expert_out.data_ptr(), out.data_ptr(), T.current_stream(self.device))
         return out
 

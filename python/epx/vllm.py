@@ -8,8 +8,9 @@
   All2All's dtype 'bf16-to-fp8' quantises inside dispatch; 'bf16' sends bf16.
   expert_num_tokens stays on the device (ExpertTokensMetadata.expert_num_tokens_cpu is None), and
   nothing synchronises the host, so prepare/finalize can be captured in CUDA graphs. Standard
-  returns all `capacity` rows: rows past recv_count carry weight 0 and an expert id that is not
-  this rank's (the expert map drops them), so the experts need no host-side row count.
+  returns all `capacity` rows: rows past recv_count (and the -1 slots of a row) carry weight 0 and
+  an expert id that is not this rank's (the expert map drops them), so the experts need no
+  host-side row count.
 - ``EpxAll2AllManager(cpu_group)``: one IpcWorld over vLLM's EP group (its gloo group's object
   all-gather bootstraps it) and one All2All per distinct configuration (``get_handle(kwargs)``).
 - ``register()``: the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM's all2all
@@ -133,16 +134,17 @@ class _PrepareFinalizeMethods:
         meta = _expert_tokens_metadata(d.expert_counts)
         if c.layout == "expert":
             return d.expert_x, d.expert_scales, meta, None, None
-        # Standard: every row of the receive area; rows past recv_count weigh nothing and name an
-        # expert of another rank (the expert map turns it into "not here").
+        # Standard: every row of the receive area; rows past recv_count, and the -1 slots of the
+        # others, weigh nothing and name an expert of another rank (the expert map turns it into
+        # "not here"; in a world of one rank that expert is local, and the zero weight keeps it
+        # out of the sum).
         cap = c.capacity
         rows = torch.arange(cap, device=d.recv_count.device, dtype=torch.int32)
-        valid = (rows < d.recv_count)[:, None]
+        used = (rows < d.recv_count)[:, None] & (d.recv_topk_ids >= 0)
         first_local = c.rank * c.num_local_experts
         other = c.num_experts - 1 if first_local == 0 else 0
-        ids = torch.where(valid & (d.recv_topk_ids >= 0), d.recv_topk_ids,
-                          torch.full_like(d.recv_topk_ids, other))
-        w = torch.where(valid, d.recv_topk_weights, torch.zeros_like(d.recv_topk_weights))
+        ids = torch.where(used, d.recv_topk_ids, torch.full_like(d.recv_topk_ids, other))
+        w = torch.where(used, d.recv_topk_weights, torch.zeros_like(d.recv_topk_weights))
         return d.recv_x, d.recv_scales, meta, ids.to(self._ids_dtype), w
 
     # -- finalize ---------------------------------------------------------------------------------

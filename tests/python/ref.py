@@ -16,14 +16,21 @@ def expert_scale(e):
 
 
 def quantize(x):
-    """bf16 [N, H] -> (fp8 e4m3 [N, H], f32 [N, H/128]): per 1x128 block, scale = amax / 448."""
+    """bf16 [N, H] -> (fp8 e4m3 [N, H], f32 [N, H/128]): per 1x128 block, a = amax (1 when 0),
+    scale = a / 448 and q = fp8(x * (448 / a)), each division an IEEE f32 division, as the
+    contract says (dispatch's bytes are compared with these exactly).
+
+    The divisions are tensor by tensor: torch computes `448 / a` as `a.reciprocal() * 448`
+    and, on CUDA, `a / 448` as `a * (1 / 448)`, two roundings that differ from the division in
+    the last bit now and then, and so flip the fp8 rounding of some elements."""
     n, h = x.shape
     blocks = x.float().view(n, h // 128, 128)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     a = torch.where(amax > 0, amax, torch.ones_like(amax))
-    inv = FP8_MAX / a
+    fp8_max = torch.full_like(a, FP8_MAX)
+    inv = torch.div(fp8_max, a)
     q = (blocks * inv).to(torch.float8_e4m3fn).view(n, h)
-    return q, (a / FP8_MAX).view(n, h // 128)
+    return q, torch.div(a, fp8_max).view(n, h // 128)
 
 
 def dequantize(q, scales):
@@ -49,8 +56,11 @@ def make_inputs(cfg, rank, n, seed, device, ids_dtype=None):
 
 
 def as_bf16_values(x, scales):
-    """What a row means in f32: bf16 as is, fp8 dequantised."""
-    return x.float() if scales is None else dequantize(x, scales)
+    """What a row means in f32: bf16 as is (scales None), fp8 dequantised with its scales."""
+    if scales is None:
+        assert x.dtype != torch.float8_e4m3fn, "fp8 rows mean nothing without their scales"
+        return x.float()
+    return dequantize(x, scales)
 
 
 def wire_rows(cfg, x, scales):
@@ -74,7 +84,8 @@ def expected_rows(cfg, inputs, rank, every_rank):
 
 def token_partials(cfg, rank, recv_x, recv_scales, recv_ids, recv_w):
     """The expert stage, token-major: partial = sum over local k of w_k * f_{e_k}(x), bf16, for
-    every row of the receive area (rows past recv_count are computed and ignored)."""
+    every row of the receive area (rows past recv_count are computed and ignored).
+    `recv_scales` is None for bf16 rows (as expert_outputs)."""
     L = cfg.num_local_experts
     xv = as_bf16_values(recv_x, recv_scales if cfg.wire_fp8 else None)
     ids = recv_ids.long()
@@ -85,10 +96,12 @@ def token_partials(cfg, rank, recv_x, recv_scales, recv_ids, recv_w):
 
 
 def expert_outputs(cfg, rank, expert_x, expert_scales):
-    """The expert stage, expert-major: out[e] = f_e(x) for every row of every local expert."""
+    """The expert stage, expert-major: out[e] = f_e(x) for every row of every local expert.
+    `expert_scales` is None for bf16 rows (a bf16 wire, or bf16 warm-up rows on an fp8 one)."""
     L, cap, H = expert_x.shape
+    scales = expert_scales if cfg.wire_fp8 else None
     xv = as_bf16_values(expert_x.reshape(L * cap, H),
-                        expert_scales.reshape(L * cap, -1) if cfg.wire_fp8 else None)
+                        None if scales is None else scales.reshape(L * cap, -1))
     coef = torch.tensor([expert_scale(rank * L + e) for e in range(L)],
                         device=xv.device).repeat_interleave(cap)[:, None]
     return (xv * coef).to(torch.bfloat16).view(L, cap, H)

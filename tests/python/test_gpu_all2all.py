@@ -158,7 +158,7 @@ def test_round_every_dtype_and_layout(gpu, dtype, layout):
 
 @pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
 def test_baseline_backends(gpu, backend):
-    rk = Ranks(small_config(dtype="bf16"), 3, backend)
+    rk = Ranks(small_config(dtype="bf16", num_experts=24), 3, backend)  # 8 experts a rank
     rk.warm_up_experts(gpu)
     inputs = [ref.make_inputs(rk.cfg, r, n, 1, gpu) for r, n in enumerate((5, 0, 64))]
     ds, ys = rk.round(inputs)

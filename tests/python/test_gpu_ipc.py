@@ -2,10 +2,8 @@
 every dtype and layout against the torch reference, a captured round replayed, a configuration
 mismatch refused on both ranks."""
 
-import os
 import traceback
 
-import pytest
 
 import epx
 import ref
