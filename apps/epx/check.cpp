@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "check.hpp"
@@ -50,6 +51,9 @@ void add_check_run_flags(CLI::App* c, CheckRunFlags& f) {
   c->add_flag("--one-launch", f.one_launch,
               "in-process: the ranks of each GPU in one kernel per op (dispatch_group / "
               "combine_group), eager and with --graph; not with --mixed");
+  c->add_flag("--halves", f.halves,
+              "in-process: each op as its halves (every rank's send half, then every rank's "
+              "receive half, on one stream per GPU), eager and with --graph; unordered rows only");
 }
 
 void add_check(CLI::App& app, int& exit_code) {
@@ -89,8 +93,8 @@ void add_check(CLI::App& app, int& exit_code) {
           ->capture_default_str()};
   std::vector<CLI::Option*> not_moe;
   for (const char* name :
-       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--one-launch", "--world-kind",
-        "--gpus"})
+       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--one-launch", "--halves",
+        "--world-kind", "--gpus"})
     not_moe.push_back(c->get_option(name));
   CLI::Option* world_opt = c->get_option("--world");
   CLI::Option* gpus_opt = c->get_option("--gpus");
@@ -107,10 +111,13 @@ void add_check(CLI::App& app, int& exit_code) {
     }
     for (CLI::Option* o : moe_only)
       EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given", "only with --moe");
-    EPX_CHECK(!f->run.one_launch || (!one_process_per_rank(kind) && !f->run.mixed), ConfigError,
-              "--one-launch", "given",
-              "only with --world-kind in-process and without --mixed (ranks of one process "
-              "share a launch; --mixed has rank 0 call on its own)");
+    for (const auto& [given, flag] : {std::pair{f->run.one_launch, "--one-launch"},
+                                      std::pair{f->run.halves, "--halves"}}) {
+      EPX_CHECK(!given || (!one_process_per_rank(kind) && !f->run.mixed), ConfigError, flag,
+                "given",
+                "only with --world-kind in-process and without --mixed (the ranks of one "
+                "process share a stream; --mixed has rank 0 call on its own)");
+    }
     if (one_process_per_rank(kind)) {
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");

@@ -28,10 +28,11 @@ struct CheckRunFlags {
   bool mixed = false;
   bool ids64 = false;
   bool one_launch = false;  // in-process: the ranks of each GPU in one kernel per op
+  bool halves = false;      // in-process: each op as its send and receive halves, one stream
 };
 
 // Binds the shape flags (with --max-tokens), --tokens, --routing, --backend, --seed, --iters,
-// --graph, --mixed, --ids64 and --one-launch.
+// --graph, --mixed, --ids64, --one-launch and --halves.
 void add_check_run_flags(CLI::App* c, CheckRunFlags& f);
 
 #if EPX_HAVE_CUDA

@@ -34,6 +34,7 @@ testing::CheckOptions check_options(const CheckRunFlags& f) {
   o.mixed = f.mixed;
   o.ids_int64 = f.ids64;
   o.one_launch = f.one_launch;
+  o.halves = f.halves;
   o.log = [](const std::string& s) { fmt::print("  {}\n", s); };
   return o;
 }

@@ -96,6 +96,22 @@ class All2All {
   // the expert-major outputs; combine_buffer() avoids a copy.
   virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
 
+  // The halves of each op, so that compute runs between them (overlap with another micro-batch's
+  // work). dispatch(in) equals dispatch_send(in) then dispatch_recv(), and combine(out, y) equals
+  // combine_send(out) then combine_recv(y), with the same results and errors. A send half never
+  // waits for a peer (the ranks sharing a GPU may even enqueue all their send halves, then all
+  // their receive halves, on one stream) — except dispatch_send with ordered rows
+  // (cfg.deterministic, and the naive backend), which exchanges counts with every peer first; a
+  // receive half waits for every peer's send half of the round, then lays the rows out
+  // (dispatch) or pulls and sums the partials (combine). Each send
+  // half must be followed by its receive half before the next op (StateError otherwise);
+  // dispatch_recv's result is that of dispatch(). Between combine_send and combine_recv the
+  // partials must stay as they are: peers read them.
+  virtual void dispatch_send(const DispatchInput& input, cudaStream_t stream) = 0;
+  virtual DispatchResult dispatch_recv(cudaStream_t stream) = 0;
+  virtual void combine_send(const void* expert_out, cudaStream_t stream) = 0;
+  virtual void combine_recv(void* y, cudaStream_t stream) = 0;
+
   // Throws the recorded device error, if any (never synchronises).
   virtual void poll() = 0;
   // cudaStreamSynchronize(stream), then poll().

@@ -62,10 +62,15 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (o.log) o.log(s);
   };
 
-  EPX_CHECK(!o.one_launch || (!o.mixed && !o.conditional && !o.rank_threads &&
-                              o.graph_execs == 1 && !o.graph_split),
-            InputError, "one_launch", "with mixed or a graph variant",
-            "one launch per GPU: plain eager calls and one captured graph per GPU");
+  const bool one_stream = o.one_launch || o.halves;
+  EPX_CHECK(!one_stream || (!o.mixed && !o.conditional && !o.rank_threads &&
+                            o.graph_execs == 1 && !o.graph_split && !(o.one_launch && o.halves)),
+            InputError, o.halves ? "halves" : "one_launch", "with mixed, a graph variant or each other",
+            "one stream per GPU: plain eager calls and one captured graph per GPU");
+  // Ordered rows exchange counts in the send half: one stream for all ranks would deadlock.
+  EPX_CHECK(!o.halves || (!cfg.deterministic && o.backend != Backend::kNaive), InputError,
+            "halves", "with ordered rows (deterministic or naive)",
+            "unordered rows: the send half of ordered rows waits for every peer's counts");
   std::vector<int> devices;
   for (int g = 0; g < o.gpus; ++g) devices.push_back(g);
   InProcessWorld world(W, devices);
@@ -155,8 +160,9 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (cut) cut();
     a.combine(a.combine_buffer(), rb[r].y, rb[r].stream);
   };
-  // one_launch: the ranks of GPU g (r % gpus == g) in one kernel per op on their first rank's
-  // stream; the inputs were uploaded on each rank's own stream (synchronised first).
+  // one_launch / halves: the ranks of GPU g (r % gpus == g) on their first rank's stream, in one
+  // kernel per op or as every rank's send half then every rank's receive half; the inputs were
+  // uploaded on each rank's own stream (synchronised first).
   const int num_gpus = std::min(o.gpus, W);
   auto enqueue_gpu = [&](int gpu) {
     std::vector<All2All*> ranks;
@@ -178,12 +184,23 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     }
     cudaStream_t st = rb[gpu].stream;
     EPX_CUDA_CHECK(cudaSetDevice(world.device_of(gpu)));
-    const std::vector<DispatchResult> res = dispatch_group(ranks, ins, st);
+    std::vector<DispatchResult> res;
+    if (o.halves) {
+      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->dispatch_send(ins[i], st);
+      for (size_t i = 0; i < ranks.size(); ++i) res.push_back(ranks[i]->dispatch_recv(st));
+    } else {
+      res = dispatch_group(ranks, ins, st);
+    }
     for (size_t i = 0; i < ranks.size(); ++i) {
       results[gpu + i * num_gpus] = res[i];
       launch_identity_expert(ranks[i]->config(), res[i], ranks[i]->combine_buffer(), st);
     }
-    combine_group(ranks, outs, ys, st);
+    if (o.halves) {
+      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_send(outs[i], st);
+      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_recv(ys[i], st);
+    } else {
+      combine_group(ranks, outs, ys, st);
+    }
   };
   auto sync_all = [&] {
     for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamSynchronize(rb[r].stream));
@@ -191,7 +208,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   Comparer cmp(rep, o.max_report);
   auto finish_and_compare = [&](const InputSet& s) -> bool {
     try {
-      if (o.one_launch) sync_all();
+      if (one_stream) sync_all();
       for (int r = 0; r < W; ++r) group[r]->synchronize(rb[r].stream);
     } catch (const Error& e) {
       cmp.add(std::string("device error: ") + e.what());
@@ -219,7 +236,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   for (int it = 0; it < o.iters && rep.ok; ++it) {
     const InputSet& s = sets[it % pool];
     for (int r = 0; r < W; ++r) upload(r, s);
-    if (o.one_launch) {
+    if (one_stream) {
       sync_all();
       for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);
     } else {
@@ -228,11 +245,12 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     finish_and_compare(s);
   }
   if (o.iters > 0)
-    say(fmt::format("eager{}: {} call(s) checked", o.one_launch ? " (one launch per GPU)" : "",
+    say(fmt::format("eager{}: {} call(s) checked",
+                    o.one_launch ? " (one launch per GPU)" : o.halves ? " (halves, one stream)" : "",
                     rep.calls));
 
   // Graph replays, one launch per GPU: one graph per GPU.
-  if (o.one_launch && o.graph_replays > 0 && rep.ok) {
+  if (one_stream && o.graph_replays > 0 && rep.ok) {
     std::vector<cudaGraphExec_t> execs;
     struct Execs {
       std::vector<cudaGraphExec_t>& e;
@@ -268,7 +286,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       finish_and_compare(s);
       if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
     }
-    say(fmt::format("graph (one launch per GPU): {} replay(s) checked", rep.calls - before));
+    say(fmt::format("graph ({}): {} replay(s) checked",
+                    o.one_launch ? "one launch per GPU" : "halves, one stream", rep.calls - before));
     return rep;
   }
 

@@ -34,6 +34,10 @@ struct CheckOptions {
   bool one_launch = false;          // in-process: the ranks of each GPU in one kernel per op
                                     // (dispatch_group / combine_group) on one stream, eager and
                                     // captured; not with mixed or the graph variants below
+  bool halves = false;              // in-process: each op as its halves, every rank's send half
+                                    // then every rank's receive half, all on one stream per GPU
+                                    // (a send half never waits); eager and captured, as
+                                    // one_launch (and not with it)
   // Variants of the graph replay (with graph_replays, in-process only) that diagnose the MoE
   // layer's captured path (`epx diag graph-replay`, tests/gpu):
   bool conditional = false;         // the captured expert runs in a SWITCH node (as MoeLayer's

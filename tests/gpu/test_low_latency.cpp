@@ -501,6 +501,49 @@ TEST(OneLaunch, BadRankSetsAreInputErrors) {
   EXPECT_NO_THROW(g.a2a[1]->synchronize(g.streams[0]));
 }
 
+// Each op as its halves, every rank's send half then every rank's receive half on one stream:
+// equal to the reference (a send half never waits, or this would time out), eager and replayed.
+TEST(Halves, EqualTheWholeOpsOnOneStreamEagerAndGraph) {
+  REQUIRE_GPU();
+  for (int index : {2, 5, 10, 12, 13, 16}) {
+    for (Backend b : {Backend::kLowLatency, Backend::kAllgatherReduceScatter}) {
+      const Case& c = kCases[index];
+      if (b != Backend::kLowLatency && c.layout == L::kExpertMajor) continue;
+      auto o = options_for(c);
+      o.backend = b;
+      o.halves = true;
+      o.iters = 2;
+      o.graph_replays = 20;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << c.name << " " << to_string(b) << describe(rep);
+      EXPECT_EQ(rep.calls, 22) << c.name << " " << to_string(b);
+    }
+  }
+}
+
+// A receive half needs its send half; a send half needs its receive half before the next op.
+TEST(Halves, CallOrderIsAStateError) {
+  REQUIRE_GPU();
+  Group g(small_config(), 1);
+  All2All& a = *g.a2a[0];
+  cudaStream_t s = g.streams[0];
+  EXPECT_THROW(a.dispatch_recv(s), StateError);
+  EXPECT_THROW(a.combine_recv(nullptr, s), StateError);
+  DispatchInput none;
+  a.dispatch_send(none, s);
+  EXPECT_THROW(a.dispatch(none, s), StateError);
+  EXPECT_THROW(a.dispatch_send(none, s), StateError);
+  EXPECT_THROW(a.combine(a.combine_buffer(), nullptr, s), StateError);
+  (void)a.dispatch_recv(s);
+  a.combine_send(a.combine_buffer(), s);
+  a.combine_recv(nullptr, s);
+  EXPECT_NO_THROW(a.synchronize(s));
+  // The whole ops still work after halves.
+  (void)a.dispatch(none, s);
+  a.combine(a.combine_buffer(), nullptr, s);
+  EXPECT_NO_THROW(a.synchronize(s));
+}
+
 TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {
   REQUIRE_GPU();
   EpConfig c = small_config();

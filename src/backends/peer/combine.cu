@@ -5,9 +5,11 @@
 //   A. publish: when the expert stage wrote its partials into combine_buffer(), block 0 tells
 //               every rank at once that they are ready; otherwise the partials are copied in (or
 //               folded from expert rows in f32) first and the last block tells them.
-//   B. pull:    one warp per (token, column chunk) reads the partial of each rank that got the
-//               token, in rank order, sums in f32 and writes bf16. The naive backend instead
-//               all-reduces every row over the ranks and takes its own tokens' rows.
+//   B. pull:    once every rank has published, one warp per (token, column chunk) reads the
+//               partial of each rank that got the token, in rank order, sums in f32 and writes
+//               bf16. The naive backend instead all-reduces every row over the ranks and takes
+//               its own tokens' rows.
+// A is the send half, B the receive half (Half): launched apart, compute may run between them.
 // Combine serves the round of the last dispatch (State::dispatch_epoch): its flags carry that
 // round, so a combine needs no state of its own. Every wait is bounded (WaitContext).
 
@@ -86,10 +88,10 @@ __device__ inline bool publish_and_wait_all(const CombineCall& c, int32_t* ticke
 
 // Token-major: the caller's bf16 partials [M][H], copied into this rank's partials area unless
 // the caller wrote them there (combine_buffer()). Expert-major: expert rows folded into one f32
-// partial per token-major row, p = sum_k fmaf(w_k, out, p). After (true): every rank's partials
-// [M_q][H] are complete and readable. False when a wait failed.
+// partial per token-major row, p = sum_k fmaf(w_k, out, p). After: this rank's partials [M][H]
+// are complete and every rank has been (or, from the last block to finish, will be) told so.
 template <typename PartialT>
-__device__ __forceinline__ bool publish_partials(const CombineCall& c) {
+__device__ __forceinline__ void publish_partials(const CombineCall& c) {
   const Shape& S = c.p.common.shape;
   const Layout& L = c.p.common.layout;
   const int K = S.topk, H = S.hidden, M = c.M;
@@ -102,7 +104,7 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
     if (c.me.expert_out == partials) {
       // The expert stage wrote them in place and finished before this kernel: publish now.
       if (b == 0) tell_all(c, L.ready);
-      return wait_all(c, L.ready);
+      return;
     } else {
       const int4* src = static_cast<const int4*>(c.me.expert_out);
       int4* dst = reinterpret_cast<int4*>(partials);
@@ -135,7 +137,7 @@ __device__ __forceinline__ bool publish_partials(const CombineCall& c) {
       }
     }
   }
-  return publish_and_wait_all(c, &c.state()->combine_ready_ticket, L.ready);
+  if (dev::last_block(&c.state()->combine_ready_ticket, c.nb)) tell_all(c, L.ready);
 }
 
 // ---- B. pull ---------------------------------------------------------------------------------
@@ -287,7 +289,12 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x) peers[r] = p.common.peers[r];
   __syncthreads();
 
-  if (!publish_partials<PartialT>(c)) return;
+  const Half half = p.common.half;
+  if (half != Half::kReceive) {
+    publish_partials<PartialT>(c);
+    if (half == Half::kSend) return;
+  }
+  if (!wait_all(c, p.common.layout.ready)) return;
   // Only token-major (bf16) partials are ever all-reduced (validate_for: expert-major is
   // low_latency's alone).
   constexpr bool kMayAllReduce = std::is_same_v<PartialT, __nv_bfloat16>;

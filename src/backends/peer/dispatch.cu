@@ -19,6 +19,7 @@
 //               State. Buffers touched by senders are double-buffered by epoch parity: a sender
 //               is at most one round ahead of any receiver (it waits for every rank's rows of
 //               its own round first).
+// 1-4 are the send half, 5 the receive half (Half): launched apart, compute may run between them.
 // Every wait is bounded (WaitContext); epochs live in State and are advanced by the kernel.
 
 #include <cuda_bf16.h>
@@ -224,6 +225,29 @@ __device__ __forceinline__ bool exchange_counts(const DispatchCall& c, DispatchS
   return sh.failed == 0;
 }
 
+// Ordered rows, receive half: M of the round from the count matrix its send half completed
+// (every entry of this epoch was seen there). After (true): sh.recv_total = M.
+__device__ __forceinline__ bool recount_ordered(const DispatchCall& c, DispatchShared& sh) {
+  const int W = c.p.common.shape.world, s = c.rank();
+  const uint64_t* matrix =
+      at<uint64_t>(c.local(), c.p.common.layout.count_matrix) + size_t(c.par()) * W * W;
+  if (threadIdx.x == 0) sh.recv_total = 0;
+  __syncthreads();
+  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+    const uint64_t seen = dev::ld_acquire_sys(matrix + size_t(q) * W + s);
+    if (uint32_t(seen >> 32) != c.epoch) {
+      // the send half of this round did not run (or a newer one did): a call-order error
+      dev::record_error(c.wait(), StatusCode::kTimeout, Phase::kDispatchCounts, q, c.epoch,
+                        int64_t(seen >> 32));
+      sh.failed = 1;
+    } else {
+      atomicAdd(&sh.recv_total, int32_t(uint32_t(seen)));
+    }
+  }
+  __syncthreads();
+  return sh.failed == 0;
+}
+
 // ---- 3. send ---------------------------------------------------------------------------------
 
 // 16-byte vectors per lane that one payload item loads before its stores (all in flight).
@@ -397,6 +421,11 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
   __syncthreads();
   if (threadIdx.x == 0) dev::fence_acq_rel_sys();
   if (!dev::last_block(&c.state()->dispatch_ticket, c.nb)) return;
+  // Every block of this call read send_epoch before reaching the ticket.
+  if (threadIdx.x == 0) {
+    c.state()->send_epoch = c.epoch;
+    c.state()->send_tokens = c.me.num_tokens;
+  }
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     dev::fence_acq_rel_sys();
     dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par()) * W + c.rank(),
@@ -533,7 +562,7 @@ __device__ __forceinline__ void finish_round(const DispatchCall& c, int M) {
   if (threadIdx.x == 0) {
     at<int32_t>(c.local(), L.next_row)[c.par()] = 0;
     c.state()->recv_count = M;
-    c.state()->num_tokens = c.me.num_tokens;
+    c.state()->num_tokens = c.state()->send_tokens;  // released with this rank's own signal
     c.state()->dispatch_epoch = c.epoch;
   }
 }
@@ -549,9 +578,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const State* state = at<State>(me.local, p.common.layout.state);
   // An earlier call timed out: the peers' state is unknown.
   if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
-  const uint32_t epoch = state->dispatch_epoch + 1;
+  const Half half = p.common.half;
+  // A receive half serves the round its send half began.
+  const uint32_t epoch = state->send_epoch + (half == Half::kReceive ? 0 : 1);
   // Block b owns tokens [t0, t1); each of its warps a chunk of per_warp of them in route.
-  const int N = me.num_tokens;
+  const int N = half == Half::kReceive ? 0 : me.num_tokens;
   const int per_block = (N + rb.nb - 1) / rb.nb;
   const int t0 = min(N, rb.b * per_block), t1 = min(N, t0 + per_block);
   const int num_warps = blockDim.x / kWarpSize;
@@ -568,14 +599,20 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   if (threadIdx.x == 0) sh.failed = 0;
   __syncthreads();
 
-  route(c, sh);
-  if (p.common.shape.ordered) {
-    if (!exchange_counts(c, sh)) return;
-  } else {
-    reserve_rows(c, sh);
+  if (half != Half::kReceive) {
+    route(c, sh);
+    if (p.common.shape.ordered) {
+      if (!exchange_counts(c, sh)) return;
+    } else {
+      reserve_rows(c, sh);
+    }
+    send<kDtype>(c, sh);
+    signal_sent(c, sh);
+    if (half == Half::kSend) return;
+  } else if (p.common.shape.ordered) {
+    // M of an ordered round came with the count exchange of the send half: read it again.
+    if (!recount_ordered(c, sh)) return;
   }
-  send<kDtype>(c, sh);
-  signal_sent(c, sh);
   const bool expert_major = p.common.shape.expert_major;
   if (!expert_major && rb.b != 0) return;  // token-major: block 0 receives for the rank
   if (!await_senders(c, sh)) return;

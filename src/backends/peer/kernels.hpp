@@ -50,12 +50,22 @@ int32_t ablate_from_env();
 // gridDim.x / num_ranks consecutive blocks; a rank with a GPU of its own launches alone.
 inline constexpr int kMaxLaunchRanks = 32;  // ranks per GPU (CUDA_DEVICE_MAX_CONNECTIONS <= 32)
 
+// Which part of an op a launch runs: both halves, or one (compute may run between them). The
+// send half of either op never waits for a peer, so the halves of several ranks may even be
+// enqueued one after another on one stream (all sends, then all receives).
+enum class Half : int32_t {
+  kWhole = 0,
+  kSend = 1,     // dispatch: route, send, signal; combine: publish the partials
+  kReceive = 2,  // dispatch: wait, then counts / expert rows; combine: wait, then pull and sum
+};
+
 struct LaunchCommon {
   uint8_t* const* peers;  // device array [W]: every rank's buffer, valid on this GPU
   Layout layout;
   Shape shape;
   uint64_t timeout_ns;
   int32_t num_ranks;  // ranks served by this launch
+  Half half;
 };
 
 struct DispatchRank {

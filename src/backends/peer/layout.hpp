@@ -21,6 +21,8 @@ struct Algorithm {
 
 // Device-resident cross-call state of one rank (DESIGN §5.1: epochs advance on the device).
 struct State {
+  uint32_t send_epoch;      // the round of the last dispatch send (a receive half serves it)
+  int32_t send_tokens;      // N of that send
   uint32_t dispatch_epoch;  // the round of the last completed dispatch (combine serves it)
   int32_t num_tokens;       // N of the last dispatch (combine's output rows)
   int32_t recv_count;       // M of the last dispatch

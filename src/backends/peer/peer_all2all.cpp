@@ -76,6 +76,8 @@ namespace {
 
 class PeerAll2All final : public All2All {
  public:
+  enum class Pending { kNone, kDispatchReceive, kCombineReceive };
+
   PeerAll2All(const EpConfig& cfg, const Algorithm& algo, SymmetricBuffer buf, LaunchConfigs launch)
       : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch) {
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
@@ -98,21 +100,80 @@ class PeerAll2All final : public All2All {
   }
 
   DispatchResult dispatch(const DispatchInput& in, cudaStream_t stream) override {
-    DispatchParams p{};
-    p.common = launch_common();
-    p.ids_int64 = in.ids_type == IdType::kInt64;
-    p.ranks[0] = prepare_dispatch(in);
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    launch_dispatch(p, cfg_.dtype, launch_.dispatch, stream);
+    launch_dispatch_half(Half::kWhole, &in, stream);
     return result();
   }
 
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
-    CombineParams p{};
-    p.common = launch_common();
-    p.ranks[0] = prepare_combine(expert_out, y);
+    launch_combine_half(Half::kWhole, expert_out, y, stream);
+  }
+
+  void dispatch_send(const DispatchInput& in, cudaStream_t stream) override {
+    launch_dispatch_half(Half::kSend, &in, stream);
+  }
+
+  DispatchResult dispatch_recv(cudaStream_t stream) override {
+    launch_dispatch_half(Half::kReceive, nullptr, stream);
+    return result();
+  }
+
+  void combine_send(const void* expert_out, cudaStream_t stream) override {
+    launch_combine_half(Half::kSend, expert_out, nullptr, stream);
+  }
+
+  void combine_recv(void* y, cudaStream_t stream) override {
+    launch_combine_half(Half::kReceive, nullptr, y, stream);
+  }
+
+  // One launch of dispatch (whole or a half) for this rank alone; `in` for the sending parts.
+  void launch_dispatch_half(Half half, const DispatchInput* in, cudaStream_t stream) {
+    DispatchParams p{};
+    p.common = launch_common(half);
+    if (half == Half::kReceive) {
+      check_usable();
+      expect_receive(Pending::kDispatchReceive, "dispatch_recv", "dispatch_send");
+      p.ranks[0] = DispatchRank{
+          .local = buf_.local(), .host_status = host_status_dev_, .rank = cfg_.rank};
+    } else {
+      p.ids_int64 = in->ids_type == IdType::kInt64;
+      p.ranks[0] = prepare_dispatch(*in);
+    }
+    pending_ = half == Half::kSend ? Pending::kDispatchReceive : Pending::kNone;
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    launch_combine(p, launch_.combine, stream);
+    launch_dispatch(p, cfg_.dtype, launch_for(half, launch_.dispatch, true), stream);
+  }
+
+  // One launch of combine (whole or a half) for this rank alone.
+  void launch_combine_half(Half half, const void* expert_out, void* y, cudaStream_t stream) {
+    CombineParams p{};
+    p.common = launch_common(half);
+    if (half == Half::kReceive) {
+      check_usable();
+      expect_receive(Pending::kCombineReceive, "combine_recv", "combine_send");
+      if (last_tokens_ > 0) check_ptr(y, "y", 16);
+      p.ranks[0] = CombineRank{
+          .local = buf_.local(), .host_status = host_status_dev_, .rank = cfg_.rank, .y = y};
+    } else {
+      p.ranks[0] = prepare_combine(expert_out, y, half == Half::kWhole);
+    }
+    pending_ = half == Half::kSend ? Pending::kCombineReceive : Pending::kNone;
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    launch_combine(p, launch_for(half, launch_.combine, false), stream);
+  }
+
+  // A receive half needs its send half first (host-side order; captures follow it too).
+  void expect_receive(Pending want, const char* call, const char* first) const {
+    EPX_CHECK(pending_ == want, StateError, call, "called",
+              fmt::format("after {} (each send half is followed by its receive half before the "
+                          "next op)",
+                          first));
+  }
+
+  // The launch shape of one part: dispatch's token-major receive half is block 0's alone.
+  LaunchConfig launch_for(Half half, LaunchConfig lc, bool dispatch) const {
+    if (dispatch && half == Half::kReceive && cfg_.layout == OutputLayout::kTokenMajor)
+      lc.num_blocks = 1;
+    return lc;
   }
 
   // This rank's part of a dispatch launch, after the host checks (nothing is launched when they
@@ -120,6 +181,8 @@ class PeerAll2All final : public All2All {
   DispatchRank prepare_dispatch(const DispatchInput& in) {
     poll();
     check_usable();
+    EPX_CHECK(pending_ != Pending::kDispatchReceive, StateError, "dispatch", "called",
+              "after dispatch_recv: the last dispatch_send's receive half is still due");
     const int N = in.num_tokens;
     EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
               "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
@@ -143,12 +206,14 @@ class PeerAll2All final : public All2All {
   // This rank's part of a combine launch. No poll() here: a bad-input error recorded by this
   // round's dispatch must not keep this rank out of the round's combine (its peers would wait
   // for it); it surfaces at synchronize() or the next dispatch.
-  CombineRank prepare_combine(const void* expert_out, void* y) {
+  CombineRank prepare_combine(const void* expert_out, void* y, bool whole) {
     check_usable();
+    EPX_CHECK(pending_ != Pending::kDispatchReceive, StateError, "combine", "called",
+              "after dispatch_recv: the last dispatch_send's receive half is still due");
     check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer (null, or one past the end of the caller's
     // buffer, as a chunked forward's empty chunks pass) is fine.
-    if (last_tokens_ > 0) check_ptr(y, "y", 16);
+    if (whole && last_tokens_ > 0) check_ptr(y, "y", 16);
     return CombineRank{.local = buf_.local(),
                        .host_status = host_status_dev_,
                        .rank = cfg_.rank,
@@ -157,12 +222,13 @@ class PeerAll2All final : public All2All {
   }
 
   // What every rank of a launch shares.
-  LaunchCommon launch_common() const {
+  LaunchCommon launch_common(Half half = Half::kWhole) const {
     return LaunchCommon{.peers = buf_.device_handle().peers,
                         .layout = layout_,
                         .shape = shape(),
                         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
-                        .num_ranks = 1};
+                        .num_ranks = 1,
+                        .half = half};
   }
 
   // Ranks that may share one launch: the same in-process group, GPU, configuration and launch
@@ -172,6 +238,7 @@ class PeerAll2All final : public All2All {
   int device() const { return buf_.device(); }
   const LaunchConfigs& launch_configs() const { return launch_; }
   DispatchResult dispatch_result() const { return result(); }
+  void clear_pending() { pending_ = Pending::kNone; }
 
   void poll() override {
     check_usable();
@@ -305,6 +372,7 @@ class PeerAll2All final : public All2All {
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
   std::string first_error_;
   std::shared_ptr<const void> launch_group_;
+  Pending pending_ = Pending::kNone;  // the receive half this rank owes (host-side call order)
 #if EPX_MEASUREMENT
   int32_t ablate_ = ablate_from_env();
 #endif
@@ -407,7 +475,10 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   p.common = rs[0]->launch_common();
   p.common.num_ranks = int32_t(rs.size());
   p.ids_int64 = int64_ids;
-  for (size_t i = 0; i < rs.size(); ++i) p.ranks[i] = rs[i]->prepare_dispatch(inputs[i]);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    p.ranks[i] = rs[i]->prepare_dispatch(inputs[i]);
+    rs[i]->clear_pending();
+  }
   EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
   launch_dispatch(p, rs[0]->config().dtype, rs[0]->launch_configs().dispatch, stream);
   std::vector<DispatchResult> out;
@@ -423,7 +494,10 @@ void combine_group(std::span<All2All* const> ranks, std::span<const void* const>
   CombineParams p{};
   p.common = rs[0]->launch_common();
   p.common.num_ranks = int32_t(rs.size());
-  for (size_t i = 0; i < rs.size(); ++i) p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i]);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i], true);
+    rs[i]->clear_pending();
+  }
   EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
   launch_combine(p, rs[0]->launch_configs().combine, stream);
 }
