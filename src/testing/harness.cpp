@@ -263,16 +263,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
               for (auto& b : rb) (void)cudaStreamSynchronize(b.stream);
             }};
     for (int g = 0; g < num_gpus; ++g) {
-      cudaStream_t st = rb[g].stream;
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
-      EPX_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      try {
-        enqueue_gpu(g);
-        execs.push_back(end_capture_and_instantiate(st));
-      } catch (...) {
-        abandon_capture(st);
-        throw;
-      }
+      execs.push_back(capture_graph(rb[g].stream, [&] { enqueue_gpu(g); }));
     }
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
