@@ -257,20 +257,48 @@ class All2All:
             )
 
     def _dispatch_eager(self, x, topk_ids, topk_weights, x_scales) -> DispatchOutput:
+        result = self._impl.dispatch(*self._dispatch_args(x, topk_ids, topk_weights, x_scales))
+        return self._views_of(result)
+
+    def _dispatch_args(self, x, topk_ids, topk_weights, x_scales) -> tuple:
+        """The extension's arguments of a dispatch (after the host checks)."""
         torch = T.torch()
         self.check_dispatch_inputs(x, topk_ids, topk_weights, x_scales)
         n = x.shape[0]
-        result = self._impl.dispatch(
-            n,
-            x.data_ptr(),
-            0 if x_scales is None else x_scales.data_ptr(),
-            topk_ids.data_ptr(),
-            topk_ids.dtype == torch.int64,
-            topk_weights.data_ptr(),
-            T.current_stream(self.device),
-        )
         self._num_tokens = n
-        return self._views_of(result)
+        return (n, x.data_ptr(), 0 if x_scales is None else x_scales.data_ptr(),
+                topk_ids.data_ptr(), topk_ids.dtype == torch.int64, topk_weights.data_ptr(),
+                T.current_stream(self.device))
+
+    # ---- halves (eager calls; under torch.compile use dispatch / combine) ----------------------
+
+    def dispatch_send(self, x, topk_ids, topk_weights, x_scales=None) -> None:
+        """dispatch's send half: routes and sends this rank's tokens, never waits for a peer
+        (unless rows are ordered: deterministic=True or the naive backend). Run other work, then
+        dispatch_recv(); dispatch(...) equals the two. Arguments as dispatch()."""
+        self._impl.dispatch_send(*self._dispatch_args(x, topk_ids, topk_weights, x_scales))
+
+    def dispatch_recv(self) -> DispatchOutput:
+        """dispatch's receive half: waits for every peer's rows of the round and returns what
+        dispatch() returns. StateError unless dispatch_send came first."""
+        return self._views_of(self._impl.dispatch_recv(T.current_stream(self.device)))
+
+    def combine_send(self, expert_out) -> None:
+        """combine's send half: publishes the expert outputs (peers read them until their
+        combine_recv; leave them as they are until this rank's combine_recv has run)."""
+        self.check_combine_inputs(expert_out, None, None, out_needed=False)
+        self._impl.combine_send(expert_out.data_ptr(), T.current_stream(self.device))
+
+    def combine_recv(self, out=None):
+        """combine's receive half: pulls and sums; returns y as combine() does."""
+        torch = T.torch()
+        if out is None:
+            out = torch.empty((self._num_tokens, self.config.hidden), dtype=torch.bfloat16,
+                              device=self.device)
+        T.check("out", out, dtype=torch.bfloat16, shape=(self._num_tokens, self.config.hidden),
+                device=self.device, what="the last dispatch's tokens")
+        self._impl.combine_recv(out.data_ptr(), T.current_stream(self.device))
+        return out
 
     def _views_of(self, result) -> DispatchOutput:
         # The object's memory does not move: the views are made once and returned every time.
@@ -347,15 +375,18 @@ class All2All:
             return out
         return self._combine_eager(expert_out, out)
 
-    def check_combine_inputs(self, expert_out, out, num_tokens: Optional[int] = None) -> None:
+    def check_combine_inputs(self, expert_out, out, num_tokens: Optional[int] = None,
+                             out_needed: bool = True) -> None:
         """The host checks of combine, on real or fake tensors. `num_tokens` is the last
         dispatch's token count, which `out` must have; None (the fake implementation, which
         must not read this object's runtime state) checks only that it is at most
-        max_tokens_per_rank."""
+        max_tokens_per_rank. out_needed=False checks expert_out alone (combine_send)."""
         torch = T.torch()
         c = self.config
         T.check("expert_out", expert_out, dtype=torch.bfloat16, shape=self.combine_shape(),
                 device=self.device, what=f"layout = '{c.layout}'")
+        if not out_needed:
+            return
         if num_tokens is not None:
             T.check("out", out, dtype=torch.bfloat16, shape=(num_tokens, c.hidden),
                     device=self.device, what="the last dispatch's tokens")

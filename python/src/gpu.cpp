@@ -238,6 +238,36 @@ void bind_gpu(nb::module_& m) {
           },
           nb::arg("expert_out"), nb::arg("y"), nb::arg("stream"),
           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "dispatch_send",
+          [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
+             bool ids_int64, uintptr_t topk_weights, uintptr_t stream) {
+            DispatchInput in{.num_tokens = num_tokens,
+                             .x = as_ptr<const void>(x),
+                             .x_scales = as_ptr<const float>(x_scales),
+                             .topk_ids = as_ptr<const void>(topk_ids),
+                             .ids_type = ids_int64 ? IdType::kInt64 : IdType::kInt32,
+                             .topk_weights = as_ptr<const float>(topk_weights)};
+            a.dispatch_send(in, as_stream(stream));
+          },
+          nb::arg("num_tokens"), nb::arg("x"), nb::arg("x_scales"), nb::arg("topk_ids"),
+          nb::arg("ids_int64"), nb::arg("topk_weights"), nb::arg("stream"),
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "dispatch_recv", [](All2All& a, uintptr_t stream) { return a.dispatch_recv(as_stream(stream)); },
+          nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "combine_send",
+          [](All2All& a, uintptr_t expert_out, uintptr_t stream) {
+            a.combine_send(as_ptr<const void>(expert_out), as_stream(stream));
+          },
+          nb::arg("expert_out"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "combine_recv",
+          [](All2All& a, uintptr_t y, uintptr_t stream) {
+            a.combine_recv(as_ptr<void>(y), as_stream(stream));
+          },
+          nb::arg("y"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
       .def("combine_buffer_ptr", [](All2All& a) { return uintptr_t(a.combine_buffer()); })
       .def("poll", &All2All::poll)
       .def(

@@ -156,6 +156,34 @@ def test_round_every_dtype_and_layout(gpu, dtype, layout):
         check_combine(rk, inputs, ys)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_halves_on_one_stream_equal_the_whole_ops(gpu, layout):
+    """Every rank's send half, then every rank's receive half, all on one stream: a send half
+    never waits (else this would time out), and the results are those of the whole ops."""
+    import torch
+
+    rk = Ranks(small_config(dtype="bf16-to-fp8", layout=layout), 3)
+    rk.warm_up_experts(gpu)
+    inputs = [ref.make_inputs(rk.cfg, r, n, 5, gpu) for r, n in enumerate((64, 0, 17))]
+    _, whole = rk.round(inputs)
+    whole = [y.clone() for y in whole]
+    for r, a in enumerate(rk.group):
+        a.dispatch_send(*inputs[r][:3], inputs[r][3])
+    ds = [a.dispatch_recv() for a in rk.group]
+    check_dispatch(rk, inputs, ds)
+    for r in range(len(rk.group)):
+        rk.expert_stage(r, ds[r])
+    for a in rk.group:
+        a.combine_send(a.combine_buffer())
+    ys = [a.combine_recv() for a in rk.group]
+    for a in rk.group:
+        a.synchronize()
+    for r in range(len(rk.group)):
+        assert torch.equal(ys[r], whole[r]), f"rank {r}: halves differ from the whole ops"
+    with pytest.raises(epx.StateError, match="dispatch_send"):
+        rk.group[0].dispatch_recv()
+
+
 @pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
 def test_baseline_backends(gpu, backend):
     rk = Ranks(small_config(dtype="bf16", num_experts=24), 3, backend)  # 8 experts a rank
