@@ -203,7 +203,10 @@ LaunchConfig parse_section(const json& section, const std::string& section_name,
                             origin, section_name, key.name, section_name, key.alias));
     }
   }
-  for (const auto& [name, value] : section.items()) {
+  for (const auto& item : section.items()) {
+    // Plain names, not structured bindings: clang before 16 cannot capture those in a lambda.
+    const std::string& name = item.key();
+    const json& value = item.value();
     const auto* key = std::find_if(kLaunchKeys.begin(), kLaunchKeys.end(), [&](const auto& k) {
       return name == k.name || name == k.alias;
     });
