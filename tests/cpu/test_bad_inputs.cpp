@@ -534,6 +534,9 @@ void Catalogue::build() {
       {"--hidden = 1000", "a multiple of kFp8BlockSize = 128 for --dtype fp8"});
   cli("cli.check.too_many_tokens", {"check", "--tokens", "70000"},
       {"--tokens = 70000", "expected in [0, 65536]"});
+  cli("cli.check.tokens_above_max_tokens", {"check", "--tokens", "7,128", "--world", "2",
+                                            "--experts", "8", "--max-tokens", "64"},
+      {"--tokens = 7,128", "counts of at most --max-tokens = 64"});
   cli("cli.check.token_list_length", {"check", "--world", "4", "--tokens", "1,2,3"},
       {"--tokens = '1,2,3' has 3 counts", "one count or 4 (one per rank of --world)"});
   cli("cli.check.routing_unknown", {"check", "--routing", "zipf"},
