@@ -107,8 +107,8 @@ Observed run_cli(const std::vector<std::string>& args,
 ::testing::AssertionResult meets(const Case& c, const Expect& e, const Observed& o) {
   if (c.surface == Surface::kCli) {
     if (o.exit_code != e.exit_code) {
-      return ::testing::AssertionFailure() << c.id << ": exit code " << o.exit_code
-                                           << ", expected " << e.exit_code << "; stderr:\n"
+      return ::testing::AssertionFailure() << c.id << ": exit code " << o.exit_code << ", expected "
+                                           << e.exit_code << "; stderr:\n"
                                            << o.message;
     }
   } else if (!o.epx_error || o.code != e.code) {
@@ -137,7 +137,9 @@ class Catalogue {
  private:
   void api(std::string id, std::string input, std::function<void()> call, ErrorCode code,
            std::vector<std::string> words, Surface surface = Surface::kApi) {
-    cases_.push_back({std::move(id), surface, std::move(input),
+    cases_.push_back({std::move(id),
+                      surface,
+                      std::move(input),
                       [call = std::move(call)] { return observe(call); },
                       {code, -1, std::move(words)}});
   }
@@ -146,12 +148,15 @@ class Catalogue {
     EpConfig cfg;  // the DeepSeek-R1 shape on one rank of 8
     cfg.world_size = 8;
     edit(cfg);
-    api(std::move(id), "EpConfig{" + input + "}.validate()", [cfg] { cfg.validate(); },
+    api(
+        std::move(id), "EpConfig{" + input + "}.validate()", [cfg] { cfg.validate(); },
         ErrorCode::kConfig, std::move(words));
   }
   void json(std::string id, std::string text, std::vector<std::string> words) {
-    api(std::move(id), text.empty() ? "(empty text)" : "`" + text + "`", [text] { (void)parse_launch_configs(text, "launch.json"); },
-        ErrorCode::kConfig, std::move(words), Surface::kJson);
+    api(
+        std::move(id), text.empty() ? "(empty text)" : "`" + text + "`",
+        [text] { (void)parse_launch_configs(text, "launch.json"); }, ErrorCode::kConfig,
+        std::move(words), Surface::kJson);
   }
   void env(std::string id, std::string input, std::function<void()> call,
            std::vector<std::string> words) {
@@ -164,12 +169,13 @@ class Catalogue {
     auto shown = [](const char* name, const char* v) {
       return v == nullptr ? std::string() : std::string(name) + "=" + v + " ";
     };
-    std::string input = shown("EPX_RANK", rank) + shown("EPX_WORLD_SIZE", world) +
-                        shown("EPX_BOOTSTRAP", address);
+    std::string input =
+        shown("EPX_RANK", rank) + shown("EPX_WORLD_SIZE", world) + shown("EPX_BOOTSTRAP", address);
     input.pop_back();
     const std::string r = rank ? rank : "", w = world ? world : "", a = address ? address : "";
     const bool has_r = rank, has_w = world, has_a = address;
-    api(std::move(id), input,
+    api(
+        std::move(id), input,
         [=] {
           (void)BootstrapOptions::parse_env(has_r ? r.c_str() : nullptr,
                                             has_w ? w.c_str() : nullptr,
@@ -179,16 +185,17 @@ class Catalogue {
   }
   // Three ranks on a framework-style all-gather; vary(rank, cfg, backend) makes them differ.
   // Every rank must fail, each naming itself; the message is all three messages.
-  void ranks(std::string id, std::string input,
-             std::function<void(int, EpConfig&, Backend&)> vary, std::vector<std::string> words) {
+  void ranks(std::string id, std::string input, std::function<void(int, EpConfig&, Backend&)> vary,
+             std::vector<std::string> words) {
     words.insert(words.end(), {"rank 0 of 3", "rank 1 of 3", "rank 2 of 3"});
-    cases_.push_back({std::move(id), Surface::kRanks, std::move(input),
+    cases_.push_back({std::move(id),
+                      Surface::kRanks,
+                      std::move(input),
                       [vary = std::move(vary)] {
                         ThreadAllGather gather(3);
                         const std::vector<Outcome> outs = run_threads(3, [&](int r) {
-                          CallbackBootstrap b(r, 3, [&, r](const std::string& bytes) {
-                            return gather(r, bytes);
-                          });
+                          CallbackBootstrap b(
+                              r, 3, [&, r](const std::string& bytes) { return gather(r, bytes); });
                           EpConfig cfg = job_config();
                           cfg.rank = r;
                           Backend backend = Backend::kLowLatency;
@@ -215,7 +222,9 @@ class Catalogue {
     }
     input += "epx";
     for (const std::string& a : args) input += " " + (a.empty() ? std::string("''") : a);
-    cases_.push_back({std::move(id), Surface::kCli, input,
+    cases_.push_back({std::move(id),
+                      Surface::kCli,
+                      input,
                       [args = std::move(args), env = std::move(env)] { return run_cli(args, env); },
                       {ErrorCode::kOk, exit_code, std::move(words)}});
   }
@@ -232,8 +241,8 @@ void Catalogue::build() {
          {"world_size = 65", "[1, kMaxRanks = 64]"});
   config("config.world_size_zero", "world_size = 0", [](EpConfig& c) { c.world_size = 0; },
          {"world_size = 0", "[1, kMaxRanks = 64]"});
-  config("config.rank_not_below_world", "rank = 8, world_size = 8",
-         [](EpConfig& c) { c.rank = 8; }, {"rank = 8", "[0, world_size = 8)"});
+  config("config.rank_not_below_world", "rank = 8, world_size = 8", [](EpConfig& c) { c.rank = 8; },
+         {"rank = 8", "[0, world_size = 8)"});
   config("config.rank_negative", "rank = -1", [](EpConfig& c) { c.rank = -1; },
          {"rank = -1", "[0, world_size = 8)"});
   config("config.hidden_fp8_not_multiple_of_128", "dtype = fp8, hidden = 7176",
@@ -263,8 +272,7 @@ void Catalogue::build() {
          {"topk = 9", "num_experts = 8", "= [1, 8]"});
   config("config.topk_above_32", "topk = 33", [](EpConfig& c) { c.topk = 33; },
          {"topk = 33", "kMaxTopk = 32"});
-  config("config.topk_zero", "topk = 0", [](EpConfig& c) { c.topk = 0; },
-         {"topk = 0", "[1, 32]"});
+  config("config.topk_zero", "topk = 0", [](EpConfig& c) { c.topk = 0; }, {"topk = 0", "[1, 32]"});
   config("config.experts_not_divisible_by_world", "num_experts = 100, world_size = 8",
          [](EpConfig& c) { c.num_experts = 100; },
          {"num_experts = 100", "a multiple of world_size = 8"});
@@ -305,31 +313,36 @@ void Catalogue::build() {
 
   // ---- bootstrap objects and options ----------------------------------------------------------
   const auto gather_nothing = [](const std::string&) { return std::vector<std::string>(2); };
-  api("bootstrap.callback_rank_not_below_size", "CallbackBootstrap(rank 3, size 3, f)",
+  api(
+      "bootstrap.callback_rank_not_below_size", "CallbackBootstrap(rank 3, size 3, f)",
       [=] { CallbackBootstrap b(3, 3, gather_nothing); }, ErrorCode::kConfig,
       {"rank = 3", "[0, size = 3)"}, Surface::kBootstrap);
-  api("bootstrap.callback_size_above_64", "CallbackBootstrap(rank 0, size 65, f)",
+  api(
+      "bootstrap.callback_size_above_64", "CallbackBootstrap(rank 0, size 65, f)",
       [=] { CallbackBootstrap b(0, 65, gather_nothing); }, ErrorCode::kConfig,
       {"size = 65", "[1, kMaxRanks = 64]"}, Surface::kBootstrap);
-  api("bootstrap.callback_without_function", "CallbackBootstrap(rank 0, size 2, {})",
+  api(
+      "bootstrap.callback_without_function", "CallbackBootstrap(rank 0, size 2, {})",
       [] { CallbackBootstrap b(0, 2, {}); }, ErrorCode::kConfig,
-      {"all_gather = an empty function", "a callable that all-gathers bytes"},
-      Surface::kBootstrap);
-  api("bootstrap.callback_short_result", "size 3, the all-gather returns 2 strings",
+      {"all_gather = an empty function", "a callable that all-gathers bytes"}, Surface::kBootstrap);
+  api(
+      "bootstrap.callback_short_result", "size 3, the all-gather returns 2 strings",
       [=] {
         CallbackBootstrap b(0, 3, gather_nothing);
         (void)b.all_gather("x");
       },
       ErrorCode::kPeer, {"all_gather callback result size = 2", "3 (one entry per rank)"},
       Surface::kBootstrap);
-  api("bootstrap.callback_passes_no_fds", "CallbackBootstrap::all_gather_fds(0)",
+  api(
+      "bootstrap.callback_passes_no_fds", "CallbackBootstrap::all_gather_fds(0)",
       [=] {
         CallbackBootstrap b(0, 2, gather_nothing);
         (void)b.all_gather_fds(0);
       },
       ErrorCode::kUnsupported, {"cannot pass file descriptors", "CUDA IPC handles"},
       Surface::kBootstrap);
-  api("bootstrap.options_rank_not_below_world", "BootstrapOptions{rank 2, world_size 2}",
+  api(
+      "bootstrap.options_rank_not_below_world", "BootstrapOptions{rank 2, world_size 2}",
       [] {
         BootstrapOptions o;
         o.rank = 2;
@@ -338,15 +351,16 @@ void Catalogue::build() {
         o.validate();
       },
       ErrorCode::kConfig, {"rank = 2", "[0, world_size = 2)"}, Surface::kBootstrap);
-  api("bootstrap.options_timeout_zero", "BootstrapOptions{timeout_ms 0}",
+  api(
+      "bootstrap.options_timeout_zero", "BootstrapOptions{timeout_ms 0}",
       [] {
         BootstrapOptions o;
         o.timeout_ms = 0;
         o.validate();
       },
-      ErrorCode::kConfig, {"timeout_ms = 0", "[1, kMaxTimeoutMs = 86400000]"},
-      Surface::kBootstrap);
-  api("bootstrap.options_address_too_long", "BootstrapOptions{address \"@\" + 108 bytes}",
+      ErrorCode::kConfig, {"timeout_ms = 0", "[1, kMaxTimeoutMs = 86400000]"}, Surface::kBootstrap);
+  api(
+      "bootstrap.options_address_too_long", "BootstrapOptions{address \"@\" + 108 bytes}",
       [] {
         BootstrapOptions o;
         o.world_size = 2;
@@ -355,14 +369,16 @@ void Catalogue::build() {
       },
       ErrorCode::kConfig, {"address = \"@aaa", "is 108 bytes long", "at most 107 (sockaddr_un)"},
       Surface::kBootstrap);
-  api("bootstrap.options_no_address_for_two", "BootstrapOptions{world_size 2, address \"\"}",
+  api(
+      "bootstrap.options_no_address_for_two", "BootstrapOptions{world_size 2, address \"\"}",
       [] {
         BootstrapOptions o;
         o.world_size = 2;
         o.validate();
       },
       ErrorCode::kConfig, {"address is empty", "all 2 ranks share"}, Surface::kBootstrap);
-  api("bootstrap.stale_socket_of_at", "remove_stale_socket_file(\"@\")",
+  api(
+      "bootstrap.stale_socket_of_at", "remove_stale_socket_file(\"@\")",
       [] { (void)remove_stale_socket_file("@"); }, ErrorCode::kConfig,
       {"address = \"@\"", "\"@name\" or a socket file path"}, Surface::kBootstrap);
 
@@ -438,13 +454,16 @@ void Catalogue::build() {
        {"duplicate key global.num_blocks", "expected each key once"});
   json("json.duplicate_section", R"({"dispatch": {}, "dispatch": {}})",
        {"duplicate key dispatch", "expected each key once"});
-  api("json.file_missing", "load_launch_configs(\"/nonexistent/epx.json\")",
+  api(
+      "json.file_missing", "load_launch_configs(\"/nonexistent/epx.json\")",
       [] { (void)load_launch_configs("/nonexistent/epx.json"); }, ErrorCode::kConfig,
       {"/nonexistent/epx.json does not exist", "expected a JSON file"}, Surface::kJson);
-  api("json.file_is_a_directory", "load_launch_configs(\"/\")",
+  api(
+      "json.file_is_a_directory", "load_launch_configs(\"/\")",
       [] { (void)load_launch_configs("/"); }, ErrorCode::kConfig,
       {"launch config path / is not a regular file", "expected a JSON file"}, Surface::kJson);
-  api("json.file_path_empty", "load_launch_configs(\"\")", [] { (void)load_launch_configs(""); },
+  api(
+      "json.file_path_empty", "load_launch_configs(\"\")", [] { (void)load_launch_configs(""); },
       ErrorCode::kConfig, {"launch config path is empty", "expected a JSON file"}, Surface::kJson);
 
   // ---- environment variables ------------------------------------------------------------------
@@ -458,7 +477,8 @@ void Catalogue::build() {
            {"env.timeout_leading_space", " 100"},
            {"env.timeout_unit_suffix", "100ms"},
            {"env.timeout_twenty_digits", "99999999999999999999"}}) {
-    env(id, "EPX_TIMEOUT_MS=" + value, [value] { (void)parse_env(nullptr, value.c_str(), nullptr); },
+    env(id, "EPX_TIMEOUT_MS=" + value,
+        [value] { (void)parse_env(nullptr, value.c_str(), nullptr); },
         {"EPX_TIMEOUT_MS = \"" + value + "\"", timeout_bound});
   }
   env("env.backend_unknown", "EPX_BACKEND=foo", [] { (void)parse_env("foo", nullptr, nullptr); },
@@ -471,11 +491,11 @@ void Catalogue::build() {
       {"EPX_BACKEND = \"LOW_LATENCY\"", "one of naive, allgather_reducescatter, low_latency"});
   env("env.config_path_empty", "EPX_CONFIG_PATH=", [] { (void)parse_env(nullptr, nullptr, ""); },
       {"EPX_CONFIG_PATH = \"\"", "the path of a JSON launch file"});
-  for (const auto& [id, value] : std::vector<std::pair<std::string, std::string>>{
-           {"env.max_connections_zero", "0"},
-           {"env.max_connections_33", "33"},
-           {"env.max_connections_negative", "-8"},
-           {"env.max_connections_letters", "many"}}) {
+  for (const auto& [id, value] :
+       std::vector<std::pair<std::string, std::string>>{{"env.max_connections_zero", "0"},
+                                                        {"env.max_connections_33", "33"},
+                                                        {"env.max_connections_negative", "-8"},
+                                                        {"env.max_connections_letters", "many"}}) {
     env(id, "CUDA_DEVICE_MAX_CONNECTIONS=" + value,
         [value] { (void)hardware_queues_per_gpu(value.c_str()); },
         {"CUDA_DEVICE_MAX_CONNECTIONS = \"" + value + "\"", "an integer in 1..32"});
@@ -497,8 +517,8 @@ void Catalogue::build() {
   bootstrap_env("env.address_empty", "0", "2", "", {"EPX_BOOTSTRAP = \"\"", "\"@name\""});
   bootstrap_env("env.address_at_only", "0", "2", "@",
                 {"EPX_BOOTSTRAP = \"@\"", "\"@name\" or a socket file path"});
-  bootstrap_env("env.address_unix_prefix_only", "0", "2", "unix:",
-                {"EPX_BOOTSTRAP = \"unix:\"", "\"@name\" or a socket file path"});
+  bootstrap_env("env.address_unix_prefix_only", "0", "2",
+                "unix:", {"EPX_BOOTSTRAP = \"unix:\"", "\"@name\" or a socket file path"});
   env("env.bootstrap_from_process", "EPX_RANK=3 EPX_WORLD_SIZE=2 in the process, from_env()",
       [] {
         ScopedEnv r("EPX_RANK", "3"), w("EPX_WORLD_SIZE", "2"), a("EPX_BOOTSTRAP", "@epx-x");
@@ -524,8 +544,8 @@ void Catalogue::build() {
       {"/launch.json: dispatch.num_blocks = 0", "an integer in [1, 1024]"},
       {{"EPX_CONFIG_PATH", bad_file}}, 2,
       R"(EPX_CONFIG_PATH=<dir>/launch.json holding {"dispatch": {"num_blocks": 0}})");
-  cli("cli.bench.timeout_env_exponent", {"bench"},
-      {"EPX_TIMEOUT_MS = \"1e99\"", timeout_bound}, {{"EPX_TIMEOUT_MS", "1e99"}});
+  cli("cli.bench.timeout_env_exponent", {"bench"}, {"EPX_TIMEOUT_MS = \"1e99\"", timeout_bound},
+      {{"EPX_TIMEOUT_MS", "1e99"}});
   cli("cli.check.topk_above_experts", {"check", "--experts", "8", "--topk", "9"},
       {"--topk = 9", "--experts = 8", "= [1, 8]"});
   cli("cli.check.experts_not_divisible", {"check", "--experts", "100"},
@@ -534,8 +554,8 @@ void Catalogue::build() {
       {"--hidden = 1000", "a multiple of kFp8BlockSize = 128 for --dtype fp8"});
   cli("cli.check.too_many_tokens", {"check", "--tokens", "70000"},
       {"--tokens = 70000", "expected in [0, 65536]"});
-  cli("cli.check.tokens_above_max_tokens", {"check", "--tokens", "7,128", "--world", "2",
-                                            "--experts", "8", "--max-tokens", "64"},
+  cli("cli.check.tokens_above_max_tokens",
+      {"check", "--tokens", "7,128", "--world", "2", "--experts", "8", "--max-tokens", "64"},
       {"--tokens = 7,128", "counts of at most --max-tokens = 64"});
   cli("cli.check.token_list_length", {"check", "--world", "4", "--tokens", "1,2,3"},
       {"--tokens = '1,2,3' has 3 counts", "one count or 4 (one per rank of --world)"});
@@ -565,7 +585,8 @@ void Catalogue::build() {
       {"--preset = 'r2'", "expected original"});
   cli("cli.launch.ranks_above_64", {"launch", "-n", "65", "--", "true"},
       {"-n = 65", "[1, kMaxRanks = 64]"});
-  cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"}, {"-n = 0", "[1, kMaxRanks = 64]"});
+  cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"},
+      {"-n = 0", "[1, kMaxRanks = 64]"});
   cli("cli.launch.bootstrap_at_only", {"launch", "-n", "2", "--bootstrap", "@", "--", "true"},
       {"--bootstrap", "address = \"@\"", "\"@name\" or a socket file path"});
   cli("cli.parse.iters_not_a_number", {"bench", "--iters", "abc"},
@@ -584,8 +605,7 @@ std::string cell(const std::string& text) {
     } else if (c == '\n') {
       out += ' ';
     } else if (static_cast<unsigned char>(c) >= 0x80) {
-      out += "\\x" + std::string(1, "0123456789abcdef"[(c >> 4) & 15]) +
-             "0123456789abcdef"[c & 15];
+      out += "\\x" + std::string(1, "0123456789abcdef"[(c >> 4) & 15]) + "0123456789abcdef"[c & 15];
     } else {
       out += c;
     }
@@ -608,8 +628,9 @@ std::string table(const Catalogue& cat) {
   std::ostringstream os;
   const auto& gpu = bad_inputs::gpu_cases();
   os << "CPU-side cases: " << cat.cases().size() << " (tests/cpu/test_bad_inputs.cpp). GPU-side "
-     << "cases: " << gpu.size() << " (tests/gpu/test_bad_inputs_gpu.cpp). Total: "
-     << cat.cases().size() + gpu.size() << ".\n\n";
+     << "cases: " << gpu.size()
+     << " (tests/gpu/test_bad_inputs_gpu.cpp). Total: " << cat.cases().size() + gpu.size()
+     << ".\n\n";
   os << "| case | surface | input | expected | message names |\n";
   os << "|---|---|---|---|---|\n";
   for (const Case& c : cat.cases()) {

@@ -61,9 +61,8 @@ void value_parsers(const std::string& t) {
   }
   (void)refuses_only_with<ConfigError>("parse_routing_flag", [&] { cli::parse_routing_flag(t); });
   std::vector<epx::Backend> backends;
-  if (refuses_only_with<ConfigError>("parse_backend_list", [&] {
-        backends = cli::parse_backend_list(t, "--backends");
-      })) {
+  if (refuses_only_with<ConfigError>(
+          "parse_backend_list", [&] { backends = cli::parse_backend_list(t, "--backends"); })) {
     require(!backends.empty() && backends.size() <= 3, "parse_backend_list: wrong count");
   }
   (void)refuses_only_with<ConfigError>("parse_world_kind", [&] { cli::parse_world_kind(t); });

@@ -58,13 +58,14 @@ void hardware_queues(const epx::fuzz::Fields& f) {
 void bootstrap(const epx::fuzz::Fields& f) {
   epx::BootstrapOptions o;
   if (!refuses_only_with<ConfigError>("BootstrapOptions::parse_env", [&] {
-        o = epx::BootstrapOptions::parse_env(f.c_str(kRank), f.c_str(kWorldSize),
-                                             f.c_str(kAddress), f.c_str(kTimeout));
+        o = epx::BootstrapOptions::parse_env(f.c_str(kRank), f.c_str(kWorldSize), f.c_str(kAddress),
+                                             f.c_str(kTimeout));
       })) {
     return;
   }
   // What the environment gives must be options the bootstrap accepts.
-  const bool valid = refuses_only_with<ConfigError>("BootstrapOptions::validate", [&] { o.validate(); });
+  const bool valid =
+      refuses_only_with<ConfigError>("BootstrapOptions::validate", [&] { o.validate(); });
   require(valid, "BootstrapOptions::parse_env accepted options that validate() refuses");
   if (!o.address.empty()) {
     // The address fits a sockaddr_un (ASan watches the copy).
@@ -77,9 +78,8 @@ void any_address(const epx::fuzz::Fields& f) {
   // Any text as an address of a world of 1 or 2 ranks: refused by name, or resolvable.
   for (int world : {1, 2}) {
     const std::string& a = f.text(kAddress);
-    if (refuses_only_with<ConfigError>("validate_address", [&] {
-          epx::transport::validate_address("address", a, world);
-        }) &&
+    if (refuses_only_with<ConfigError>(
+            "validate_address", [&] { epx::transport::validate_address("address", a, world); }) &&
         !a.empty()) {
       const epx::transport::SocketAddress s = epx::transport::resolve(a);
       require(s.len <= sizeof(s.addr), "socket address longer than sockaddr_un");

@@ -23,8 +23,8 @@
 namespace epx {
 namespace {
 
-#define REQUIRE_GPU()                                                      \
-  do {                                                                     \
+#define REQUIRE_GPU()                                                    \
+  do {                                                                   \
     if (cuda_device_count() == 0) GTEST_SKIP() << "needs an NVIDIA GPU"; \
   } while (0)
 
@@ -93,7 +93,9 @@ struct Group {
 
 const std::vector<int32_t> kTwoTokens = {0, 1, 2, 3, 4, 5, 6, 7};
 
-const void* offset(const void* p, size_t bytes) { return static_cast<const char*>(p) + bytes; }
+const void* offset(const void* p, size_t bytes) {
+  return static_cast<const char*>(p) + bytes;
+}
 
 // A single rank whose token 0 names expert -2: dispatch, combine, synchronize.
 void dispatch_id_minus_two(Group& g) {
@@ -169,7 +171,8 @@ std::map<std::string, std::function<void()>> scenarios() {
     DispatchInput in = g.input(kTwoTokens);
     void* pinned = nullptr;
     EPX_CUDA_CHECK(cudaMallocHost(&pinned, kTwoTokens.size() * sizeof(float)));
-    std::unique_ptr<void, void (*)(void*)> free_pinned(pinned, [](void* p) { (void)cudaFreeHost(p); });
+    std::unique_ptr<void, void (*)(void*)> free_pinned(pinned,
+                                                       [](void* p) { (void)cudaFreeHost(p); });
     in.topk_weights = static_cast<const float*>(pinned);
     g.a2a[0]->dispatch(in, g.streams[0]);
   };
@@ -290,9 +293,9 @@ Observed observe(const std::function<void()>& scenario) {
 ::testing::AssertionResult meets(const GpuCase& c, ErrorCode code,
                                  const std::vector<std::string>& words, const Observed& o) {
   if (!o.epx_error || o.code != code) {
-    return ::testing::AssertionFailure() << c.id << ": "
-                                         << (o.epx_error ? to_string(o.code) : "no epx error")
-                                         << ", expected " << to_string(code) << ": " << o.message;
+    return ::testing::AssertionFailure()
+           << c.id << ": " << (o.epx_error ? to_string(o.code) : "no epx error") << ", expected "
+           << to_string(code) << ": " << o.message;
   }
   for (const std::string& w : words) {
     if (o.message.find(w) == std::string::npos) {
@@ -311,7 +314,8 @@ TEST(BadInputsGpu, EveryCaseHasOneScenario) {
     listed.insert(c.id);
     EXPECT_EQ(s.count(c.id), 1u) << "no scenario for " << c.id;
   }
-  for (const auto& entry : s) EXPECT_EQ(listed.count(entry.first), 1u) << "unlisted " << entry.first;
+  for (const auto& entry : s)
+    EXPECT_EQ(listed.count(entry.first), 1u) << "unlisted " << entry.first;
 }
 
 class BadInputGpu : public ::testing::TestWithParam<GpuCase> {};
@@ -326,8 +330,8 @@ TEST_P(BadInputGpu, RaisesItsErrorNamingArgumentValueAndBound) {
   ASSERT_NE(it, all.end()) << "no scenario for " << c.id;
   const Observed o = observe(it->second);
   EXPECT_TRUE(meets(c, c.code, c.words, o));
-  EXPECT_FALSE(meets(c, c.code == ErrorCode::kConfig ? ErrorCode::kInput : ErrorCode::kConfig,
-                     c.words, o));
+  EXPECT_FALSE(
+      meets(c, c.code == ErrorCode::kConfig ? ErrorCode::kInput : ErrorCode::kConfig, c.words, o));
   std::vector<std::string> more = c.words;
   more.push_back("a word no message holds");
   EXPECT_FALSE(meets(c, c.code, more, o));
