@@ -2,11 +2,15 @@
 // the input (NUL-separated, "\x7f" = unset), in order: EPX_BACKEND, EPX_TIMEOUT_MS,
 // EPX_CONFIG_PATH, CUDA_DEVICE_MAX_CONNECTIONS, EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP,
 // EPX_NCCL_LIBRARY. A parser may refuse a value only with ConfigError, and what it accepts must
-// satisfy the bounds its contract states.
+// satisfy the bounds its contract states. The same fields also serve as the start-up
+// fingerprints of a job's ranks (check_fingerprints), texts that come from peers.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "core/env.hpp"
 #include "epx/bootstrap.hpp"
@@ -102,6 +106,41 @@ void decimals(const epx::fuzz::Fields& f) {
   require(!lib.empty(), "EPX_NCCL_LIBRARY gave an empty library name");
 }
 
+// The start-up agreement on texts that peers sent: the fields as the fingerprints of the ranks
+// of one job (one rank per field, at most 8). Ranks agree when their texts hold the same
+// "key=value" lines, whatever the order of the keys and the empty lines; otherwise every rank
+// throws ConfigError, and nothing else.
+std::map<std::string, std::vector<std::string>> lines_by_key(const std::string& text) {
+  std::map<std::string, std::vector<std::string>> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    if (line.empty()) continue;
+    const size_t eq = line.find('=');
+    out[line.substr(0, eq)].push_back(eq == std::string::npos ? "" : line.substr(eq + 1));
+  }
+  return out;
+}
+
+void fingerprints(const epx::fuzz::Fields& f) {
+  const int ranks = int(std::min<size_t>(f.size(), 8));
+  std::vector<std::string> texts;
+  for (int r = 0; r < ranks; ++r) texts.push_back(f.text(size_t(r)));
+  const auto first = lines_by_key(texts[0]);
+  const bool same = std::all_of(texts.begin(), texts.end(),
+                                [&](const std::string& t) { return lines_by_key(t) == first; });
+  for (int r = 0; r < ranks; ++r) {
+    epx::CallbackBootstrap b(r, ranks, [&](const std::string&) { return texts; });
+    const bool agreed = refuses_only_with<ConfigError>(
+        "check_fingerprints", [&] { epx::check_fingerprints(b, texts[size_t(r)]); });
+    require(agreed == same, agreed ? "check_fingerprints passed ranks that differ"
+                                   : "check_fingerprints refused ranks that agree");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -111,5 +150,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   bootstrap(f);
   any_address(f);
   decimals(f);
+  fingerprints(f);
   return 0;
 }
