@@ -559,8 +559,8 @@ class Buffer:
         are known now; combine then folds them at the experts' ranks with no extra round trip,
         and must be given the same tensor, unmodified. Every rank gives them, or none.
         """
-        torch = T.torch()
         self._check_usable("low_latency_dispatch")
+        torch = T.torch()
         if dispatch_wait_recv_cost_stats is not None:
             raise _unsupported("low_latency_dispatch(dispatch_wait_recv_cost_stats=...)",
                                "epx does not time its waits per source rank")
@@ -695,8 +695,8 @@ class Buffer:
         zero_copy, they are in get_next_low_latency_combine_buffer(handle) and x is not read).
         topk_idx, topk_weights: [N, K] of the dispatch's tokens; a -1 id takes no part.
         """
-        torch = T.torch()
         slot = self._slot_of(handle, "low_latency_combine")
+        torch = T.torch()
         if use_logfmt:
             raise _unsupported("low_latency_combine(use_logfmt=True)",
                                "epx combines bf16 rows; DeepEP's LogFMT wire format is not "
