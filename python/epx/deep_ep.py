@@ -679,9 +679,9 @@ class Buffer:
         if slot.serial != handle._serial:
             raise _unsupported(
                 f"Buffer.{what} of an earlier round",
-                f"this shape's epx objects have served {self.rounds_in_flight} later dispatches "
-                f"since the handle's (rounds_in_flight = {self.rounds_in_flight}): its rows are "
-                "gone")
+                f"a later dispatch of this shape reused the handle's epx object (at most "
+                f"rounds_in_flight = {self.rounds_in_flight} rounds of a shape may be in "
+                "flight): its rows are gone")
         return slot
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
