@@ -167,6 +167,123 @@ def check_dispatch(mode, rank, inputs, result, stats=None):
         assert stats.tolist() == counts, (stats.tolist(), counts)
 
 
+def run_scenario(buffer, rank, dev):
+    """Every check of this file, on one rank (every rank runs it at once). Events and
+    torch.cuda calls only on a CUDA device (the fake-core test runs this on the CPU)."""
+    import torch
+
+    cuda = dev.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def inputs_for(seed, sizes=(T, 5)):
+        return [make_inputs(q, sizes[q], seed, dev) for q in range(WORLD)]
+
+    def round_trip(mode, inputs, *, weights_at_dispatch=False, zero_copy=False, hook=False,
+                   use_out=False, combine_ids=None):
+        use_fp8, round_scale, use_ue8m0 = MODES[mode]
+        x, ids, w = inputs[rank]
+        stats = torch.zeros(L, dtype=torch.int32, device=dev)
+        extra = {"topk_weights": w} if weights_at_dispatch else {}
+        asynchronous = cuda and not hook
+        result = buffer.low_latency_dispatch(
+            x, ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=asynchronous,
+            return_recv_hook=hook, **extra)
+        recv_x, recv_count, handle, event, h = result
+        if hook:
+            assert event.event is None and callable(h)
+            h()
+        else:
+            assert h is None
+            if asynchronous:
+                event.current_stream_wait()
+        check_dispatch(mode, rank, inputs, result, stats)
+        expert_out = expert_stage(rank, received_values(mode, recv_x))
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = expert_out
+        out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=dev) if use_out else None
+        ids_c = ids if combine_ids is None else combine_ids
+        y, event, h = buffer.low_latency_combine(expert_out, ids_c, w, handle,
+                                                 zero_copy=zero_copy, async_finish=asynchronous,
+                                                 return_recv_hook=hook, out=out)
+        if hook:
+            h()
+        elif asynchronous:
+            event.current_stream_wait()
+        if use_out:
+            assert y is out
+        assert (y.shape, y.dtype) == ((x.shape[0], H), torch.bfloat16)
+        torch.testing.assert_close(y.float(), combined_reference(mode, x, ids_c, w),
+                                   rtol=3e-2, atol=3e-2)
+        return handle
+
+    for mode in MODES:
+        for seed, sizes in ((1, (T, 5)), (2, (0, 17))):
+            inputs = inputs_for(seed, sizes)
+            round_trip(mode, inputs)
+            round_trip(mode, inputs, weights_at_dispatch=True, zero_copy=True, hook=True)
+            round_trip(mode, inputs, zero_copy=True, use_out=True)
+    sync()
+
+    # A -1 given at combine drops that expert's part, as DeepEP's combine does.
+    inputs = inputs_for(3)
+    ids = inputs[rank][1].clone()
+    ids[0, (ids[0] >= 0).nonzero()[0]] = -1
+    round_trip("bf16", inputs, combine_ids=ids)
+
+    # Two rounds in flight: dispatch, dispatch, combine, combine.
+    a_in, b_in = inputs_for(4), inputs_for(5)
+    pending = []
+    for inputs in (a_in, b_in):
+        x, ids, w = inputs[rank]
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, T, E, use_fp8=True)
+        pending.append((inputs, handle, expert_stage(rank, received_values("fp8", recv_x))))
+    for inputs, handle, expert_out in pending:
+        x, ids, w = inputs[rank]
+        y, _, _ = buffer.low_latency_combine(expert_out, ids, w, handle)
+        torch.testing.assert_close(y.float(), combined_reference("fp8", x, ids, w),
+                                   rtol=3e-2, atol=3e-2)
+
+    # A third dispatch of the shape reuses the first one's epx object: its handle is gone.
+    zeros = torch.zeros(L, CAP, H, dtype=torch.bfloat16, device=dev)
+    handles = []
+    for inputs in (a_in, b_in, a_in):
+        x, ids, w = inputs[rank]
+        handles.append(buffer.low_latency_dispatch(x, ids, T, E, use_fp8=True)[2])
+    x, ids, w = a_in[rank]
+    try:
+        buffer.low_latency_combine(zeros, ids, w, handles[0])
+        raise AssertionError("a combine of a reused round was not refused")
+    except NotImplementedError as e:
+        assert "earlier round" in str(e), str(e)
+    buffer.low_latency_combine(zeros, ids, w, handles[2])
+
+    # Weights given at dispatch, others at combine: refused before anything is launched.
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, T, E, use_fp8=False, topk_weights=w)
+    try:
+        buffer.low_latency_combine(zeros, ids, w * 2, handle)
+        raise AssertionError("other weights at combine were not refused")
+    except NotImplementedError as e:
+        assert "weights given at combine need core support" in str(e), str(e)
+    buffer.low_latency_combine(zeros, ids, w, handle)
+
+    # Bad inputs name the tensor.
+    try:
+        buffer.low_latency_dispatch(x.float(), ids, T, E)
+        raise AssertionError("f32 x was not refused")
+    except epx.InputError as e:
+        assert "x.dtype" in str(e), str(e)
+    try:
+        buffer.low_latency_dispatch(x, ids, T, E, use_ue8m0=True)
+        raise AssertionError("use_ue8m0 without round_scale was not refused")
+    except epx.InputError as e:
+        assert "round_scale" in str(e), str(e)
+    sync()
+
+
 def _rank_main(rank, init_file, results):
     import torch
     import torch.distributed as dist
@@ -184,117 +301,7 @@ def _rank_main(rank, init_file, results):
                                 num_qps_per_rank=L, explicitly_destroy=True)
         assert (buffer.rank, buffer.group_size) == (rank, WORLD)
         assert deep_ep.topk_idx_t == torch.int64
-
-        def inputs_for(seed, sizes=(T, 5)):
-            return [make_inputs(q, sizes[q], seed, dev) for q in range(WORLD)]
-
-        def round_trip(mode, inputs, *, weights_at_dispatch=False, zero_copy=False,
-                       hook=False, use_out=False, combine_ids=None):
-            use_fp8, round_scale, use_ue8m0 = MODES[mode]
-            x, ids, w = inputs[rank]
-            stats = torch.zeros(L, dtype=torch.int32, device=dev)
-            extra = {"topk_weights": w} if weights_at_dispatch else {}
-            result = buffer.low_latency_dispatch(
-                x, ids, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
-                round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=not hook,
-                return_recv_hook=hook, **extra)
-            recv_x, recv_count, handle, event, h = result
-            if hook:
-                assert event.event is None and callable(h)
-                h()
-            else:
-                assert h is None
-                event.current_stream_wait()
-            check_dispatch(mode, rank, inputs, result, stats)
-            expert_out = expert_stage(rank, received_values(mode, recv_x))
-            if zero_copy:
-                buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = expert_out
-            out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=dev) if use_out \
-                else None
-            ids_c = ids if combine_ids is None else combine_ids
-            y, event, h = buffer.low_latency_combine(expert_out, ids_c, w, handle,
-                                                     zero_copy=zero_copy, async_finish=not hook,
-                                                     return_recv_hook=hook, out=out)
-            if hook:
-                h()
-            else:
-                event.current_stream_wait()
-            if use_out:
-                assert y is out
-            assert (y.shape, y.dtype) == ((x.shape[0], H), torch.bfloat16)
-            torch.testing.assert_close(y.float(), combined_reference(mode, x, ids_c, w),
-                                       rtol=3e-2, atol=3e-2)
-            return handle
-
-        for mode in MODES:
-            for seed, sizes in ((1, (T, 5)), (2, (0, 17))):
-                inputs = inputs_for(seed, sizes)
-                round_trip(mode, inputs)
-                round_trip(mode, inputs, weights_at_dispatch=True, zero_copy=True, hook=True)
-                round_trip(mode, inputs, zero_copy=True, use_out=True)
-        torch.cuda.synchronize()
-
-        # A -1 given at combine drops that expert's part, as DeepEP's combine does.
-        inputs = inputs_for(3)
-        ids = inputs[rank][1].clone()
-        if ids.shape[0]:
-            ids[0, (ids[0] >= 0).nonzero()[0]] = -1
-        round_trip("bf16", inputs, combine_ids=ids)
-
-        # Two rounds in flight: dispatch, dispatch, combine, combine.
-        a_in, b_in = inputs_for(4), inputs_for(5)
-        pending = []
-        for inputs in (a_in, b_in):
-            x, ids, w = inputs[rank]
-            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, T, E, use_fp8=True)
-            pending.append((inputs, handle, expert_stage(rank, received_values("fp8", recv_x))))
-        for inputs, handle, expert_out in pending:
-            x, ids, w = inputs[rank]
-            y, _, _ = buffer.low_latency_combine(expert_out, ids, w, handle)
-            torch.testing.assert_close(y.float(), combined_reference("fp8", x, ids, w),
-                                       rtol=3e-2, atol=3e-2)
-
-        # A third dispatch of the shape reuses the first one's epx objects: its handle is gone.
-        handles = []
-        for inputs in (a_in, b_in, a_in):
-            x, ids, w = inputs[rank]
-            handles.append(buffer.low_latency_dispatch(x, ids, T, E, use_fp8=True)[2])
-        x, ids, w = a_in[rank]
-        try:
-            buffer.low_latency_combine(torch.zeros(L, CAP, H, dtype=torch.bfloat16, device=dev),
-                                       ids, w, handles[0])
-            raise AssertionError("a combine of a reused round was not refused")
-        except NotImplementedError as e:
-            assert "earlier round" in str(e), str(e)
-        buffer.low_latency_combine(torch.zeros(L, CAP, H, dtype=torch.bfloat16, device=dev),
-                                   ids, w, handles[2])
-
-        # Weights given at dispatch, others at combine: refused before anything is launched.
-        x, ids, w = a_in[rank]
-        _, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, T, E, use_fp8=False,
-                                                         topk_weights=w)
-        try:
-            buffer.low_latency_combine(torch.zeros(L, CAP, H, dtype=torch.bfloat16, device=dev),
-                                       ids, w * 2, handle)
-            raise AssertionError("other weights at combine were not refused")
-        except NotImplementedError as e:
-            assert "weights given at combine need core support" in str(e), str(e)
-        buffer.low_latency_combine(torch.zeros(L, CAP, H, dtype=torch.bfloat16, device=dev),
-                                   ids, w, handle)
-
-        # Bad inputs name the tensor.
-        try:
-            buffer.low_latency_dispatch(x.float(), ids, T, E)
-            raise AssertionError("f32 x was not refused")
-        except epx.InputError as e:
-            assert "x.dtype" in str(e), str(e)
-        try:
-            buffer.low_latency_dispatch(x, ids, T, E, use_ue8m0=True)
-            raise AssertionError("use_ue8m0 without round_scale was not refused")
-        except epx.InputError as e:
-            assert "round_scale" in str(e), str(e)
-
-        torch.cuda.synchronize()
+        run_scenario(buffer, rank, dev)
         buffer.destroy()
         results.put((rank, "ok"))
     except BaseException:
