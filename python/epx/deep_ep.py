@@ -117,7 +117,7 @@ def _normal_mode(name: str):
     return _unsupported(
         f"Buffer.{name} (DeepEP's normal, high-throughput mode)",
         "epx.deep_ep implements the low-latency mode (low_latency_dispatch / "
-        "low_latency_combine); epx's high_throughput backend is not exposed through it yet",
+        "low_latency_combine); epx has no high-throughput (prefill) backend to serve it yet",
     )
 
 
