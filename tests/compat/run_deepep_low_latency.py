@@ -31,6 +31,7 @@ import runpy
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -110,10 +111,14 @@ def main(argv=None) -> int:
     if mode == "one-gpu":
         os.environ[deepep_shim.ONE_GPU_ENV] = "1"
         os.environ.setdefault("EPX_TIMEOUT_MS", ONE_GPU_TIMEOUT_MS)
+    # The test multiplies 8192 x 8192 matrices on the CPU between its hooks, in every process at
+    # once: each gets its share of the cores instead of all of them.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     print(f"deepep_low_latency: {test} {' '.join(test_args)} (mode {mode}, {processes} "
           f"processes, package in {where})", flush=True)
 
     sys.argv = [str(test)] + list(test_args)
+    start = time.monotonic()
     try:
         runpy.run_path(str(test), run_name="__main__")
         ok = True
@@ -122,6 +127,7 @@ def main(argv=None) -> int:
     except BaseException:
         traceback.print_exc()
         ok = False
+    print(f"deepep_low_latency: ran {time.monotonic() - start:.0f} s", flush=True)
     print(f"deepep_low_latency: {int(ok)} passed, {int(not ok)} failed", flush=True)
     return 0 if ok else 1
 
