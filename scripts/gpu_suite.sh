@@ -32,7 +32,7 @@ run() {  # run NAME CMD...: one counted check
 
 if want core; then
 # GoogleTest suites: each test counts.
-for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests; do
+for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
   timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1
   grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" "$logs/$suite.log" | head -40

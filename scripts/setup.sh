@@ -17,6 +17,17 @@ if command -v python3 >/dev/null; then
   python3 -c 'import os, sysconfig; assert os.path.exists(sysconfig.get_paths()["include"] + "/Python.h")' \
     2>/dev/null || need+=(python3-dev)
 fi
+# The fuzzers (scripts/fuzz.sh): clang and its libFuzzer runtime (a package of its own on Debian).
+clang_major=14
+if command -v clang++ >/dev/null; then
+  clang_major=$(clang++ -dumpversion | cut -d. -f1)
+else
+  need+=(clang)
+fi
+if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer - -o /dev/null >/dev/null 2>&1; then
+  need+=(libclang-rt-$clang_major-dev)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi

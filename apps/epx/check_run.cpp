@@ -23,7 +23,11 @@ testing::CheckOptions check_options(const CheckRunFlags& f) {
   testing::CheckOptions o;
   // The config first: it refuses a bad --world before the counts are spread over its ranks.
   const std::vector<int> counts = parse_token_counts(f.tokens, "--tokens");  // never empty
-  o.cfg = f.shape.config(std::max(1, *std::max_element(counts.begin(), counts.end())));
+  const int most = *std::max_element(counts.begin(), counts.end());
+  o.cfg = f.shape.config(std::max(1, most));
+  // A count above --max-tokens would reach dispatch and be refused there, on the GPU.
+  EPX_CHECK(most <= o.cfg.max_tokens_per_rank, ConfigError, "--tokens", f.tokens,
+            fmt::format("counts of at most --max-tokens = {}", o.cfg.max_tokens_per_rank));
   o.tokens = tokens_per_rank(counts, f.shape.world, "--tokens", f.tokens);
   o.backend = backend_or_env(f.backend, "--backend");
   o.launch = launch_from_env().launch;

@@ -258,7 +258,11 @@ int run_launch(const LaunchFlags& f) {
   BootstrapOptions check;
   check.world_size = f.ranks;
   check.address = address;
-  check.validate();
+  try {
+    check.validate();
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string("--bootstrap: ") + e.what());  // the flag that gave it
+  }
 
   SignalRoute signals;
   std::vector<Rank> ranks(size_t(f.ranks));

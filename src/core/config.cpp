@@ -203,7 +203,10 @@ LaunchConfig parse_section(const json& section, const std::string& section_name,
                             origin, section_name, key.name, section_name, key.alias));
     }
   }
-  for (const auto& [name, value] : section.items()) {
+  for (const auto& item : section.items()) {
+    // Plain names, not structured bindings: clang before 16 cannot capture those in a lambda.
+    const std::string& name = item.key();
+    const json& value = item.value();
     const auto* key = std::find_if(kLaunchKeys.begin(), kLaunchKeys.end(), [&](const auto& k) {
       return name == k.name || name == k.alias;
     });
@@ -234,29 +237,32 @@ LaunchConfig parse_section(const json& section, const std::string& section_name,
 // nlohmann::json keeps the last of two equal keys; a tuning file that says the same thing twice
 // is a mistake, so the parser callback refuses it.
 json parse_strict(const std::string& text, const std::string& origin) {
-  std::vector<std::set<std::string>> open_objects;
-  std::vector<std::string> paths;  // dotted path of each open object, for the message
+  // Each open object: the key it is the value of ("" at the top) and the keys seen in it. The
+  // dotted path is joined only for the message, so nesting costs memory in proportion to its
+  // depth, not to its square.
+  struct OpenObject {
+    std::string name;
+    std::set<std::string> keys;
+  };
+  std::vector<OpenObject> open;
   std::string last_key;
   auto callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
     switch (event) {
       case json::parse_event_t::object_start:
-        paths.push_back(paths.empty()
-                            ? std::string()
-                            : (paths.back().empty() ? last_key : paths.back() + "." + last_key));
-        open_objects.emplace_back();
+        open.push_back({open.empty() ? std::string() : last_key, {}});
         break;
       case json::parse_event_t::object_end:
-        if (!open_objects.empty()) {
-          open_objects.pop_back();
-          paths.pop_back();
-        }
+        if (!open.empty()) open.pop_back();
         break;
       case json::parse_event_t::key: {
         last_key = parsed.get<std::string>();
-        if (!open_objects.empty() && !open_objects.back().insert(last_key).second) {
-          const std::string path = paths.back().empty() ? last_key : paths.back() + "." + last_key;
-          EPX_THROW(ConfigError,
-                    fmt::format("{}: duplicate key {}, expected each key once", origin, path));
+        if (!open.empty() && !open.back().keys.insert(last_key).second) {
+          std::string path;
+          for (const OpenObject& o : open) {
+            if (!o.name.empty()) path += o.name + ".";
+          }
+          EPX_THROW(ConfigError, fmt::format("{}: duplicate key {}{}, expected each key once",
+                                             origin, path, last_key));
         }
         break;
       }

@@ -2,11 +2,13 @@
 // (include/epx/bootstrap.hpp).
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <optional>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
@@ -51,14 +53,23 @@ Fields parse_fields(std::string_view text) {
   return out;
 }
 
-std::optional<std::string> value_of(const Fields& f, const std::string& key) {
+// Every value of `key`, in order. A fingerprint has each key once; a text that repeats one (a
+// peer's, from another build) must not hide a difference behind the first value.
+std::optional<std::vector<std::string>> value_of(const Fields& f, const std::string& key) {
+  std::optional<std::vector<std::string>> out;
   for (const auto& [k, v] : f) {
-    if (k == key) return v;
+    if (k != key) continue;
+    if (!out) out.emplace();
+    out->push_back(v);
   }
-  return std::nullopt;
+  return out;
 }
 
-std::string shown(const std::optional<std::string>& v) { return v ? *v : "no such field"; }
+std::string shown(const std::optional<std::vector<std::string>>& v) {
+  if (!v) return "no such field";
+  if (v->size() == 1) return v->front();
+  return fmt::format("[{}]", fmt::join(*v, ", "));
+}
 
 // The first field (in rank 0's order, then fields only other ranks have) on which a rank
 // differs from rank 0, as "field: rank 0 has A, rank r has B".

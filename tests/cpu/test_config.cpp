@@ -1,6 +1,7 @@
 // EpConfig::validate(), the JSON launch file, the EPX_* environment and the error helpers.
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -329,6 +330,29 @@ TEST(LaunchJson, DuplicateKeys) {
   EXPECT_TRUE(
       throws_config_error([] { parse(R"({"dispatch": {}, "combine": {}, "dispatch": {}})"); },
                           {"duplicate key dispatch"}));
+}
+
+// Peak resident memory of this process, in MiB.
+long peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024;
+}
+
+// Deeply nested objects are refused by name, in memory proportional to the text: the duplicate
+// check kept the dotted path of every open object, quadratic in the depth (found by fuzzing:
+// 20000 levels, a 120 KB file, took a gigabyte).
+TEST(LaunchJson, DeepNestingCostsLinearMemory) {
+  const int depth = 20000;
+  std::string text = R"({"global": )";
+  for (int i = 0; i < depth; ++i) text += R"({"a": )";
+  text += "1" + std::string(depth, '}') + "}";
+  const long before = peak_rss_mib();
+  EXPECT_TRUE(throws_config_error([&] { parse(text); }, {"tune.json", "unknown key global.a"}));
+  EXPECT_LT(peak_rss_mib() - before, 64) << "MiB for a " << text.size() / 1024 << " KiB file";
+  // A duplicate deep down is still named by its whole path.
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"global": {"x": {"y": {"a": 1, "a": 2}}}})"); },
+                                  {"duplicate key global.x.y.a"}));
 }
 
 TEST(LaunchJson, InvalidJson) {

@@ -98,6 +98,20 @@ TEST(Fingerprint, MismatchNamesFieldValuesAndRanksOnEveryRank) {
   }
 }
 
+// A text that repeats a key (a peer's, from another build) is compared on every value of the key,
+// not on the first only (found by tests/fuzz/fuzz_env).
+TEST(Fingerprint, ARepeatedKeyCannotHideADifference) {
+  const std::string base = fingerprint(job_config(), Backend::kLowLatency);
+  const auto out =
+      check_three([&](int r) { return base + (r == 1 ? "hidden=2\n" : "hidden=1\n"); });
+  for (const auto& o : out) {
+    EXPECT_TRUE(
+        failed_with(o, ErrorCode::kConfig, {"hidden: rank 0 has [7168, 1], rank 1 has [7168, 2]"}));
+  }
+  const auto same = check_three([&](int) { return base + "hidden=1\n"; });
+  for (const auto& o : same) EXPECT_TRUE(succeeded(o));
+}
+
 TEST(Fingerprint, OverUnixSockets) {
   const std::string address = unique_bootstrap_address();
   const auto out = run_processes(2, [&](int r) {

@@ -1,0 +1,782 @@
+"""DeepEP's low-latency ``Buffer`` over epx: a DeepEP user changes an import.
+
+    import epx.deep_ep as deep_ep          # or: epx.deep_ep.install_as_deep_ep(); import deep_ep
+
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
+                            num_qps_per_rank=E // W)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T, E)
+    ...experts: expert e's rows [0, recv_count[e]) of recv_x [E/W, W*T, H]...
+    y, event, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+The signatures, shapes, dtypes and strides are DeepEP's (deep_ep/buffers/legacy.py, commit
+dd758ca); the group is a torch.distributed process group (gloo is enough: it only carries the
+start-up handshake) or an mpi4py communicator (``comm``).
+
+How DeepEP's low-latency mode maps onto epx:
+- One ``IpcWorld`` per Buffer (``epx.ipc_world_from_torch``), made by the constructor.
+- Per shape (hidden, num_experts, num_max_dispatch_tokens_per_rank, top-k, wire dtype), made on
+  the first dispatch of that shape (collective: every rank dispatches the same shapes in the same
+  order): ``rounds_in_flight`` (default 2, DeepEP's two buffers) epx ``All2All`` objects of the
+  ``low_latency`` backend in the expert-major layout, used in turn, so that a round's outputs stay
+  valid until the dispatch after next and two rounds may be in flight (dispatch, dispatch,
+  combine, combine). Rows are ordered by (source rank, source index) (EpConfig.deterministic),
+  which is what gives DeepEP's layout_range (each source rank's rows of an expert are one run).
+- recv_x is epx's expert_x ([E/W, W*T, H]); with use_fp8 the rows travel as fp8 (epx quantises
+  inside dispatch, 1x128 blocks, scale = amax / 448) and the scales are epx's column layout, the
+  token dimension contiguous, as DeepEP lays them out for TMA. recv_count is expert_counts.
+- handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+  src_info [E/W, W*T] int32 is each expert row's source token index (epx's expert_src_idx);
+  layout_range [E/W, W] int64 packs, per local expert and source rank, the first row of that
+  rank's run in the high 32 bits and its length in the low 32 bits, as DeepEP packs it.
+- round_scale / use_ue8m0: the rows travel as bf16 and are quantised at the expert's rank, in
+  torch, with DeepEP's power-of-two rule, so the bytes and scales are exactly those DeepEP's
+  fused cast produces (at twice the wire bytes of fp8).
+- Router weights: epx's expert-major combine folds each token's expert rows with the weights it
+  carried at dispatch, at the expert's rank, before the token's rank pulls the sums. DeepEP gives
+  the weights at combine. So, unless the caller passed them at dispatch (the keyword-only
+  ``topk_weights`` of low_latency_dispatch, and the same tensor, unmodified, at combine), the
+  rows travel with weight 1 and combine first sends the combine-time weights to the experts'
+  ranks with a small epx dispatch of its own (an All2All of hidden 128 that carries only the
+  weights), scales each expert row by its (token, k) weight there and then combines. The result
+  is DeepEP's sum; the extra dispatch costs one more round trip per combine.
+- Events and hooks: epx runs on torch's current stream and a dispatch is complete when its
+  kernel is, so ``event`` (async_finish) is an event recorded after the call and ``hook``
+  (return_recv_hook) runs the receive half: today the torch work that completes the outputs
+  (layout_range, the power-of-two cast, the statistics). With epx's send and receive halves the
+  receive kernel moves into the hook.
+
+Not provided (NotImplementedError naming what and why): DeepEP's normal (high-throughput) mode
+(get_dispatch_layout, dispatch, combine, internode_*, Config, ElasticBuffer), rank masking
+(enable_shrink and the low_latency_*_mask_buffer calls), LogFMT combine, the per-rank wait-time
+statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic without NVLink
+(allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape than the last
+``rounds_in_flight`` ones; router weights given at dispatch and different ones at combine.
+
+Differences worth knowing: the returned tensors are views of epx memory, valid until the
+dispatch after next of the same shape (DeepEP's "no more than 2 results at a time");
+num_rdma_bytes / num_nvl_bytes / num_qps_per_rank are accepted and not used (epx sizes its memory
+per shape, get_low_latency_rdma_size_hint says how much); a combine repeated for one dispatch is
+only sound when the expert outputs and weights are unchanged (epx's combine serves its
+dispatch's round, so a peer may read the earlier sums). Every rank must take the same path:
+weights at dispatch on every rank, or on none.
+
+Importing this module needs neither torch nor a GPU; tensors need torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, List, NamedTuple, Optional
+
+from . import _epx
+from . import _torch as T
+from .all2all import All2All
+from .config import EpConfig, buffer_bytes, with_env_timeout
+
+# Also an attribute: topk_idx_t (torch.int64, read when asked for: importing needs no torch).
+__all__ = [
+    "Buffer", "Config", "ElasticBuffer", "EventHandle", "EventOverlap", "install_as_deep_ep",
+]
+
+_BACKEND = "low_latency"
+# The carrier of combine-time router weights moves no payload of interest: one fp8 block.
+_CARRIER_HIDDEN = _epx.FP8_BLOCK_SIZE
+_FP8_MAX = 448.0
+# DeepEP's floor on a block's amax before its power-of-two scale is taken.
+_AMAX_FLOOR = 1e-4
+_UE8M0_GROUPS = 4  # exponents packed into one int32
+
+
+def __getattr__(name):
+    # deep_ep.topk_idx_t: the dtype of topk_idx DeepEP is built with by default (64-bit).
+    if name == "topk_idx_t":
+        return T.torch().int64
+    raise AttributeError(f"module 'epx.deep_ep' has no attribute '{name}'")
+
+
+def install_as_deep_ep() -> None:
+    """Makes ``import deep_ep`` (anywhere in this process) give this module.
+
+    Refuses (ImportError) when another ``deep_ep`` is already imported: two Buffers of different
+    libraries in one process is never what was meant."""
+    current = sys.modules.get("deep_ep")
+    if current is not None and current is not sys.modules[__name__]:
+        raise ImportError(
+            f"deep_ep is already imported from {getattr(current, '__file__', current)!r}; "
+            "call epx.deep_ep.install_as_deep_ep() before anything imports DeepEP"
+        )
+    sys.modules["deep_ep"] = sys.modules[__name__]
+
+
+def _unsupported(what: str, why: str):
+    return NotImplementedError(f"epx.deep_ep: {what} is not provided: {why}")
+
+
+def _normal_mode(name: str):
+    return _unsupported(
+        f"Buffer.{name} (DeepEP's normal, high-throughput mode)",
+        "epx.deep_ep implements the low-latency mode (low_latency_dispatch / "
+        "low_latency_combine); epx has no high-throughput (prefill) backend to serve it yet",
+    )
+
+
+def _rank_masking(name: str):
+    return _unsupported(
+        f"{name} (shrink mode, rank masking)",
+        "epx cannot mask a failed rank yet: a rank that stops makes its peers' waits time out "
+        "(epx.TimeoutError) instead",
+    )
+
+
+# ---- events -------------------------------------------------------------------------------------
+
+
+class EventHandle:
+    """A CUDA event recorded on a stream (torch's current stream by default) when made."""
+
+    def __init__(self, stream=None):
+        torch = T.torch()
+        self.event = torch.cuda.Event()
+        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """torch's current stream waits for the event (the host does not)."""
+        T.torch().cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``current_stream_wait()``, and ``with event: ...`` runs the body on
+    the current stream and makes the stream wait for the event on leaving.
+
+    ``extra_tensors`` keeps tensors alive until the wrapper goes (what DeepEP uses in place of
+    ``record_stream``, which CUDA graphs refuse)."""
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[tuple] = None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._release_on_exit = False
+        self.hook_after_wait: Optional[Callable[[], None]] = None
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        if self.event is None:
+            raise _epx.StateError(
+                "EventOverlap.current_stream_wait(): event = None, expected an event (the call "
+                "that made this wrapper ran with async_finish = False: nothing to wait for)"
+            )
+        self.event.current_stream_wait()
+        hook, self.hook_after_wait = self.hook_after_wait, None
+        if hook is not None:
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook: Callable[[], None]) -> None:
+        """`hook` runs once, after the next current_stream_wait()."""
+        if self.hook_after_wait is not None:
+            raise _epx.StateError("EventOverlap: a hook after wait is registered already")
+        self.hook_after_wait = hook
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """``with event(release_handle=True):`` drops the event after the wait."""
+        self._release_on_exit = release_handle
+        return self
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.event is not None:
+            self.current_stream_wait(release_handle=self._release_on_exit)
+        self._release_on_exit = False
+
+
+# ---- what epx does not provide ------------------------------------------------------------------
+
+
+class Config:
+    """DeepEP's launch configuration of the normal mode, which epx.deep_ep does not provide."""
+
+    def __init__(self, *args, **kwargs):
+        raise _normal_mode("Config")
+
+
+class ElasticBuffer:
+    """DeepEP's elastic (V2) buffer, which epx.deep_ep does not provide."""
+
+    def __init__(self, *args, **kwargs):
+        raise _unsupported("ElasticBuffer (DeepEP's elastic API)",
+                           "epx.deep_ep implements the legacy Buffer's low-latency mode")
+
+
+# ---- shapes -------------------------------------------------------------------------------------
+
+
+class _Shape(NamedTuple):
+    """What a dispatch's epx objects depend on. `wire` is the All2All dtype: 'bf16' (use_fp8
+    off, or the power-of-two cast done at the receiver) or 'bf16-to-fp8'."""
+
+    hidden: int
+    num_experts: int
+    max_tokens: int
+    topk: int
+    wire: str
+
+
+def _data_config(shape: _Shape, world_size: int, rank: int = 0) -> EpConfig:
+    return with_env_timeout(EpConfig(
+        rank=rank, world_size=world_size, hidden=shape.hidden, num_experts=shape.num_experts,
+        topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
+        layout="expert", scale_layout="column", deterministic=True))
+
+
+def _carrier_config(shape: _Shape, world_size: int, rank: int = 0) -> EpConfig:
+    # The same wire dtype as the rows: the same kernels run (one name per op in a profile).
+    return with_env_timeout(EpConfig(
+        rank=rank, world_size=world_size, hidden=_CARRIER_HIDDEN, num_experts=shape.num_experts,
+        topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
+        layout="token"))
+
+
+class _Slot:
+    """One of a shape's All2All objects and its last dispatch."""
+
+    def __init__(self, a2a: All2All):
+        self.a2a = a2a
+        self.serial = 0  # dispatches so far: a handle names the one it came from
+        self.out = None  # DispatchOutput of the last dispatch
+        self.weights = None  # router weights given at that dispatch (None: unit weights)
+        self.weights_version = -1
+
+
+class _ShapeState:
+    """The epx objects and the device constants of one shape."""
+
+    def __init__(self, shape: _Shape, world, rounds: int):
+        torch = T.torch()
+        self.shape = shape
+        self.slots: List[_Slot] = []
+        for _ in range(rounds):  # collective, every rank in the same order
+            self.slots.append(_Slot(All2All.create(_data_config(shape, world.size), world,
+                                                   _BACKEND)))
+        self.next = 0
+        self.carrier: Optional[All2All] = None
+        c = self.slots[0].a2a.config
+        dev = self.slots[0].a2a.device
+        self.world_size = c.world_size
+        self.num_local = c.num_local_experts
+        self.capacity = c.capacity
+        self.device = dev
+        self.rows = torch.arange(c.capacity, device=dev, dtype=torch.int32)
+        self.ranks = torch.arange(c.world_size, device=dev, dtype=torch.int32)
+        self.unit_weights = torch.ones((shape.max_tokens, shape.topk), dtype=torch.float32,
+                                       device=dev)
+
+    def carrier_for(self, world) -> All2All:
+        """The All2All that carries combine-time router weights (made on first use: collective,
+        every rank reaches it at the same combine)."""
+        if self.carrier is None:
+            torch = T.torch()
+            self.carrier = All2All.create(_carrier_config(self.shape, world.size), world,
+                                          _BACKEND)
+            self.carrier_x = torch.zeros((self.shape.max_tokens, _CARRIER_HIDDEN),
+                                         dtype=torch.bfloat16, device=self.device)
+        return self.carrier
+
+    def objects(self) -> List[All2All]:
+        return [s.a2a for s in self.slots] + ([self.carrier] if self.carrier is not None else [])
+
+
+class _Handle(tuple):
+    """DeepEP's handle tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts); it also names the epx round it came from (read by combine)."""
+
+    def __new__(cls, fields, owner, state, slot, serial, num_tokens):
+        h = super().__new__(cls, fields)
+        h._owner = owner
+        h._state = state
+        h._slot = slot
+        h._serial = serial
+        h._num_tokens = num_tokens
+        return h
+
+
+class _Hook:
+    """The receive half of a call, run once (later calls do nothing), as DeepEP's hooks."""
+
+    def __init__(self, recv: Callable[[], None]):
+        self._recv: Optional[Callable[[], None]] = recv
+
+    def __call__(self) -> None:
+        recv, self._recv = self._recv, None
+        if recv is not None:
+            recv()
+
+
+# ---- the power-of-two cast (DeepEP's round_scale / use_ue8m0) -----------------------------------
+
+
+def _pow2_cast(x, use_ue8m0: bool):
+    """bf16 [L, C, H] -> (fp8 e4m3 [L, C, H], scales): per 1x128 block, amax = max(|x|, 1e-4),
+    e = ceil(log2(amax * f32(1/448))) read off the f32 bits, q = fp8(x * 2^-e), scale 2^e.
+    Scales: f32 [L, C, H/128], or (use_ue8m0) the biased exponents e + 127 packed four to an
+    int32 [L, C, H/512] (group 4p + i in byte i of word p); both with the token index fastest
+    in memory. Multiplying by a power of two is exact, so q rounds x once, as DeepEP's cast."""
+    torch = T.torch()
+    L, C, H = x.shape
+    G = H // _epx.FP8_BLOCK_SIZE
+    blocks = x.float().view(L, C, G, _epx.FP8_BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
+    inv_max = torch.tensor(1.0, dtype=torch.float32, device=x.device) / _FP8_MAX
+    bits = (amax * inv_max).view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale = ((127 - exp) << 23).view(torch.float32)  # 2^-e
+    q = (blocks * scale.unsqueeze(-1)).to(T.fp8_dtype()).view(L, C, H)
+    if not use_ue8m0:
+        scales = torch.empty((L, G, C), dtype=torch.float32, device=x.device).transpose(1, 2)
+        scales.copy_(((exp + 127) << 23).view(torch.float32))
+        return q, scales
+    biased = (exp + 127).to(torch.uint8)  # [L, C, G]
+    packed = biased.view(L, C, G // _UE8M0_GROUPS, _UE8M0_GROUPS).permute(0, 2, 1, 3)
+    words = packed.contiguous().view(torch.int32).view(L, G // _UE8M0_GROUPS, C)
+    return q, words.transpose(1, 2)
+
+
+# ---- Buffer -------------------------------------------------------------------------------------
+
+
+class Buffer:
+    """DeepEP's Buffer, low-latency mode, over epx (see the module docstring).
+
+    Attributes as DeepEP's: rank, group_size, group, num_nvl_bytes, num_rdma_bytes,
+    low_latency_mode, explicitly_destroy, enable_shrink; and num_sms (class attribute, used by
+    the normal mode only).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self,
+                 group,
+                 num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False,
+                 enable_shrink: bool = False,
+                 comm=None,
+                 *,
+                 rounds_in_flight: int = 2) -> None:
+        """DeepEP's arguments, same names and defaults. `num_nvl_bytes`, `num_rdma_bytes` and
+        `num_qps_per_rank` are recorded and not used: epx allocates per shape, on the first
+        dispatch of that shape. `allow_mnnvl` changes nothing (one node). epx's own, keyword
+        only: `rounds_in_flight` (1 or 2): epx objects per shape, used in turn; 2 (DeepEP's two
+        buffers) lets a dispatch follow a dispatch before the first one's combine, 1 halves the
+        memory. Collective over the group (the IpcWorld's handshake)."""
+        if enable_shrink:
+            raise _rank_masking("Buffer(enable_shrink=True)")
+        if not allow_nvlink_for_low_latency_mode:
+            raise _unsupported(
+                "Buffer(allow_nvlink_for_low_latency_mode=False)",
+                "epx moves low-latency traffic between the GPUs of one node over NVLink (CUDA "
+                "IPC); it has no RDMA-only path")
+        if rounds_in_flight not in (1, 2):
+            raise _epx.InputError(f"rounds_in_flight = {rounds_in_flight!r}, expected 1 or 2")
+        if group is None and comm is None:
+            raise ValueError("Buffer: group = None and comm = None, expected one of them")
+        self.group = group if group is not None else comm
+        if group is not None:
+            self.rank, self.group_size = group.rank(), group.size()
+        else:
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.num_qps_per_rank = num_qps_per_rank
+        self.low_latency_mode = low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.rounds_in_flight = rounds_in_flight
+        self._shapes: dict = {}
+        self._world = None
+        self._destroyed = False
+        if low_latency_mode:
+            self._world = self._make_world(group, comm)
+
+    @staticmethod
+    def _make_world(group, comm):
+        torch = T.torch()
+        device = torch.cuda.current_device()
+        if group is not None:
+            from .world import ipc_world_from_torch
+
+            return ipc_world_from_torch(group, device)
+        from .world import IpcWorld
+
+        def all_gather(data: bytes) -> list:
+            return [bytes(b) for b in comm.allgather(bytes(data))]
+
+        return IpcWorld.from_all_gather(comm.Get_rank(), comm.Get_size(), all_gather, device,
+                                        "auto")
+
+    # ---- DeepEP's static helpers -----------------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return bool(_epx.has_cuda)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Recorded as DeepEP does; only DeepEP's normal mode reads it."""
+        if new_num_sms % 2 != 0:
+            raise _epx.InputError(f"new_num_sms = {new_num_sms}, expected an even number")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded now on torch's current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of device memory a Buffer allocates per rank for one low-latency shape: the
+        ``rounds_in_flight`` (2) All2All objects with bf16 rows (fp8 rows need less), at the
+        largest top-k, plus the carrier of combine-time weights. Each further shape (another
+        hidden, expert count, token count, top-k or wire dtype) allocates its own."""
+        topk = min(_epx.MAX_TOPK, num_experts)
+        shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, "bf16")
+        rows = buffer_bytes(_data_config(shape, num_ranks), _BACKEND)
+        carrier = buffer_bytes(_carrier_config(shape, num_ranks), _BACKEND)
+        return 2 * rows + carrier
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int):
+        raise _normal_mode("get_dispatch_config")
+
+    @staticmethod
+    def get_combine_config(num_ranks: int):
+        raise _normal_mode("get_combine_config")
+
+    # ---- what DeepEP's runtime offers besides the two ops ------------------------------------------
+
+    def get_comm_stream(self):
+        """epx runs on the caller's stream: torch's current stream."""
+        return T.torch().cuda.current_stream()
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0,
+                                use_rdma_buffer: bool = False):
+        raise _unsupported("Buffer.get_local_buffer_tensor",
+                           "epx's memory is per shape and per round, not one raw buffer; use the "
+                           "views dispatch returns and get_next_low_latency_combine_buffer")
+
+    def destroy(self) -> None:
+        """Releases the epx objects (collective: every rank calls it, after its last combine)."""
+        if not self.explicitly_destroy:
+            raise _epx.StateError("Buffer.destroy(): explicitly_destroy = False, expected True "
+                                  "(as DeepEP: only a Buffer made to be destroyed explicitly)")
+        if self._destroyed:
+            return
+        for state in self._shapes.values():
+            for a2a in state.objects():
+                a2a.synchronize()
+        if self._world is not None:
+            self._world.barrier()  # nobody frees memory a peer may still read
+        for state in self._shapes.values():
+            for a2a in state.objects():
+                a2a.close()
+        self._shapes.clear()
+        self._world = None
+        self._destroyed = True
+
+    # ---- normal mode ----------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, *args, **kwargs):
+        raise _normal_mode("get_dispatch_layout")
+
+    def dispatch(self, *args, **kwargs):
+        raise _normal_mode("dispatch")
+
+    def combine(self, *args, **kwargs):
+        raise _normal_mode("combine")
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise _normal_mode("internode_dispatch")
+
+    def internode_combine(self, *args, **kwargs):
+        raise _normal_mode("internode_combine")
+
+    # ---- rank masking ---------------------------------------------------------------------------
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
+        raise _rank_masking("Buffer.low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise _rank_masking("Buffer.low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self):
+        raise _rank_masking("Buffer.low_latency_clean_mask_buffer")
+
+    # ---- low-latency mode -----------------------------------------------------------------------
+
+    def _check_usable(self, what: str) -> None:
+        if self._destroyed:
+            raise _epx.StateError(f"Buffer.{what}: the Buffer was destroyed")
+        if not self.low_latency_mode:
+            raise _epx.ConfigError(f"Buffer.{what}: low_latency_mode = False, expected True "
+                                   "(make the Buffer with low_latency_mode=True)")
+
+    def _state(self, shape: _Shape) -> _ShapeState:
+        state = self._shapes.get(shape)
+        if state is None:
+            state = _ShapeState(shape, self._world, self.rounds_in_flight)
+            self._shapes[shape] = state
+        return state
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: epx keeps its round state on the device and needs no zeroed
+        regions between calls (DeepEP needs them after its normal mode)."""
+        self._check_usable("clean_low_latency_buffer")
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             *, topk_weights=None):
+        """Sends each token to its experts' ranks; returns (recv_x, recv_count, handle, event,
+        hook) as DeepEP's low_latency_dispatch.
+
+        x: [N, H] bf16, N <= num_max_dispatch_tokens_per_rank; topk_idx: [N, K] int64
+        (topk_idx_t) or int32, -1 = none. recv_x: [E/W, W*T, H] bf16, or with use_fp8 a tuple
+        (float8_e4m3fn [E/W, W*T, H], scales [E/W, W*T, H/128] float32, or with use_ue8m0 int32
+        [E/W, W*T, H/512], the token index fastest in memory); recv_count [E/W] int32.
+        epx's own, keyword only: `topk_weights` [N, K] float32: the router weights, when they
+        are known now; combine then folds them at the experts' ranks with no extra round trip,
+        and must be given the same tensor, unmodified. Every rank gives them, or none.
+        """
+        self._check_usable("low_latency_dispatch")
+        torch = T.torch()
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _unsupported("low_latency_dispatch(dispatch_wait_recv_cost_stats=...)",
+                               "epx does not time its waits per source rank")
+        if async_finish and return_recv_hook:
+            raise _epx.InputError("async_finish = True and return_recv_hook = True, expected at "
+                                  "most one of them (as DeepEP)")
+        if use_ue8m0 and not round_scale:
+            raise _epx.InputError("use_ue8m0 = True with round_scale = False, expected "
+                                  "round_scale = True (UE8M0 scales are powers of two)")
+        T.check("x", x, dtype=torch.bfloat16, shape=(None, None))
+        n, hidden = x.shape
+        T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(n, None),
+                device=x.device)
+        if n > num_max_dispatch_tokens_per_rank:
+            raise _epx.InputError(
+                f"x.shape[0] = {n}, expected at most num_max_dispatch_tokens_per_rank = "
+                f"{num_max_dispatch_tokens_per_rank}")
+        if use_fp8 and hidden % _epx.FP8_BLOCK_SIZE != 0:
+            raise _epx.InputError(f"x.shape[1] = {hidden}, expected a multiple of "
+                                  f"{_epx.FP8_BLOCK_SIZE} with use_fp8")
+        if use_ue8m0 and hidden % (_epx.FP8_BLOCK_SIZE * _UE8M0_GROUPS) != 0:
+            raise _epx.InputError(f"x.shape[1] = {hidden}, expected a multiple of "
+                                  f"{_epx.FP8_BLOCK_SIZE * _UE8M0_GROUPS} with use_ue8m0")
+        topk = topk_idx.shape[1]
+        wire = "bf16-to-fp8" if use_fp8 and not round_scale else "bf16"
+        shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, wire)
+        if num_experts % self.group_size != 0:
+            raise _epx.InputError(f"num_experts = {num_experts}, expected a multiple of the "
+                                  f"group's size {self.group_size}")
+        L = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            T.check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                    dtype=torch.int32, shape=(L,), device=x.device)
+        if topk_weights is not None:
+            T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, topk),
+                    device=x.device)
+
+        state = self._state(shape)
+        slot_index = state.next
+        state.next = (slot_index + 1) % len(state.slots)
+        slot = state.slots[slot_index]
+
+        # Send half: epx's dispatch (whole, today).
+        weights = topk_weights if topk_weights is not None else state.unit_weights[:n]
+        out = slot.a2a.dispatch(x, topk_idx, weights)
+        slot.serial += 1
+        slot.out = out
+        slot.weights = topk_weights
+        slot.weights_version = topk_weights._version if topk_weights is not None else -1
+
+        # The outputs exist now; the receive half completes them.
+        cap = state.capacity
+        layout_range = torch.empty((L, self.group_size), dtype=torch.int64, device=x.device)
+        if not use_fp8:
+            recv_x = out.expert_x
+        elif not round_scale:
+            recv_x = (out.expert_x, out.expert_scales)
+        else:
+            G = hidden // _epx.FP8_BLOCK_SIZE
+            q = torch.empty((L, cap, hidden), dtype=T.fp8_dtype(), device=x.device)
+            if use_ue8m0:
+                s = torch.empty((L, G // _UE8M0_GROUPS, cap), dtype=torch.int32,
+                                device=x.device).transpose(1, 2)
+            else:
+                s = torch.empty((L, G, cap), dtype=torch.float32, device=x.device).transpose(1, 2)
+            recv_x = (q, s)
+
+        def recv() -> None:
+            # (With epx's dispatch halves, the receive kernel goes first here.)
+            self._fill_layout_range(state, out, layout_range)
+            if use_fp8 and round_scale:
+                q_now, s_now = _pow2_cast(out.expert_x, use_ue8m0)
+                recv_x[0].copy_(q_now)
+                recv_x[1].copy_(s_now)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(out.expert_counts)
+
+        hook = None
+        if return_recv_hook:
+            hook = _Hook(recv)
+        else:
+            recv()
+        handle = _Handle((out.expert_src_idx, layout_range, num_max_dispatch_tokens_per_rank,
+                          hidden, num_experts), self, state, slot_index, slot.serial, n)
+        event = EventOverlap(EventHandle() if async_finish else None,
+                             (x, topk_idx, recv_x, out.expert_counts, layout_range)
+                             if async_finish else None)
+        return recv_x, out.expert_counts, handle, event, hook
+
+    def _fill_layout_range(self, state: _ShapeState, out, layout_range) -> None:
+        """layout_range[e][r] = (first row of source rank r's run in expert e) << 32 | (its
+        length). Rows are ordered by source rank, so the first row is the number of valid rows
+        from lower ranks."""
+        torch = T.torch()
+        W = state.world_size
+        valid = state.rows.unsqueeze(0) < out.expert_counts.unsqueeze(1)  # [L, cap]
+        src = torch.where(valid, out.expert_src_rank, torch.full_like(out.expert_src_rank, W))
+        src = src.unsqueeze(-1)  # [L, cap, 1]; invalid rows name rank W: in no run, below none
+        ranks = state.ranks.view(1, 1, W)
+        count = (src == ranks).sum(dim=1)  # [L, W] int64
+        begin = (src < ranks).sum(dim=1)
+        layout_range.copy_((begin << 32) | count)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """Where the expert outputs of `handle`'s round can be written to save combine a copy
+        (then combine with zero_copy=True): [E/W, W*T, H] bf16, epx's combine buffer."""
+        slot = self._slot_of(handle, "get_next_low_latency_combine_buffer")
+        return slot.a2a.combine_buffer()
+
+    def _slot_of(self, handle, what: str) -> _Slot:
+        self._check_usable(what)
+        if not isinstance(handle, _Handle) or handle._owner is not self:
+            raise _epx.InputError(f"Buffer.{what}: handle = {type(handle).__name__}, expected a "
+                                  "handle this Buffer's low_latency_dispatch returned")
+        slot = handle._state.slots[handle._slot]
+        if slot.serial != handle._serial:
+            raise _unsupported(
+                f"Buffer.{what} of an earlier round",
+                f"a later dispatch of this shape reused the handle's epx object (at most "
+                f"rounds_in_flight = {self.rounds_in_flight} rounds of a shape may be in "
+                "flight): its rows are gone")
+        return slot
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        """Brings the expert outputs back to the tokens' ranks and reduces them with the router
+        weights: returns (combined_x [N, H] bf16, event, hook) as DeepEP's low_latency_combine.
+
+        x: [E/W, W*T, H] bf16, the expert outputs row-aligned with the dispatch's recv_x (with
+        zero_copy, they are in get_next_low_latency_combine_buffer(handle) and x is not read).
+        topk_idx, topk_weights: [N, K] of the dispatch's tokens; a -1 id takes no part.
+        """
+        slot = self._slot_of(handle, "low_latency_combine")
+        torch = T.torch()
+        if use_logfmt:
+            raise _unsupported("low_latency_combine(use_logfmt=True)",
+                               "epx combines bf16 rows; DeepEP's LogFMT wire format is not "
+                               "implemented")
+        if combine_wait_recv_cost_stats is not None:
+            raise _unsupported("low_latency_combine(combine_wait_recv_cost_stats=...)",
+                               "epx does not time its waits per source rank")
+        if async_finish and return_recv_hook:
+            raise _epx.InputError("async_finish = True and return_recv_hook = True, expected at "
+                                  "most one of them (as DeepEP)")
+        state: _ShapeState = handle._state
+        a2a = slot.a2a
+        n = handle._num_tokens
+        K = state.shape.topk
+        dev = a2a.device
+        buf = a2a.combine_buffer()
+        if not zero_copy:
+            T.check("x", x, dtype=torch.bfloat16, shape=tuple(buf.shape), device=dev)
+        T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(n, K),
+                device=dev, what="the dispatch's tokens")
+        T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, K), device=dev,
+                what="the dispatch's tokens")
+        if slot.weights is not None:
+            same = topk_weights is slot.weights and topk_weights._version == slot.weights_version
+            if not same:
+                raise _unsupported(
+                    "low_latency_combine with router weights other than those given at dispatch",
+                    "epx folds router weights at the expert's rank with the weights it carried "
+                    "at dispatch; weights given at combine need core support (or give none at "
+                    "dispatch)")
+
+        # Send half: the weights reach the experts' ranks, then epx's combine (whole, today).
+        if slot.weights is not None:
+            expert_out = buf if zero_copy else x
+        else:
+            row_weights = self._row_weights(state, slot.out, topk_idx, topk_weights)
+            torch.mul(buf if zero_copy else x, row_weights.unsqueeze(-1), out=buf)
+            expert_out = buf
+        combined = a2a.combine(expert_out, out=out)
+
+        def recv() -> None:
+            # (With epx's combine halves, the pull kernel goes here.)
+            return None
+
+        hook = None
+        if return_recv_hook:
+            hook = _Hook(recv)
+        else:
+            recv()
+        event = EventOverlap(EventHandle() if async_finish else None,
+                             (x, topk_idx, topk_weights, combined) if async_finish else None)
+        return combined, event, hook
+
+    def _row_weights(self, state: _ShapeState, d, topk_idx, topk_weights):
+        """[E/W, W*T] float32: for each valid expert row of dispatch `d`, the combine-time weight
+        of its (token, k), read from the token's rank: the carrier All2All dispatches the tokens
+        with their weights (-1 slots weighing 0), and each received row files its weights under
+        (source rank, source index). Rows of tokens the carrier did not bring weigh 0."""
+        torch = T.torch()
+        carrier = state.carrier_for(self._world)
+        n = topk_idx.shape[0]
+        weights = topk_weights.masked_fill(topk_idx < 0, 0.0)
+        c = carrier.dispatch(state.carrier_x[:n], topk_idx, weights)
+        W, Tm = state.world_size, state.shape.max_tokens
+        nowhere = W * Tm  # a spare row of the table for rows that hold nothing
+        cap_c = carrier.config.capacity
+        arrived = state.rows[:cap_c] < c.recv_count
+        where = torch.where(arrived, c.recv_src_rank.long() * Tm + c.recv_src_idx.long(),
+                            torch.full((cap_c,), nowhere, dtype=torch.int64, device=state.device))
+        table = torch.zeros((nowhere + 1, state.shape.topk), dtype=torch.float32,
+                            device=state.device)
+        table.index_copy_(0, where, c.recv_topk_weights)
+        table[nowhere].zero_()
+        valid = state.rows.unsqueeze(0) < d.expert_counts.unsqueeze(1)  # [L, cap]
+        token = torch.where(valid, d.expert_src_rank.long() * Tm + d.expert_src_idx.long(),
+                            torch.full_like(d.expert_src_idx, nowhere, dtype=torch.int64))
+        k = torch.where(valid, d.expert_topk_slot.long(), torch.zeros_like(token))
+        return table[token, k]
+
+    def __repr__(self) -> str:
+        return (f"epx.deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, "
+                f"low_latency_mode={self.low_latency_mode}, shapes={len(self._shapes)})")
+

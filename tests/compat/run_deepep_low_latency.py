@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Runs DeepEP's own low-latency test (tests/legacy/test_low_latency.py of a DeepEP checkout,
+unmodified) against epx.deep_ep.
+
+    PYTHONPATH=<build>/python python3 tests/compat/run_deepep_low_latency.py <deepep-checkout> \\
+        [--mode auto|one-gpu|gpu-per-rank] [--test PATH] [-- <the test's arguments>]
+
+The test's arguments default to ``--num-processes 2 --num-tokens 128 --hidden 7168 --num-topk 8
+--num-experts 32``. A ``deep_ep`` package is assembled in a temporary folder (deepep_shim.py:
+epx's Buffer under DeepEP's name, DeepEP's own deep_ep/utils from the checkout), and the test
+runs as its own ``__main__``, spawning its processes as it always does.
+
+Modes: ``one-gpu`` (auto when there are fewer GPUs than processes) puts every process on GPU 0
+through a gloo group; ``gpu-per-rank`` leaves DeepEP's init_dist alone (NCCL, GPU i for rank i).
+``--assemble-only DIR`` writes the package into DIR and prints how to run DeepEP's test with no
+runner at all (``PYTHONPATH=DIR:...`` python3 tests/legacy/test_low_latency.py ...).
+
+The last line is ``deepep_low_latency: 1 passed, 0 failed`` (or ``0 passed, 1 failed``); the
+exit status is 0 when the test passed.
+
+The DeepEP checkout is a tree of github.com/deepseek-ai/DeepEP (the acceptance commit is
+dd758ca), e.g. ``git -C <clone> archive dd758ca deep_ep/utils tests | tar -x -C <dir>``; it
+needs only deep_ep/utils and tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import deepep_shim  # noqa: E402
+
+DEFAULT_TEST_ARGS = ["--num-processes", "2", "--num-tokens", "128", "--hidden", "7168",
+                     "--num-topk", "8", "--num-experts", "32"]
+# A time-sliced GPU shared by every rank, and a test that runs CPU GEMMs between its hooks: the
+# kernels' waits get a wider bound than epx's default 10 s unless EPX_TIMEOUT_MS says otherwise.
+ONE_GPU_TIMEOUT_MS = "120000"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _num_processes(test_args) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--num-processes", type=int, default=8)  # the test's own default
+    known, _ = parser.parse_known_args(test_args)
+    return known.num_processes
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # no torch or no driver: the test will say so itself
+        return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    test_args = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, test_args = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkout", type=Path, help="a DeepEP tree (deep_ep/utils, tests)")
+    parser.add_argument("--mode", choices=("auto", "one-gpu", "gpu-per-rank"), default="auto")
+    parser.add_argument("--test", type=Path, default=None,
+                        help="the test file (default <checkout>/tests/legacy/test_low_latency.py)")
+    parser.add_argument("--assemble-only", type=Path, default=None, metavar="DIR",
+                        help="write the deep_ep package into DIR and exit")
+    args = parser.parse_args(argv)
+    test_args = DEFAULT_TEST_ARGS if not test_args else test_args
+    checkout = args.checkout.resolve()
+    test = (args.test or checkout / "tests" / "legacy" / "test_low_latency.py").resolve()
+
+    if args.assemble_only is not None:
+        pkg = deepep_shim.assemble(checkout, args.assemble_only)
+        where = pkg.parent.resolve()
+        print(f"deep_ep assembled in {pkg}")
+        print(f"run DeepEP's test with it (one GPU per rank): PYTHONPATH={where}:$PYTHONPATH "
+              f"python3 {test} {' '.join(test_args)}")
+        print(f"(all ranks on one GPU: also set {deepep_shim.ONE_GPU_ENV}=1)")
+        return 0
+
+    processes = _num_processes(test_args)
+    mode = args.mode
+    if mode == "auto":
+        mode = "gpu-per-rank" if _gpu_count() >= processes else "one-gpu"
+    where = Path(tempfile.mkdtemp(prefix="epx-deep_ep-"))
+    deepep_shim.assemble(checkout, where)
+    # The spawned processes get this sys.path from multiprocessing and the environment as is.
+    sys.path.insert(0, str(where))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(where)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if mode == "one-gpu":
+        os.environ[deepep_shim.ONE_GPU_ENV] = "1"
+        os.environ.setdefault("EPX_TIMEOUT_MS", ONE_GPU_TIMEOUT_MS)
+    # The test multiplies 8192 x 8192 matrices on the CPU between its hooks, in every process at
+    # once: each gets its share of the cores instead of all of them.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    print(f"deepep_low_latency: {test} {' '.join(test_args)} (mode {mode}, {processes} "
+          f"processes, package in {where})", flush=True)
+
+    sys.argv = [str(test)] + list(test_args)
+    start = time.monotonic()
+    try:
+        runpy.run_path(str(test), run_name="__main__")
+        ok = True
+    except SystemExit as e:  # argparse, or the test's own exit
+        ok = e.code in (None, 0)
+    except BaseException:
+        traceback.print_exc()
+        ok = False
+    print(f"deepep_low_latency: ran {time.monotonic() - start:.0f} s", flush=True)
+    print(f"deepep_low_latency: {int(ok)} passed, {int(not ok)} failed", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
