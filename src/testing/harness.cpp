@@ -140,16 +140,18 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   };
   std::vector<DispatchResult> results(W);
   // `cut` (capturing with graph_split): ends the graph being captured and begins the next.
+  // Rank r's dispatch arguments: its buffers, as upload() fills them.
+  auto input_of = [&](int r) {
+    return DispatchInput{.num_tokens = counts[r],
+                         .x = rb[r].x,
+                         .x_scales = cfg.input_fp8() ? rb[r].scales : nullptr,
+                         .topk_ids = rb[r].ids,
+                         .ids_type = o.ids_int64 ? IdType::kInt64 : IdType::kInt32,
+                         .topk_weights = rb[r].weights};
+  };
   auto enqueue = [&](int r, bool capturing, const std::function<void()>& cut = {}) {
-    DispatchInput in;
-    in.num_tokens = counts[r];
-    in.x = rb[r].x;
-    in.x_scales = cfg.input_fp8() ? rb[r].scales : nullptr;
-    in.topk_ids = rb[r].ids;
-    in.ids_type = o.ids_int64 ? IdType::kInt64 : IdType::kInt32;
-    in.topk_weights = rb[r].weights;
     All2All& a = *group[r];
-    results[r] = a.dispatch(in, rb[r].stream);
+    results[r] = a.dispatch(input_of(r), rb[r].stream);
     if (cut) cut();
     if (capturing && o.conditional) {
       capture_identity_expert_switch(a.config(), results[r], a.combine_buffer(), rb[r].stream,
@@ -170,15 +172,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     std::vector<const void*> outs;
     std::vector<void*> ys;
     for (int r = gpu; r < W; r += num_gpus) {
-      DispatchInput in;
-      in.num_tokens = counts[r];
-      in.x = rb[r].x;
-      in.x_scales = cfg.input_fp8() ? rb[r].scales : nullptr;
-      in.topk_ids = rb[r].ids;
-      in.ids_type = o.ids_int64 ? IdType::kInt64 : IdType::kInt32;
-      in.topk_weights = rb[r].weights;
       ranks.push_back(group[r].get());
-      ins.push_back(in);
+      ins.push_back(input_of(r));
       outs.push_back(group[r]->combine_buffer());
       ys.push_back(rb[r].y);
     }

@@ -15,6 +15,7 @@
 
 #include "../cpu/scoped_env.hpp"
 #include "bad_inputs_gpu_cases.hpp"
+#include "gpu_group.hpp"
 #include "epx/all2all.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
@@ -23,59 +24,18 @@
 namespace epx {
 namespace {
 
-#define REQUIRE_GPU()                                                    \
-  do {                                                                   \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "needs an NVIDIA GPU"; \
-  } while (0)
-
 using bad_inputs::GpuCase;
 
 constexpr int kHidden = 2048;
 constexpr int kTopk = 4;
 
-EpConfig small_config() {
-  EpConfig c;
-  c.hidden = kHidden;
-  c.num_experts = 16;
-  c.topk = kTopk;
-  c.max_tokens_per_rank = 8;
-  c.dtype = DispatchDtype::kBF16;
-  c.timeout_ms = 300;
-  return c;
-}
+using gpu_test::small_config;
 
-// The objects of an in-process world on GPU 0, one stream per rank, and the device memory the
-// scenario uploads; streams are drained and memory freed at the end.
-struct Group {
-  InProcessWorld world;
-  std::vector<std::unique_ptr<All2All>> a2a;
-  std::vector<cudaStream_t> streams;
-  std::vector<void*> device_buffers;
+static_assert(kHidden == 2048 && kTopk == 4, "the shape of gpu_test::small_config()");
 
-  Group(const EpConfig& cfg, int ranks, Backend backend = Backend::kLowLatency,
-        LaunchConfigs launch = {})
-      : world(ranks) {
-    a2a = make_all2all_group(backend, cfg, world, launch);
-    streams.resize(size_t(ranks));
-    for (auto& s : streams) EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~Group() {
-    for (cudaStream_t s : streams) {
-      (void)cudaStreamSynchronize(s);
-      (void)cudaStreamDestroy(s);
-    }
-    for (void* b : device_buffers) (void)cudaFree(b);
-  }
-  template <typename T>
-  T* upload(const std::vector<T>& h) {
-    void* d = nullptr;
-    EPX_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(16, h.size() * sizeof(T))));
-    if (!h.empty()) {
-      EPX_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    }
-    device_buffers.push_back(d);
-    return static_cast<T*>(d);
-  }
+// The shared group, with the inputs and outputs these cases upload.
+struct Group : gpu_test::Group {
+  using gpu_test::Group::Group;
   // Tokens of 1.0 with these expert ids (kTopk per token) and weights 1/kTopk, on the device.
   DispatchInput input(const std::vector<int32_t>& ids) {
     const int n = int(ids.size()) / kTopk;

@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "gpu_group.hpp"
 #include "testing/harness.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/all2all.hpp"
@@ -17,11 +18,6 @@
 
 namespace epx {
 namespace {
-
-#define REQUIRE_GPU()                                                  \
-  do {                                                                 \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "needs an NVIDIA GPU"; \
-  } while (0)
 
 struct Case {
   const char* name;
@@ -213,47 +209,8 @@ TEST(LowLatency, ConditionalExpertGraphFromRankThreads) {
 
 // ---- error paths ---------------------------------------------------------------------------
 
-struct Group {
-  EpConfig cfg;
-  InProcessWorld world;
-  std::vector<std::unique_ptr<All2All>> a2a;
-  std::vector<cudaStream_t> streams;
-  std::vector<void*> bufs;
-
-  Group(EpConfig c, int world_size, Backend backend = Backend::kLowLatency)
-      : cfg(c), world(world_size) {
-    cfg.world_size = world_size;
-    a2a = make_all2all_group(backend, cfg, world);
-    streams.resize(world_size);
-    for (auto& s : streams) EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~Group() {
-    for (auto s : streams) {
-      (void)cudaStreamSynchronize(s);
-      (void)cudaStreamDestroy(s);
-    }
-    for (void* b : bufs) (void)cudaFree(b);
-  }
-  template <typename T>
-  T* upload(const std::vector<T>& h) {
-    void* d = nullptr;
-    EPX_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(16, h.size() * sizeof(T))));
-    if (!h.empty()) EPX_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    bufs.push_back(d);
-    return static_cast<T*>(d);
-  }
-};
-
-EpConfig small_config() {
-  EpConfig c;
-  c.hidden = 2048;
-  c.num_experts = 16;
-  c.topk = 4;
-  c.max_tokens_per_rank = 8;
-  c.dtype = DispatchDtype::kBF16;
-  c.timeout_ms = 300;
-  return c;
-}
+using gpu_test::Group;
+using gpu_test::small_config;
 
 class InvalidIds : public ::testing::TestWithParam<Backend> {};
 
