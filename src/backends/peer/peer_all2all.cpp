@@ -130,6 +130,7 @@ class PeerAll2All final : public All2All {
       if (cfg_.input_fp8()) check_ptr(in.x_scales, "x_scales", 4);
     }
     last_tokens_ = N;
+    dispatched_ = true;
     return DispatchRank{.local = buf_.local(),
                         .host_status = host_status_dev_,
                         .rank = cfg_.rank,
@@ -145,6 +146,8 @@ class PeerAll2All final : public All2All {
   // for it); it surfaces at synchronize() or the next dispatch.
   CombineRank prepare_combine(const void* expert_out, void* y) {
     check_usable();
+    EPX_CHECK(dispatched_, StateError, "combine", "called before any dispatch",
+              "after a dispatch (combine returns the tokens of the last dispatch)");
     check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer (null, or one past the end of the caller's
     // buffer, as a chunked forward's empty chunks pass) is fine.
@@ -303,6 +306,7 @@ class PeerAll2All final : public All2All {
   DeviceStatus* host_status_dev_ = nullptr;
   bool failed_ = false;
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
+  bool dispatched_ = false;  // a dispatch was enqueued (combine has a round to serve)
   std::string first_error_;
   std::shared_ptr<const void> launch_group_;
 #if EPX_MEASUREMENT
