@@ -10,8 +10,9 @@ build=${1:-build-asan}
 
 cuda=ON
 if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then cuda=OFF; fi
+# -O1 -g1: what ASan's reports need (line tables), at half the compile time of -O2 -g.
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_ENABLE_CUDA=$cuda \
-  -DEPX_SANITIZE=address,undefined >/dev/null
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DEPX_SANITIZE=address,undefined >/dev/null
 cmake --build "$build" -j "$(nproc)" --target epx_cpu_tests >/dev/null
 
 # protect_shadow_gap=0: the CUDA driver maps memory where ASan's shadow gap would be (on a

@@ -93,7 +93,7 @@ class All2All {
 
   // Enqueues combine: y[N, H] bf16 (N = the last dispatch's num_tokens; when N = 0, y is not
   // written and may be any pointer, null included). `expert_out` is the token-major partials or
-  // the expert-major outputs; combine_buffer() avoids a copy.
+  // the expert-major outputs; combine_buffer() avoids a copy. StateError before any dispatch.
   virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
 
   // The halves of each op, so that compute runs between them (overlap with another micro-batch's

@@ -193,6 +193,7 @@ class PeerAll2All final : public All2All {
       if (cfg_.input_fp8()) check_ptr(in.x_scales, "x_scales", 4);
     }
     last_tokens_ = N;
+    dispatched_ = true;
     return DispatchRank{.local = buf_.local(),
                         .host_status = host_status_dev_,
                         .rank = cfg_.rank,
@@ -208,6 +209,8 @@ class PeerAll2All final : public All2All {
   // for it); it surfaces at synchronize() or the next dispatch.
   CombineRank prepare_combine(const void* expert_out, void* y, bool whole) {
     check_usable();
+    EPX_CHECK(dispatched_, StateError, "combine", "called before any dispatch",
+              "after a dispatch (combine returns the tokens of the last dispatch)");
     EPX_CHECK(pending_ != Pending::kDispatchReceive, StateError, "combine", "called",
               "after dispatch_recv: the last dispatch_send's receive half is still due");
     check_ptr(expert_out, "expert_out", 16);
@@ -370,6 +373,7 @@ class PeerAll2All final : public All2All {
   DeviceStatus* host_status_dev_ = nullptr;
   bool failed_ = false;
   int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
+  bool dispatched_ = false;  // a dispatch was enqueued (combine has a round to serve)
   std::string first_error_;
   std::shared_ptr<const void> launch_group_;
   Pending pending_ = Pending::kNone;  // the receive half this rank owes (host-side call order)
