@@ -4,24 +4,28 @@
 # "gpu-total: N passed, N failed" line. Logs go to build/gpu-logs, and as one archive
 # (gpu-logs.tar.gz) to $OUT when that is set.
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
-# EPX_SUITE_PARTS (default core,python): which parts run — core (the C++ suites and the CLI
-# runs), python (the package: pip install, pytest, the Python example).
+# EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
+# the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
+# own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0;
+# needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 build=${1:-build}
 quick=${2:-}
-logs=$build/gpu-logs
+logs=${EPX_SUITE_LOGS:-$build/gpu-logs}  # (a folder under $OUT keeps the logs of a run cut short)
 mkdir -p "$logs"
 parts=${EPX_SUITE_PARTS:-core,python}
+[[ ",$parts," == *",core,"* ]] && parts="$parts,gtest,cli"
 want() { [[ ",$parts," == *",$1,"* ]]; }
-if want core && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
+if { want gtest || want cli; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
   scripts/setup.sh "$build" || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 passed=0; failed=0
+L="$build/epx launch"
 run() {  # run NAME CMD...: one counted check
   local name=$1; shift
   echo "=== $name: $*"
@@ -30,7 +34,7 @@ run() {  # run NAME CMD...: one counted check
   else failed=$((failed+1)); echo "    FAILED:"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'; fi
 }
 
-if want core; then
+if want gtest; then
 # GoogleTest suites: each test counts.
 for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
@@ -40,7 +44,9 @@ for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gp
   p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
   if [ -z "$line" ]; then failed=$((failed+1)); echo "$suite did not finish"; else passed=$((passed+p)); failed=$((failed+f)); fi
 done
+fi  # gtest
 
+if want cli; then
 E="$build/epx check"
 for t in 128 1024; do
   for d in bf16-to-fp8 bf16 fp8; do
@@ -71,7 +77,6 @@ done
 
 # One process per rank (IpcWorld through `epx launch`), all sharing this machine's GPU: processes
 # on one GPU are time-sliced (a round takes milliseconds), so the round counts stay small.
-L="$build/epx launch"
 EI="$build/epx check --world-kind ipc"
 for n in 2 4; do
   run "ipc_example_n${n}" $L -n $n -- "$build/example_ipc_ranks"
@@ -284,7 +289,7 @@ else
   echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
 fi
 
-fi  # core
+fi  # cli
 
 if want python; then
 # The Python package as users get it (`pip install --no-build-isolation .` into a scratch target:
@@ -307,8 +312,18 @@ if CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolati
 else
   failed=$((failed+1)); echo "    FAILED: pip install"; tail -n 15 "$logs/python_install.log" | sed 's/^/      /'
 fi
+
+if want deepep; then
+  # DeepEP's acceptance test, unmodified, against epx.deep_ep (tests/compat/run_deepep_low_latency.py).
+  DS="--num-tokens 128 --hidden 7168 --num-topk 8"
+  for c in ${EPX_DEEPEP_CASES:-2:32 2:64 4:32 4:64}; do  # processes:experts
+    n=${c%:*}; e=${c#*:}
+    run "deepep_n${n}_e${e}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+        "${EPX_DEEPEP_DIR:?EPX_DEEPEP_DIR: a DeepEP checkout}" -- --num-processes $n $DS --num-experts $e
+  done
+fi
 fi  # python
 
-[ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$build" gpu-logs
+[ -n "${OUT:-}" ] && [[ "$logs" != "$OUT"* ]] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$logs" .
 echo "gpu-total: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
