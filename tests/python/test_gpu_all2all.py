@@ -162,9 +162,9 @@ def test_halves_on_one_stream_equal_the_whole_ops(gpu, layout):
     never waits (else this would time out), and the results are those of the whole ops."""
     import torch
 
-    rk = Ranks(small_config(dtype="bf16-to-fp8", layout=layout), 3)
+    rk = Ranks(small_config(dtype="bf16-to-fp8", layout=layout), 4)
     rk.warm_up_experts(gpu)
-    inputs = [ref.make_inputs(rk.cfg, r, n, 5, gpu) for r, n in enumerate((64, 0, 17))]
+    inputs = [ref.make_inputs(rk.cfg, r, n, 5, gpu) for r, n in enumerate((64, 0, 17, 33))]
     _, whole = rk.round(inputs)
     whole = [y.clone() for y in whole]
     for r, a in enumerate(rk.group):
