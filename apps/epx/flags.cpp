@@ -210,6 +210,7 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.layout = parse_layout_flag(layout);
   cfg.scale_layout = parse_scale_layout_flag(scale_layout);
   cfg.deterministic = deterministic;
+  cfg.rounds_in_flight = rounds_in_flight;
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -250,6 +251,10 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
   c->add_flag("--deterministic", f.deterministic,
               "token-major rows in (source rank, source index) order on every call (the ranks "
               "exchange counts before any row moves)");
+  c->add_option("--rounds-in-flight", f.rounds_in_flight,
+                "1 | 2: dispatches whose combine may still be due (2: the next round's dispatch "
+                "before this round's combine; `epx check` then runs two rounds interleaved)")
+      ->capture_default_str();
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
 }

@@ -81,6 +81,7 @@ struct ShapeFlags {
   std::string layout = "token";
   std::string scale_layout = "row";
   bool deterministic = false;  // --deterministic: rows in (source rank, source index) order
+  int rounds_in_flight = 1;    // --rounds-in-flight
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

@@ -2,10 +2,20 @@
 // All2All: dispatch and combine of one expert-parallel MoE layer, one object per rank.
 //
 // Call order per layer forward, on every rank: dispatch -> expert stage -> combine, each on the
-// caller's stream. A dispatch's outputs stay valid until the next dispatch of any rank; every
-// dispatch must be followed by its combine before the next dispatch. Both calls are
+// caller's stream (one stream per rank, or events that order a rank's calls). Both calls are
 // asynchronous, never synchronise the host, and may be captured in a CUDA graph; ranks may mix
 // graph replays with eager calls. All cross-call state lives on the device.
+//
+// Rounds in flight (EpConfig::rounds_in_flight = R, 1 or 2): a dispatch whose combine has not
+// been called is "due"; up to R rounds may be due at once, each in its own buffer slot, so with
+// R = 2 the dispatch of the next round (another micro-batch) may come before the combine of this
+// one. combine() serves the oldest due round (with none due, the last one combined, again). A
+// dispatch with R rounds already due abandons the oldest: its outputs are overwritten and its
+// combine is no longer due. A round's outputs stay valid until the dispatch that reuses its slot
+// (with R = 1: the next dispatch) on any rank. Slots follow from the sequence of calls alone, so
+// every rank's sequence of dispatches and combines must be the same (a captured graph holds its
+// calls' slots: replay it where the eager sequence would make the same calls); a round that one
+// rank placed in another slot than its peers is reported as a PeerError, never read.
 //
 // Errors: host-side argument problems throw InputError immediately and nothing is launched.
 // Device-side problems (timeouts, peers that never arrive, expert ids outside [-1, E) or
@@ -59,6 +69,7 @@ struct DispatchInput {
 // order of the token-major rows; token-major staging fields are still filled (recv_count rows).
 struct DispatchResult {
   int capacity = 0;                 // rows of the token-major area; rows per expert (expert-major)
+  void* combine_buffer = nullptr;   // this round's combine_buffer() (see All2All::combine_buffer)
   const int32_t* recv_count = nullptr;      // device scalar M
   const void* recv_x = nullptr;             // [capacity, H] bf16 or fp8
   const float* recv_scales = nullptr;       // fp8: [capacity, H/128] or [H/128, capacity]
@@ -86,14 +97,16 @@ class All2All {
   // Enqueues dispatch on `stream`. Throws InputError for bad arguments, StateError after an error.
   virtual DispatchResult dispatch(const DispatchInput& input, cudaStream_t stream) = 0;
 
-  // Where the expert stage should write its output to avoid a copy:
+  // Where the expert stage should write the output of the round the next combine serves, to
+  // avoid a copy (each round in flight has its own; DispatchResult::combine_buffer is its round's):
   //   token-major: partials [capacity, H] bf16, row j = sum over local k of w_k * expert_k(row j);
   //   expert-major: expert outputs [E/W, capacity, H] bf16, row-aligned with expert_x.
   virtual void* combine_buffer() = 0;
 
-  // Enqueues combine: y[N, H] bf16 (N = the last dispatch's num_tokens; when N = 0, y is not
-  // written and may be any pointer, null included). `expert_out` is the token-major partials or
-  // the expert-major outputs; combine_buffer() avoids a copy. StateError before any dispatch.
+  // Enqueues combine of the oldest due round: y[N, H] bf16 (N = that dispatch's num_tokens; when
+  // N = 0, y is not written and may be any pointer, null included). `expert_out` is the
+  // token-major partials or the expert-major outputs; the round's combine buffer avoids a copy.
+  // StateError before any dispatch.
   virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
 
   // The halves of each op, so that compute runs between them (overlap with another micro-batch's

@@ -53,6 +53,10 @@ struct EpConfig {
   // the receiver's area with one atomic (rows from different senders interleave). Combine's
   // result is the same bits either way.
   bool deterministic = false;
+  // Dispatches whose combine may still be due: 1, or 2 to issue the dispatch of the next round
+  // (another micro-batch) before the combine of this one. Each round beyond the first holds its
+  // own receive area, partials and per-round state: 2 doubles the memory of the data areas.
+  int rounds_in_flight = 1;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
@@ -68,6 +72,8 @@ struct EpConfig {
   // Throws ConfigError naming the first impossible field.
   void validate() const;
 };
+
+inline constexpr int kMaxRoundsInFlight = 2;
 
 struct LaunchConfig {
   int num_blocks = 0;       // 0 = choose per world and shape

@@ -38,6 +38,7 @@ class ConfigValues(NamedTuple):
     scale_layout: str
     layout: str
     deterministic: bool
+    rounds_in_flight: int
     timeout_ms: int
     capacity: int
     num_local_experts: int

@@ -27,7 +27,8 @@ def ep_config(**fields: Any) -> EpConfig:
 
     Keys: rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype ('bf16',
     'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), layout ('token', 'expert'),
-    deterministic, timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    deterministic, rounds_in_flight (1, or 2: the next round's dispatch before this round's
+    combine), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
     """
     cfg = EpConfig(**fields)
     cfg.validate()

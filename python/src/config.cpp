@@ -25,18 +25,19 @@ struct IntField {
   const char* name;
   int EpConfig::*member;
 };
-constexpr std::array<IntField, 7> kIntFields{{
+constexpr std::array<IntField, 8> kIntFields{{
     {"rank", &EpConfig::rank},
     {"world_size", &EpConfig::world_size},
     {"hidden", &EpConfig::hidden},
     {"num_experts", &EpConfig::num_experts},
     {"topk", &EpConfig::topk},
     {"max_tokens_per_rank", &EpConfig::max_tokens_per_rank},
+    {"rounds_in_flight", &EpConfig::rounds_in_flight},
     {"timeout_ms", &EpConfig::timeout_ms},
 }};
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
-    "layout, deterministic, timeout_ms";
+    "layout, deterministic, rounds_in_flight, timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
   for (const IntField& f : kIntFields) {
@@ -63,10 +64,10 @@ std::string ep_repr(const EpConfig& c) {
   return fmt::format(
       "EpConfig(rank={}, world_size={}, hidden={}, num_experts={}, topk={}, "
       "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', layout='{}', deterministic={}, "
-      "timeout_ms={})",
+      "rounds_in_flight={}, timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
       to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
-      c.deterministic ? "True" : "False", c.timeout_ms);
+      c.deterministic ? "True" : "False", c.rounds_in_flight, c.timeout_ms);
 }
 
 void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {

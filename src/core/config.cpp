@@ -152,6 +152,10 @@ void EpConfig::validate() const {
   EPX_CHECK(max_tokens_per_rank >= 1 && max_tokens_per_rank <= kMaxTokensPerRank, ConfigError,
             "max_tokens_per_rank", max_tokens_per_rank,
             fmt::format("in [1, kMaxTokensPerRank = {}]", kMaxTokensPerRank));
+  // Each round in flight owns a copy of the data areas; the kernels pick one of two.
+  EPX_CHECK(rounds_in_flight >= 1 && rounds_in_flight <= kMaxRoundsInFlight, ConfigError,
+            "rounds_in_flight", rounds_in_flight,
+            fmt::format("in [1, kMaxRoundsInFlight = {}]", kMaxRoundsInFlight));
   // Every device wait is bounded (DESIGN §5): 0 would fail at once, and a day is plenty.
   EPX_CHECK(timeout_ms >= 1 && timeout_ms <= kMaxTimeoutMs, ConfigError, "timeout_ms", timeout_ms,
             fmt::format("in [1, kMaxTimeoutMs = {}]", kMaxTimeoutMs));

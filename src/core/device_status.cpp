@@ -8,6 +8,7 @@ namespace epx {
 
 static_assert(int32_t(StatusCode::kInput) == int32_t(ErrorCode::kInput));
 static_assert(int32_t(StatusCode::kTimeout) == int32_t(ErrorCode::kTimeout));
+static_assert(int32_t(StatusCode::kPeer) == int32_t(ErrorCode::kPeer));
 
 const char* to_string(Phase p) {
   switch (p) {

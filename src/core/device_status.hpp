@@ -15,6 +15,7 @@ enum class StatusCode : int32_t {
   kNone = 0,     // nothing recorded
   kInput = 2,    // bad input (an expert id): the token was not sent, the call completed
   kTimeout = 3,  // a bounded wait expired: the peers' state is unknown, later calls stop at once
+  kPeer = 4,     // a peer disagreed (its round went to another buffer slot): later calls stop
 };
 
 enum class Phase : int32_t {

@@ -71,6 +71,11 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   EPX_CHECK(!o.halves || (!cfg.deterministic && o.backend != Backend::kNaive), InputError,
             "halves", "with ordered rows (deterministic or naive)",
             "unordered rows: the send half of ordered rows waits for every peer's counts");
+  // Rounds in flight: each call is R rounds interleaved, every dispatch before the combines
+  // (dispatch A, dispatch B, expert A, combine A, expert B, combine B), each on its own inputs.
+  const int R = cfg.rounds_in_flight;
+  EPX_CHECK(R == 1 || (!o.conditional && !o.graph_split), InputError, "rounds_in_flight", R,
+            "1 with the conditional or split graph variants");
   std::vector<int> devices;
   for (int g = 0; g < o.gpus; ++g) devices.push_back(g);
   InProcessWorld world(W, devices);
@@ -83,16 +88,20 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   }
   const size_t H = cfg.hidden, K = cfg.topk, G = cfg.num_scale_groups();
   const size_t maxT = cfg.max_tokens_per_rank;
-  std::vector<RankBuffers> rb(W);
-  for (int r = 0; r < W; ++r) {
+  // rb[k * W + r]: rank r's inputs and output of the k-th round of a call; rank r's stream is
+  // rb[r].stream.
+  std::vector<RankBuffers> rb(size_t(R) * W);
+  for (size_t i = 0; i < rb.size(); ++i) {
+    const int r = int(i % W);
     EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
-    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[r].stream, cudaStreamNonBlocking));
-    EPX_CUDA_CHECK(cudaMalloc(&rb[r].x, maxT * H * 2));
-    EPX_CUDA_CHECK(cudaMalloc(&rb[r].scales, std::max<size_t>(1, maxT * G) * sizeof(float)));
-    EPX_CUDA_CHECK(cudaMalloc(&rb[r].ids, maxT * K * sizeof(int64_t)));
-    EPX_CUDA_CHECK(cudaMalloc(&rb[r].weights, maxT * K * sizeof(float)));
-    EPX_CUDA_CHECK(cudaMalloc(&rb[r].y, maxT * H * 2));
+    if (i < size_t(W)) EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&rb[i].stream, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaMalloc(&rb[i].x, maxT * H * 2));
+    EPX_CUDA_CHECK(cudaMalloc(&rb[i].scales, std::max<size_t>(1, maxT * G) * sizeof(float)));
+    EPX_CUDA_CHECK(cudaMalloc(&rb[i].ids, maxT * K * sizeof(int64_t)));
+    EPX_CUDA_CHECK(cudaMalloc(&rb[i].weights, maxT * K * sizeof(float)));
+    EPX_CUDA_CHECK(cudaMalloc(&rb[i].y, maxT * H * 2));
   }
+  auto io = [&](int r, int k) -> RankBuffers& { return rb[size_t(k) * W + r]; };
   // The side streams (they only record conditional bodies) after every rank stream: streams
   // take hardware queues in turn, and each rank stream needs its own (InProcessWorld).
   for (int r = 0; r < W && o.conditional; ++r) {
@@ -103,64 +112,74 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     std::vector<RankBuffers>& rb;
     ~Cleanup() {
       for (auto& b : rb) {
-        (void)cudaStreamSynchronize(b.stream);
+        if (b.stream) (void)cudaStreamSynchronize(b.stream);
         (void)cudaFree(b.x);
         (void)cudaFree(b.scales);
         (void)cudaFree(b.ids);
         (void)cudaFree(b.weights);
         (void)cudaFree(b.y);
-        (void)cudaStreamDestroy(b.stream);
+        if (b.stream) (void)cudaStreamDestroy(b.stream);
         if (b.side) (void)cudaStreamDestroy(b.side);
       }
     }
   } cleanup{rb};
 
-  auto upload = [&](int r, const InputSet& s) {
+  auto upload_round = [&](int r, const InputSet& s, RankBuffers& b) {
     const RankInput& in = s.in[r];
     const size_t n = in.num_tokens;
     cudaStream_t st = rb[r].stream;
     if (n == 0) return;
     if (cfg.input_fp8()) {
-      EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].x, in.x_fp8.data(), n * H, cudaMemcpyHostToDevice, st));
-      EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].scales, in.scales.data(), n * G * sizeof(float),
+      EPX_CUDA_CHECK(cudaMemcpyAsync(b.x, in.x_fp8.data(), n * H, cudaMemcpyHostToDevice, st));
+      EPX_CUDA_CHECK(cudaMemcpyAsync(b.scales, in.scales.data(), n * G * sizeof(float),
                                      cudaMemcpyHostToDevice, st));
     } else {
-      EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].x, in.x_bf16.data(), n * H * 2, cudaMemcpyHostToDevice, st));
+      EPX_CUDA_CHECK(cudaMemcpyAsync(b.x, in.x_bf16.data(), n * H * 2, cudaMemcpyHostToDevice, st));
     }
     if (o.ids_int64) {
-      EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].ids, s.ids64[r].data(), n * K * sizeof(int64_t),
+      EPX_CUDA_CHECK(cudaMemcpyAsync(b.ids, s.ids64[r].data(), n * K * sizeof(int64_t),
                                      cudaMemcpyHostToDevice, st));
     } else {
-      EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].ids, in.routing.ids.data(), n * K * sizeof(int32_t),
+      EPX_CUDA_CHECK(cudaMemcpyAsync(b.ids, in.routing.ids.data(), n * K * sizeof(int32_t),
                                      cudaMemcpyHostToDevice, st));
     }
-    EPX_CUDA_CHECK(cudaMemcpyAsync(rb[r].weights, in.routing.weights.data(), n * K * sizeof(float),
+    EPX_CUDA_CHECK(cudaMemcpyAsync(b.weights, in.routing.weights.data(), n * K * sizeof(float),
                                    cudaMemcpyHostToDevice, st));
-    EPX_CUDA_CHECK(cudaMemsetAsync(rb[r].y, 0xff, n * H * 2, st));  // poison: every row must be written
+    EPX_CUDA_CHECK(cudaMemsetAsync(b.y, 0xff, n * H * 2, st));  // poison: every row must be written
   };
-  std::vector<DispatchResult> results(W);
-  // `cut` (capturing with graph_split): ends the graph being captured and begins the next.
-  // Rank r's dispatch arguments: its buffers, as upload() fills them.
-  auto input_of = [&](int r) {
+  // The input sets of call `c` (one per round) and their upload.
+  auto set_of = [&](int64_t c, int k) -> const InputSet& { return sets[size_t((c * R + k) % pool)]; };
+  auto upload = [&](int r, int64_t c) {
+    for (int k = 0; k < R; ++k) upload_round(r, set_of(c, k), io(r, k));
+  };
+  std::vector<DispatchResult> results(size_t(R) * W);  // [round][rank]
+  auto result_of = [&](int r, int k) -> DispatchResult& { return results[size_t(k) * W + r]; };
+  // Rank r's dispatch arguments of round k: its buffers, as upload() fills them.
+  auto input_of = [&](int r, int k) {
+    const RankBuffers& b = io(r, k);
     return DispatchInput{.num_tokens = counts[r],
-                         .x = rb[r].x,
-                         .x_scales = cfg.input_fp8() ? rb[r].scales : nullptr,
-                         .topk_ids = rb[r].ids,
+                         .x = b.x,
+                         .x_scales = cfg.input_fp8() ? b.scales : nullptr,
+                         .topk_ids = b.ids,
                          .ids_type = o.ids_int64 ? IdType::kInt64 : IdType::kInt32,
-                         .topk_weights = rb[r].weights};
+                         .topk_weights = b.weights};
   };
+  // `cut` (capturing with graph_split): ends the graph being captured and begins the next.
   auto enqueue = [&](int r, bool capturing, const std::function<void()>& cut = {}) {
     All2All& a = *group[r];
-    results[r] = a.dispatch(input_of(r), rb[r].stream);
+    cudaStream_t st = rb[r].stream;
+    for (int k = 0; k < R; ++k) result_of(r, k) = a.dispatch(input_of(r, k), st);
     if (cut) cut();
-    if (capturing && o.conditional) {
-      capture_identity_expert_switch(a.config(), results[r], a.combine_buffer(), rb[r].stream,
-                                     rb[r].side);
-    } else {
-      launch_identity_expert(a.config(), results[r], a.combine_buffer(), rb[r].stream);
+    for (int k = 0; k < R; ++k) {
+      const DispatchResult& d = result_of(r, k);
+      if (capturing && o.conditional) {
+        capture_identity_expert_switch(a.config(), d, d.combine_buffer, st, rb[r].side);
+      } else {
+        launch_identity_expert(a.config(), d, d.combine_buffer, st);
+      }
+      if (cut) cut();
+      a.combine(d.combine_buffer, io(r, k).y, st);
     }
-    if (cut) cut();
-    a.combine(a.combine_buffer(), rb[r].y, rb[r].stream);
   };
   // one_launch / halves: the ranks of GPU g (r % gpus == g) on their first rank's stream, in one
   // kernel per op or as every rank's send half then every rank's receive half; the inputs were
@@ -168,40 +187,44 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   const int num_gpus = std::min(o.gpus, W);
   auto enqueue_gpu = [&](int gpu) {
     std::vector<All2All*> ranks;
-    std::vector<DispatchInput> ins;
-    std::vector<const void*> outs;
-    std::vector<void*> ys;
-    for (int r = gpu; r < W; r += num_gpus) {
-      ranks.push_back(group[r].get());
-      ins.push_back(input_of(r));
-      outs.push_back(group[r]->combine_buffer());
-      ys.push_back(rb[r].y);
-    }
+    for (int r = gpu; r < W; r += num_gpus) ranks.push_back(group[r].get());
+    auto rank_at = [&](size_t i) { return gpu + int(i) * num_gpus; };
     cudaStream_t st = rb[gpu].stream;
     EPX_CUDA_CHECK(cudaSetDevice(world.device_of(gpu)));
-    std::vector<DispatchResult> res;
-    if (o.halves) {
-      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->dispatch_send(ins[i], st);
-      for (size_t i = 0; i < ranks.size(); ++i) res.push_back(ranks[i]->dispatch_recv(st));
-    } else {
-      res = dispatch_group(ranks, ins, st);
+    for (int k = 0; k < R; ++k) {
+      std::vector<DispatchInput> ins;
+      for (size_t i = 0; i < ranks.size(); ++i) ins.push_back(input_of(rank_at(i), k));
+      std::vector<DispatchResult> res;
+      if (o.halves) {
+        for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->dispatch_send(ins[i], st);
+        for (size_t i = 0; i < ranks.size(); ++i) res.push_back(ranks[i]->dispatch_recv(st));
+      } else {
+        res = dispatch_group(ranks, ins, st);
+      }
+      for (size_t i = 0; i < ranks.size(); ++i) result_of(rank_at(i), k) = res[i];
     }
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      results[gpu + i * num_gpus] = res[i];
-      launch_identity_expert(ranks[i]->config(), res[i], ranks[i]->combine_buffer(), st);
-    }
-    if (o.halves) {
-      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_send(outs[i], st);
-      for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_recv(ys[i], st);
-    } else {
-      combine_group(ranks, outs, ys, st);
+    for (int k = 0; k < R; ++k) {
+      std::vector<const void*> outs;
+      std::vector<void*> ys;
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        const DispatchResult& d = result_of(rank_at(i), k);
+        launch_identity_expert(ranks[i]->config(), d, d.combine_buffer, st);
+        outs.push_back(d.combine_buffer);
+        ys.push_back(io(rank_at(i), k).y);
+      }
+      if (o.halves) {
+        for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_send(outs[i], st);
+        for (size_t i = 0; i < ranks.size(); ++i) ranks[i]->combine_recv(ys[i], st);
+      } else {
+        combine_group(ranks, outs, ys, st);
+      }
     }
   };
   auto sync_all = [&] {
     for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamSynchronize(rb[r].stream));
   };
   Comparer cmp(rep, o.max_report);
-  auto finish_and_compare = [&](const InputSet& s) -> bool {
+  auto finish_and_compare = [&](int64_t call) -> bool {
     try {
       if (one_stream) sync_all();
       for (int r = 0; r < W; ++r) group[r]->synchronize(rb[r].stream);
@@ -217,11 +240,15 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       v ^= 1;
       EPX_CUDA_CHECK(cudaMemcpy(rb[o.corrupt_rank].y, &v, 2, cudaMemcpyHostToDevice));
     }
-    for (int r = 0; r < W; ++r) {
-      compare_dispatch(group[r]->config(), r, results[r], s, cmp);
-      const size_t n = size_t(counts[r]) * H;
-      cmp.eq(download<uint16_t>(rb[r].y, n), s.y[r].data(), n, int(H),
-             fmt::format("rank {} combine y", r));
+    for (int k = 0; k < R; ++k) {
+      const InputSet& s = set_of(call, k);
+      const std::string round = R > 1 ? fmt::format(" (round {} of the call)", k) : "";
+      for (int r = 0; r < W; ++r) {
+        compare_dispatch(group[r]->config(), r, result_of(r, k), s, cmp);
+        const size_t n = size_t(counts[r]) * H;
+        cmp.eq(download<uint16_t>(io(r, k).y, n), s.y[r].data(), n, int(H),
+               fmt::format("rank {} combine y{}", r, round));
+      }
     }
     ++rep.calls;
     return rep.ok;
@@ -229,15 +256,14 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
 
   // Eager calls.
   for (int it = 0; it < o.iters && rep.ok; ++it) {
-    const InputSet& s = sets[it % pool];
-    for (int r = 0; r < W; ++r) upload(r, s);
+    for (int r = 0; r < W; ++r) upload(r, it);
     if (one_stream) {
       sync_all();
       for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);
     } else {
       for (int r = 0; r < W; ++r) enqueue(r, false);
     }
-    finish_and_compare(s);
+    finish_and_compare(it);
   }
   if (o.iters > 0)
     say(fmt::format("eager{}: {} call(s) checked",
@@ -255,7 +281,8 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
         for (cudaGraphExec_t x : e) (void)cudaGraphExecDestroy(x);
       }
     } guard{execs, [&] {
-              for (auto& b : rb) (void)cudaStreamSynchronize(b.stream);
+              for (auto& b : rb)
+                if (b.stream) (void)cudaStreamSynchronize(b.stream);
             }};
     for (int g = 0; g < num_gpus; ++g) {
       EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
@@ -263,14 +290,13 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     }
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
-      const InputSet& s = sets[(o.iters + i) % pool];
-      for (int r = 0; r < W; ++r) upload(r, s);
+      for (int r = 0; r < W; ++r) upload(r, o.iters + i);
       sync_all();
       for (int g = 0; g < num_gpus; ++g) {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
         EPX_CUDA_CHECK(cudaGraphLaunch(execs[size_t(g)], rb[g].stream));
       }
-      finish_and_compare(s);
+      finish_and_compare(o.iters + i);
       if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
     }
     say(fmt::format("graph ({}): {} replay(s) checked",
@@ -338,8 +364,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     });
     const int64_t before = rep.calls;
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
-      const InputSet& s = sets[(o.iters + i) % pool];
-      for (int r = 0; r < W; ++r) upload(r, s);
+      for (int r = 0; r < W; ++r) upload(r, o.iters + i);
       each_rank([&](int r) {
         if (!graphs.execs[size_t(r)].empty()) {
           for (cudaGraphExec_t e : graphs.execs[size_t(r)][size_t(i % o.graph_execs)])
@@ -348,7 +373,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
           enqueue(r, false);
         }
       });
-      finish_and_compare(s);
+      finish_and_compare(o.iters + i);
       if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
     }
     say(fmt::format("graph{}: {} replay(s) checked", o.mixed ? " (rank 0 eager)" : "",

@@ -77,6 +77,8 @@ CheckReport run_check_process(const CheckOptions& o, World& world) {
             fmt::format("the ranks of the world = {} (EPX_WORLD_SIZE)", world.size()));
   cfg.rank = 0;
   cfg.validate();
+  EPX_CHECK(cfg.rounds_in_flight == 1, InputError, "rounds_in_flight", cfg.rounds_in_flight,
+            "1 with one process per rank (the interleaved rounds are checked in-process)");
   const int W = cfg.world_size;
   const int me = world.rank();
   const std::vector<int> counts = resolve_token_counts(o, cfg);

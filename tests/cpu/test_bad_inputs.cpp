@@ -288,6 +288,9 @@ void Catalogue::build() {
          {"timeout_ms = 0", "[1, kMaxTimeoutMs = 86400000]"});
   config("config.timeout_negative", "timeout_ms = -1", [](EpConfig& c) { c.timeout_ms = -1; },
          {"timeout_ms = -1", "[1, kMaxTimeoutMs = 86400000]"});
+  config("config.rounds_in_flight_three", "rounds_in_flight = 3",
+         [](EpConfig& c) { c.rounds_in_flight = 3; },
+         {"rounds_in_flight = 3", "[1, kMaxRoundsInFlight = 2]"});
   config("config.dtype_not_an_enum", "dtype = DispatchDtype(7)",
          [](EpConfig& c) { c.dtype = static_cast<DispatchDtype>(7); },
          {"dtype = 7", "one of bf16, fp8, bf16-to-fp8"});

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -499,6 +500,94 @@ TEST(Halves, CallOrderIsAStateError) {
   (void)a.dispatch(none, s);
   a.combine(a.combine_buffer(), nullptr, s);
   EXPECT_NO_THROW(a.synchronize(s));
+}
+
+// Two rounds in flight: every call dispatches two rounds before combining either (dispatch A,
+// dispatch B, expert A, combine A, expert B, combine B), each round checked against the
+// reference; per-rank streams eager, replayed and mixed (rank 0 eager), one launch per GPU, and
+// the halves on one stream.
+TEST(RoundsInFlight, TwoInterleavedRoundsMatchTheReference) {
+  REQUIRE_GPU();
+  struct Mode {
+    const char* name;
+    bool mixed, one_launch, halves;
+  };
+  const Mode kModes[] = {{"per-rank", false, false, false},
+                         {"mixed", true, false, false},
+                         {"one launch", false, true, false},
+                         {"halves", false, false, true}};
+  for (int index : {2, 5, 10, 12, 13}) {
+    for (Backend b : {Backend::kLowLatency, Backend::kAllgatherReduceScatter, Backend::kNaive}) {
+      const Case& c = kCases[index];
+      if (b != Backend::kLowLatency && c.layout == L::kExpertMajor) continue;
+      for (const Mode& m : kModes) {
+        if (m.halves && b == Backend::kNaive) continue;  // ordered rows: no halves on one stream
+        auto o = options_for(c);
+        o.backend = b;
+        o.cfg.rounds_in_flight = 2;
+        o.mixed = m.mixed;
+        o.one_launch = m.one_launch;
+        o.halves = m.halves;
+        o.iters = 2;
+        o.graph_replays = 10;
+        const auto rep = testing::run_check(o);
+        EXPECT_TRUE(rep.ok) << c.name << " " << to_string(b) << " " << m.name << describe(rep);
+        EXPECT_EQ(rep.calls, 12) << c.name << " " << to_string(b) << " " << m.name;
+      }
+    }
+  }
+}
+
+// A dispatch with every slot due abandons the oldest round; combine serves the oldest due one.
+// Two ranks, one token each routed to both ranks, the expert stage copies the served round's
+// received rows into its combine buffer, so y = 2 x of that round (x = 1, 2, 3 for the first,
+// second and third dispatch).
+TEST(RoundsInFlight, DispatchAfterDispatchAbandonsTheOldestRound) {
+  REQUIRE_GPU();
+  const int K = 4, H = 2048;
+  // Runs `dispatches` rounds, then one combine per entry of `served` (the dispatch it must serve).
+  auto run = [&](int rounds, int dispatches, const std::vector<int>& served) {
+    SCOPED_TRACE(::testing::Message() << "rounds_in_flight " << rounds << ", " << dispatches
+                                      << " dispatches");
+    EpConfig cfg = gpu_test::small_config();
+    cfg.rounds_in_flight = rounds;
+    Group g(cfg, 2);
+    const std::vector<int32_t> ids = {0, 1, 8, 9};  // experts of both ranks (8 per rank)
+    const std::vector<float> w(K, 0.25f);
+    const uint16_t kBf16[] = {0x3f80, 0x4000, 0x4040};  // 1, 2, 3
+    std::vector<std::vector<DispatchResult>> res(size_t(dispatches), std::vector<DispatchResult>(2));
+    for (int d = 0; d < dispatches; ++d) {
+      const DispatchInput in{.num_tokens = 1,
+                             .x = g.upload(std::vector<uint16_t>(H, kBf16[d])),
+                             .topk_ids = g.upload(ids),
+                             .topk_weights = g.upload(w)};
+      for (int r = 0; r < 2; ++r) res[d][r] = g.a2a[r]->dispatch(in, g.streams[r]);
+    }
+    for (int d : served) {
+      std::vector<uint16_t*> ys;
+      for (int r = 0; r < 2; ++r) {
+        All2All& a = *g.a2a[r];
+        EXPECT_EQ(a.combine_buffer(), res[d][r].combine_buffer) << "rank " << r << ", dispatch " << d;
+        EPX_CUDA_CHECK(cudaMemcpyAsync(res[d][r].combine_buffer, res[d][r].recv_x,
+                                       size_t(res[d][r].capacity) * H * 2,
+                                       cudaMemcpyDeviceToDevice, g.streams[r]));
+        ys.push_back(g.upload(std::vector<uint16_t>(H, 0xffff)));
+        a.combine(res[d][r].combine_buffer, ys.back(), g.streams[r]);
+      }
+      for (int r = 0; r < 2; ++r) g.a2a[r]->synchronize(g.streams[r]);
+      for (int r = 0; r < 2; ++r) {
+        std::vector<uint16_t> y(H);
+        EPX_CUDA_CHECK(cudaMemcpy(y.data(), ys[r], H * 2, cudaMemcpyDeviceToHost));
+        const uint16_t want = kBf16[d] + 0x80;  // 2 x: one more exponent step
+        EXPECT_EQ(std::count(y.begin(), y.end(), want), H)
+            << "rank " << r << ": combine of dispatch " << d << " gave y[0] = 0x" << std::hex
+            << y[0] << ", expected 0x" << want;
+      }
+    }
+  };
+  run(1, 2, {1});     // the first round abandoned
+  run(2, 2, {0, 1});  // two rounds due, combined oldest first
+  run(2, 3, {1, 2});  // the third dispatch abandons the first
 }
 
 TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {

@@ -10,8 +10,8 @@
 //               bf16. The naive backend instead all-reduces every row over the ranks and takes
 //               its own tokens' rows.
 // A is the send half, B the receive half (Half): launched apart, compute may run between them.
-// Combine serves the round of the last dispatch (State::dispatch_epoch): its flags carry that
-// round, so a combine needs no state of its own. Every wait is bounded (WaitContext).
+// Combine serves the round whose rows its buffer slot holds (RoundState, written by that round's
+// dispatch): its flags carry that round, so a combine needs no state of its own. Every wait is bounded (WaitContext).
 
 #include <cuda_bf16.h>
 
@@ -276,16 +276,16 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   __shared__ uint8_t* peers[kMaxRanks];
   const RankBlock rb = rank_block(p.common.num_ranks);
   const CombineRank& me = p.ranks[rb.slot];
-  const State* state = at<State>(me.local, p.common.layout.state);
+  const RoundState* round = at<RoundState>(me.local, p.common.layout.round);
   if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
   const CombineCall c{.p = p,
                       .me = me,
                       .peers = peers,
-                      .round = state->dispatch_epoch,
+                      .round = round->epoch,
                       .b = rb.b,
                       .nb = rb.nb,
-                      .M = state->recv_count,
-                      .N = state->num_tokens};
+                      .M = round->recv_count,
+                      .N = round->num_tokens};
   for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x) peers[r] = p.common.peers[r];
   __syncthreads();
 

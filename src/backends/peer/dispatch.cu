@@ -426,10 +426,12 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
     c.state()->send_epoch = c.epoch;
     c.state()->send_tokens = c.me.num_tokens;
   }
+  // The word carries the round's buffer slot too, so that a receiver whose call sequence put
+  // the round elsewhere reports the disagreement instead of reading the wrong rows.
+  const uint64_t word = (uint64_t(uint32_t(c.p.common.slot)) << 32) | c.epoch;
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     dev::fence_acq_rel_sys();
-    dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par()) * W + c.rank(),
-                        uint64_t(c.epoch));
+    dev::st_release_sys(at<uint64_t>(sh.peers[r], L.sent) + size_t(c.par()) * W + c.rank(), word);
   }
 }
 
@@ -437,7 +439,7 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
 
 // Waits, once, until every sender has signalled this round. After (true): rows [0, M) of this
 // rank's receive area and the round's expert_rows are complete, and sh.recv_total = M. False
-// when a wait failed.
+// when a wait failed or a sender put the round into another buffer slot (recorded as kPeer).
 __device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchShared& sh) {
   const Layout& L = c.p.common.layout;
   const int W = c.p.common.shape.world;
@@ -447,7 +449,13 @@ __device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchSha
         c.wait(), Phase::kDispatchData, q, c.epoch,
         [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(sent + q)), c.epoch); },
         [&] { return int64_t(uint32_t(dev::ld_acquire_sys(sent + q))); });
-    if (!ok) sh.failed = 1;
+    if (!ok) {
+      sh.failed = 1;
+    } else if (const uint32_t slot = uint32_t(dev::ld_acquire_sys(sent + q) >> 32);
+               slot != uint32_t(c.p.common.slot)) {
+      dev::record_error(c.wait(), StatusCode::kPeer, Phase::kDispatchData, q, c.p.common.slot, slot);
+      sh.failed = 1;
+    }
   }
   __syncthreads();
   if (sh.failed) return false;
@@ -548,8 +556,8 @@ __device__ __forceinline__ bool expand_to_experts(const DispatchCall& c, int M) 
 
 // Block 0, once the round's rows are in place (and, expert-major, every block has read M). After:
 // expert_counts holds the round's rows per local expert, the double-buffered words of this
-// parity are ready for the round after next, and State holds this call's M, N and epoch (the
-// call is complete).
+// parity are ready for the round after next, and the slot's RoundState holds this call's M, N
+// and epoch (the call is complete).
 __device__ __forceinline__ void finish_round(const DispatchCall& c, int M) {
   const Layout& L = c.p.common.layout;
   const int num_local = c.p.common.shape.num_local;
@@ -561,9 +569,10 @@ __device__ __forceinline__ void finish_round(const DispatchCall& c, int M) {
   }
   if (threadIdx.x == 0) {
     at<int32_t>(c.local(), L.next_row)[c.par()] = 0;
-    c.state()->recv_count = M;
-    c.state()->num_tokens = c.state()->send_tokens;  // released with this rank's own signal
-    c.state()->dispatch_epoch = c.epoch;
+    RoundState* round = at<RoundState>(c.local(), L.round);
+    round->recv_count = M;
+    round->num_tokens = c.state()->send_tokens;  // released with this rank's own signal
+    round->epoch = c.epoch;
   }
 }
 

@@ -61,7 +61,8 @@ enum class Half : int32_t {
 
 struct LaunchCommon {
   uint8_t* const* peers;  // device array [W]: every rank's buffer, valid on this GPU
-  Layout layout;
+  Layout layout;          // with the per-slot areas of `slot` (Layout::for_slot)
+  int32_t slot;           // the buffer slot of this call's round (rounds in flight)
   Shape shape;
   uint64_t timeout_ns;
   int32_t num_ranks;  // ranks served by this launch

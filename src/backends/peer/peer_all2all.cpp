@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <optional>
 #if EPX_MEASUREMENT
 #include <sstream>
@@ -44,6 +45,8 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   L.count_matrix = carve(c, 2 * W * W * sizeof(uint64_t));
   L.ready = carve(c, W * sizeof(int32_t));
   L.ready2 = carve(c, W * sizeof(int32_t));
+  const size_t R = size_t(cfg.rounds_in_flight);
+  const size_t sym_slot0 = c;
   L.recv_x = carve(c, cap * row);
   L.recv_scales = carve(c, cap * G * sizeof(float));
   L.recv_src_rank = carve(c, cap * sizeof(int32_t));
@@ -52,14 +55,18 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   L.recv_topk_w = carve(c, cap * K * sizeof(float));
   L.partials = carve(c, cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
   L.reduced = carve(c, algo.all_reduce ? cap * H * sizeof(uint16_t) : 0);
+  L.sym_slot_bytes = c - sym_slot0;
+  c += (R - 1) * L.sym_slot_bytes;
   L.symmetric_end = c;
   L.state = carve(c, sizeof(State));
   L.status = carve(c, sizeof(DeviceStatus));
   L.block_counts = carve(c, size_t(kMaxBlocks) * W * sizeof(int32_t));
+  L.block_expert_counts = carve(c, em ? size_t(kMaxBlocks) * Le * sizeof(int32_t) : 0);
+  const size_t local_slot0 = c;
+  L.round = carve(c, sizeof(RoundState));
   L.send_slot = carve(c, size_t(cfg.max_tokens_per_rank) * W * sizeof(int32_t));
   L.expert_counts = carve(c, Le * sizeof(int32_t));
   const size_t em_rows = em ? Le * cap : 0;
-  L.block_expert_counts = carve(c, em ? size_t(kMaxBlocks) * Le * sizeof(int32_t) : 0);
   L.row_expert_slot = carve(c, em ? cap * K * sizeof(int32_t) : 0);
   L.expert_x = carve(c, em_rows * row);
   L.expert_scales = carve(c, em_rows * G * sizeof(float));
@@ -68,6 +75,8 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   L.expert_topk_slot = carve(c, em_rows * sizeof(int32_t));
   L.expert_weight = carve(c, em_rows * sizeof(float));
   L.expert_out = carve(c, em_rows * H * sizeof(uint16_t));
+  L.local_slot_bytes = c - local_slot0;
+  c += (R - 1) * L.local_slot_bytes;
   L.total = c;
   return L;
 }
@@ -94,14 +103,11 @@ class PeerAll2All final : public All2All {
   Backend backend() const override { return algo_.backend; }
   size_t symmetric_bytes() const override { return buf_.bytes(); }
 
-  void* combine_buffer() override {
-    return buf_.local() + (cfg_.layout == OutputLayout::kExpertMajor ? layout_.expert_out
-                                                                      : layout_.partials);
-  }
+  void* combine_buffer() override { return combine_buffer_of(next_combine_slot()); }
 
   DispatchResult dispatch(const DispatchInput& in, cudaStream_t stream) override {
     launch_dispatch_half(Half::kWhole, &in, stream);
-    return result();
+    return result(due_.back());
   }
 
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
@@ -114,7 +120,7 @@ class PeerAll2All final : public All2All {
 
   DispatchResult dispatch_recv(cudaStream_t stream) override {
     launch_dispatch_half(Half::kReceive, nullptr, stream);
-    return result();
+    return result(due_.back());
   }
 
   void combine_send(const void* expert_out, cudaStream_t stream) override {
@@ -128,7 +134,6 @@ class PeerAll2All final : public All2All {
   // One launch of dispatch (whole or a half) for this rank alone; `in` for the sending parts.
   void launch_dispatch_half(Half half, const DispatchInput* in, cudaStream_t stream) {
     DispatchParams p{};
-    p.common = launch_common(half);
     if (half == Half::kReceive) {
       check_usable();
       expect_receive(Pending::kDispatchReceive, "dispatch_recv", "dispatch_send");
@@ -138,6 +143,7 @@ class PeerAll2All final : public All2All {
       p.ids_int64 = in->ids_type == IdType::kInt64;
       p.ranks[0] = prepare_dispatch(*in);
     }
+    p.common = launch_common(half, due_.back());
     pending_ = half == Half::kSend ? Pending::kDispatchReceive : Pending::kNone;
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
     launch_dispatch(p, cfg_.dtype, launch_for(half, launch_.dispatch, true), stream);
@@ -146,16 +152,16 @@ class PeerAll2All final : public All2All {
   // One launch of combine (whole or a half) for this rank alone.
   void launch_combine_half(Half half, const void* expert_out, void* y, cudaStream_t stream) {
     CombineParams p{};
-    p.common = launch_common(half);
     if (half == Half::kReceive) {
       check_usable();
       expect_receive(Pending::kCombineReceive, "combine_recv", "combine_send");
-      if (last_tokens_ > 0) check_ptr(y, "y", 16);
+      if (slot_tokens_[combined_slot_] > 0) check_ptr(y, "y", 16);
       p.ranks[0] = CombineRank{
           .local = buf_.local(), .host_status = host_status_dev_, .rank = cfg_.rank, .y = y};
     } else {
       p.ranks[0] = prepare_combine(expert_out, y, half == Half::kWhole);
     }
+    p.common = launch_common(half, combined_slot_);
     pending_ = half == Half::kSend ? Pending::kCombineReceive : Pending::kNone;
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
     launch_combine(p, launch_for(half, launch_.combine, false), stream);
@@ -192,7 +198,13 @@ class PeerAll2All final : public All2All {
       check_ptr(in.topk_weights, "topk_weights", 4);
       if (cfg_.input_fp8()) check_ptr(in.x_scales, "x_scales", 4);
     }
-    last_tokens_ = N;
+    // The round's buffer slot: a free one; with every slot due, the oldest round is abandoned
+    // (its outputs are overwritten, its combine is no longer due).
+    if (int(due_.size()) == cfg_.rounds_in_flight) due_.pop_front();
+    int slot = 0;
+    while (std::find(due_.begin(), due_.end(), slot) != due_.end()) ++slot;
+    due_.push_back(slot);
+    slot_tokens_[slot] = N;
     dispatched_ = true;
     return DispatchRank{.local = buf_.local(),
                         .host_status = host_status_dev_,
@@ -214,9 +226,12 @@ class PeerAll2All final : public All2All {
     EPX_CHECK(pending_ != Pending::kDispatchReceive, StateError, "combine", "called",
               "after dispatch_recv: the last dispatch_send's receive half is still due");
     check_ptr(expert_out, "expert_out", 16);
+    const int slot = next_combine_slot();
     // A rank without tokens writes no y: any pointer (null, or one past the end of the caller's
     // buffer, as a chunked forward's empty chunks pass) is fine.
-    if (whole && last_tokens_ > 0) check_ptr(y, "y", 16);
+    if (whole && slot_tokens_[slot] > 0) check_ptr(y, "y", 16);
+    if (!due_.empty()) due_.pop_front();
+    combined_slot_ = slot;
     return CombineRank{.local = buf_.local(),
                        .host_status = host_status_dev_,
                        .rank = cfg_.rank,
@@ -224,10 +239,23 @@ class PeerAll2All final : public All2All {
                        .y = y};
   }
 
+  // The slot the next combine serves: the oldest round whose combine is due, else (every round
+  // combined) the last one combined again.
+  int next_combine_slot() const { return due_.empty() ? combined_slot_ : due_.front(); }
+  // The slot of the last dispatch, and of the last combine (a receive half's).
+  int dispatched_slot() const { return due_.back(); }
+  int combined_slot() const { return combined_slot_; }
+
+  void* combine_buffer_of(int slot) const {
+    const Layout L = layout_.for_slot(slot);
+    return buf_.local() + (cfg_.layout == OutputLayout::kExpertMajor ? L.expert_out : L.partials);
+  }
+
   // What every rank of a launch shares.
-  LaunchCommon launch_common(Half half = Half::kWhole) const {
+  LaunchCommon launch_common(Half half, int slot) const {
     return LaunchCommon{.peers = buf_.device_handle().peers,
-                        .layout = layout_,
+                        .layout = layout_.for_slot(slot),
+                        .slot = slot,
                         .shape = shape(),
                         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
                         .num_ranks = 1,
@@ -240,7 +268,7 @@ class PeerAll2All final : public All2All {
   void set_launch_group(std::shared_ptr<const void> g) { launch_group_ = std::move(g); }
   int device() const { return buf_.device(); }
   const LaunchConfigs& launch_configs() const { return launch_; }
-  DispatchResult dispatch_result() const { return result(); }
+  DispatchResult dispatch_result() const { return result(due_.back()); }
   void clear_pending() { pending_ = Pending::kNone; }
 
   void poll() override {
@@ -284,6 +312,13 @@ class PeerAll2All final : public All2All {
                   fmt::format("{}: topk_ids[{}][{}] = {}, expected -1 or an expert id in [0, {}) "
                               "(the token was not sent)",
                               where, s.token, s.slot, s.seen, cfg_.num_experts));
+      case StatusCode::kPeer:
+        EPX_THROW(PeerError,
+                  fmt::format("{}: rank {} sent its rows of this round into buffer slot {}, this "
+                              "rank expected slot {}: the ranks' sequences of dispatches and "
+                              "combines differ (a captured graph replayed where the eager calls "
+                              "beside it would use the other slot?)",
+                              where, s.peer, s.seen, s.expected));
       default:
         EPX_THROW(PeerError, fmt::format("{}: device error code {} (peer {}, expected {}, saw {})",
                                          where, s.code, s.peer, s.expected, s.seen));
@@ -340,12 +375,13 @@ class PeerAll2All final : public All2All {
 #endif
     };
   }
-  DispatchResult result() const {
+  DispatchResult result(int slot) const {
     uint8_t* b = buf_.local();
-    const Layout& L = layout_;
+    const Layout L = layout_.for_slot(slot);
     DispatchResult r;
     r.capacity = cfg_.capacity();
-    r.recv_count = reinterpret_cast<const int32_t*>(b + L.state + offsetof(State, recv_count));
+    r.combine_buffer = combine_buffer_of(slot);
+    r.recv_count = reinterpret_cast<const int32_t*>(b + L.round + offsetof(RoundState, recv_count));
     r.recv_x = b + L.recv_x;
     r.recv_scales = cfg_.wire_fp8() ? reinterpret_cast<const float*>(b + L.recv_scales) : nullptr;
     r.recv_src_rank = reinterpret_cast<const int32_t*>(b + L.recv_src_rank);
@@ -372,8 +408,10 @@ class PeerAll2All final : public All2All {
   DeviceStatus* host_status_ = nullptr;
   DeviceStatus* host_status_dev_ = nullptr;
   bool failed_ = false;
-  int last_tokens_ = 0;  // num_tokens of the last dispatch (combine writes that many rows of y)
   bool dispatched_ = false;  // a dispatch was enqueued (combine has a round to serve)
+  std::deque<int> due_;      // buffer slots of the rounds whose combine is due, oldest first
+  int combined_slot_ = 0;    // the slot of the last combine
+  int slot_tokens_[kMaxRoundsInFlight] = {};  // num_tokens of each slot's round (y's rows)
   std::string first_error_;
   std::shared_ptr<const void> launch_group_;
   Pending pending_ = Pending::kNone;  // the receive half this rank owes (host-side call order)
@@ -463,6 +501,15 @@ std::vector<PeerAll2All*> launch_ranks(std::span<All2All* const> ranks, size_t n
   return out;
 }
 
+// The ranks of one launch serve the same round slot: their sequences of dispatches and combines
+// agree (they do unless a caller mixed per-rank calls and group calls differently).
+void check_same_slot(int slot, int first, size_t i, const char* op) {
+  EPX_CHECK(slot == first, StateError, fmt::format("{} ranks[{}] buffer slot", op, i), slot,
+            fmt::format("slot {} of ranks[0]: every rank's calls must follow the same sequence of "
+                        "dispatches and combines",
+                        first));
+}
+
 }  // namespace
 
 std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
@@ -476,13 +523,14 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
               "the id type of inputs[0]");
   }
   DispatchParams p{};
-  p.common = rs[0]->launch_common();
-  p.common.num_ranks = int32_t(rs.size());
   p.ids_int64 = int64_ids;
   for (size_t i = 0; i < rs.size(); ++i) {
     p.ranks[i] = rs[i]->prepare_dispatch(inputs[i]);
     rs[i]->clear_pending();
+    check_same_slot(rs[i]->dispatched_slot(), rs[0]->dispatched_slot(), i, "dispatch_group");
   }
+  p.common = rs[0]->launch_common(Half::kWhole, rs[0]->dispatched_slot());
+  p.common.num_ranks = int32_t(rs.size());
   EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
   launch_dispatch(p, rs[0]->config().dtype, rs[0]->launch_configs().dispatch, stream);
   std::vector<DispatchResult> out;
@@ -496,12 +544,13 @@ void combine_group(std::span<All2All* const> ranks, std::span<const void* const>
   EPX_CHECK(y.size() == rs.size(), InputError, "combine_group y", y.size(),
             fmt::format("one per rank ({})", rs.size()));
   CombineParams p{};
-  p.common = rs[0]->launch_common();
-  p.common.num_ranks = int32_t(rs.size());
   for (size_t i = 0; i < rs.size(); ++i) {
     p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i], true);
     rs[i]->clear_pending();
+    check_same_slot(rs[i]->combined_slot(), rs[0]->combined_slot(), i, "combine_group");
   }
+  p.common = rs[0]->launch_common(Half::kWhole, rs[0]->combined_slot());
+  p.common.num_ranks = int32_t(rs.size());
   EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
   launch_combine(p, rs[0]->launch_configs().combine, stream);
 }
