@@ -60,6 +60,9 @@ done
 run check_t128_graph1000 $E --tokens 128 --graph 1000 --iters 1
 run check_t128_mixed $E --tokens 128 --graph 100 --mixed --iters 1
 run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 1
+# Two rounds in flight: every call dispatches two rounds before combining either.
+run check_t128_rounds2_mixed $E --tokens 128 --rounds-in-flight 2 --graph 100 --mixed --iters 2
+run check_t128_rounds2_expert $E --tokens 128 --layout expert --rounds-in-flight 2 --graph 20 --iters 2
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
@@ -255,6 +258,12 @@ rm -rf "$sockdir"
 run serve_small_graph $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
   --chunk-size 64 --max-batched-tokens 256 --cuda-graph --json "$logs/serve_small.json"
+# Dual-batch overlap (--overlap): decode steps as two micro-batches, eager and graph, beside the
+# plain runs.
+run serve_small_overlap $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
+  --chunk-size 64 --max-batched-tokens 256 --cuda-graph --overlap --backends low_latency,naive \
+  --json "$logs/serve_small_overlap.json"
 # 32 ranks: decode graphs without conditional nodes (--graph-experts auto picks all-rows there).
 run serve_small_graph_w32 $build/epx serve-bench --world 32 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 128 --osl 8 \

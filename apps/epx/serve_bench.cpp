@@ -94,8 +94,12 @@ bool run_serve_bench(const serve::Plan& plan) {
   serve::RankThreads threads(p.workload.world);
   std::vector<serve::BackendResult> results;
   for (Backend b : p.backends) {
-    results.push_back(serve::run_backend(p, b, false, world, ranks, threads));
-    if (p.cuda_graph) results.push_back(serve::run_backend(p, b, true, world, ranks, threads));
+    for (const bool overlap : {false, true}) {
+      if (overlap && !p.overlap) continue;
+      results.push_back(serve::run_backend(p, b, false, overlap, world, ranks, threads));
+      if (p.cuda_graph)
+        results.push_back(serve::run_backend(p, b, true, overlap, world, ranks, threads));
+    }
   }
 
   serve::print_table(results);

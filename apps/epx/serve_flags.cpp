@@ -147,6 +147,11 @@ void plan_graphs(const Flags& f, Plan& p) {
     EPX_THROW(ConfigError, "--graph-split = 'expert', expected only with --graph-scope rank");
   }
   p.split_graphs = f.graph_split != "none" && !p.world_graphs;
+  if (f.overlap && p.world_graphs) {
+    EPX_THROW(ConfigError, "--overlap with --graph-scope world, expected --graph-scope rank (each "
+                           "rank captures its own two micro-batches)");
+  }
+  p.overlap = f.overlap;
   if (f.graph_experts.empty() || f.graph_experts == "auto") {
     p.graph_experts = W > 1 ? GraphExperts::kAllRows : GraphExperts::kSwitch;
   } else if (f.graph_experts == "switch" || f.graph_experts == "all-rows") {
@@ -259,6 +264,11 @@ std::vector<CLI::Option*> add_flags(CLI::App* c, Flags& f) {
                 "expert's GEMMs at the most rows it can receive) | auto (the default: all-rows "
                 "when ranks share the GPU, where graphs with SWITCH nodes have hung, from 20 "
                 "ranks and once at 8; else switch)");
+  c->add_flag("--overlap", f.overlap,
+              "run every backend (and mode) again with each decode step (one chunk) as two "
+              "micro-batches whose communication waits under each other's compute (dual-batch "
+              "overlap: MoeLayer::forward_pair, the halves of dispatch and combine, two rounds in "
+              "flight); the table shows both. Overlapped decode graphs are not split");
   c->add_option("--graph-buckets", f.graph_buckets,
                 fmt::format("with --cuda-graph, the decode batch sizes (tokens per rank) "
                             "captured: an ascending comma list, each at most the smallest of "

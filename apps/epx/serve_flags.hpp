@@ -37,6 +37,7 @@ struct Flags {
   std::string graph_scope = "rank";  // rank | world
   std::string graph_split;           // expert | none; empty = expert (rank scope)
   std::string graph_experts;         // auto | switch | all-rows; empty = auto
+  bool overlap = false;
 };
 
 // --weights: one MoeLayer per layer, or one per rank that every layer reuses.
@@ -64,6 +65,9 @@ struct Plan {
   bool world_graphs = false;       // --graph-scope world: one graph of every rank per bucket
   bool split_graphs = true;        // --graph-split expert: expert stages in graphs of their own
   GraphExperts graph_experts = GraphExperts::kSwitch;
+  // --overlap: every backend (and mode) run again with decode steps as two micro-batches
+  // (MoeLayer::forward_pair, rounds_in_flight 2): the ITL with and without, side by side.
+  bool overlap = false;
 };
 
 // Registers serve-bench's options on `c`, bound to `f`. Returns the workload options (--world,

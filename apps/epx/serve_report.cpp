@@ -1,5 +1,6 @@
 #include "serve_report.hpp"
 
+#include <algorithm>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -68,7 +69,7 @@ void print_header(const Plan& p, const GpuInfo& gpu, int sm_budget_per_rank,
 }
 
 void print_table(const std::vector<BackendResult>& results) {
-  constexpr int kName = 31;  // "allgather_reducescatter (graph)"
+  constexpr int kName = 41;  // "allgather_reducescatter (graph) (overlap)"
   fmt::print("\n{:<{}} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend", kName,
              "ITL mean", "P25", "P50", "P75", "TTFT mean", "TTFT P50", "out tok/s", "steps",
              "total");
@@ -77,7 +78,8 @@ void print_table(const std::vector<BackendResult>& results) {
   bool any_graph = false;
   for (const BackendResult& br : results) {
     const std::string name =
-        fmt::format("{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "");
+        fmt::format("{}{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "",
+                    br.overlap ? " (overlap)" : "");
     any_graph |= br.cuda_graph;
     if (br.status != "ok") {
       fmt::print("{:<{}} {}: {}\n", name, kName, br.status, one_line(br.message, 100));
@@ -93,6 +95,12 @@ void print_table(const std::vector<BackendResult>& results) {
       "\nITL = gaps between consecutive output tokens of a request, pooled over requests; "
       "TTFT from submission (t = 0);\npercentiles by linear interpolation between closest "
       "ranks (numpy's default).\n");
+  if (std::any_of(results.begin(), results.end(), [](const BackendResult& br) { return br.overlap; })) {
+    fmt::print(
+        "(overlap) rows: each decode-only step within one chunk runs as two micro-batches (half "
+        "the tokens each) on two rounds in flight, each one's dispatch and combine waiting under "
+        "the other's compute (MoeLayer::forward_pair); other steps as without.\n");
+  }
   if (!any_graph) return;
   fmt::print(
       "(graph) rows: decode-only steps within one chunk replay per-rank CUDA graphs captured "
@@ -102,9 +110,9 @@ void print_table(const std::vector<BackendResult>& results) {
   for (const BackendResult& br : results) {
     if (!br.cuda_graph || br.status != "ok") continue;
     fmt::print(
-        "  {}: {} of {} steps replayed, capture + instantiation {:.2f} s, host time of one "
+        "  {}{}: {} of {} steps replayed, capture + instantiation {:.2f} s, host time of one "
         "rank's cudaGraphLaunch calls of a step P50 {:.3f} ms, max {:.3f} ms\n",
-        to_string(br.backend), br.graph_steps, br.steps, br.capture_s, 1e3 * br.launch_s.p50,
+        to_string(br.backend), br.overlap ? " (overlap)" : "", br.graph_steps, br.steps, br.capture_s, 1e3 * br.launch_s.p50,
         1e3 * br.launch_s.max);
     if (br.piece_s.empty()) continue;
     std::string pieces;
@@ -170,6 +178,7 @@ nlohmann::json make_json(const Plan& p, int sm_budget_per_rank, const GpuInfo& g
        "3 untimed steps per backend (full budget, one chunk, one token)"
        "; with cuda_graph also the capture and one replay per bucket"},
       {"cuda_graph", p.cuda_graph},
+      {"overlap", p.overlap},
       {"graph_buckets", p.cuda_graph ? json(p.graph_buckets) : json(nullptr)},
       {"graph_scope", p.cuda_graph ? json(p.world_graphs ? "world" : "rank") : json(nullptr)},
       {"graph_split", p.cuda_graph ? json(p.split_graphs ? "expert" : "none") : json(nullptr)},
@@ -178,6 +187,7 @@ nlohmann::json make_json(const Plan& p, int sm_budget_per_rank, const GpuInfo& g
   for (const BackendResult& br : results) {
     json rec = {{"backend", to_string(br.backend)},
                 {"mode", br.cuda_graph ? "cuda_graph" : "eager"},
+                {"overlap", br.overlap},
                 {"status", br.status}};
     if (br.status != "ok") {
       rec["message"] = br.message;

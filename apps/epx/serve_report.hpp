@@ -18,6 +18,7 @@ namespace epx::cli::serve {
 struct BackendResult {
   Backend backend{};
   bool cuda_graph = false;    // decode steps replayed as CUDA graphs
+  bool overlap = false;       // decode steps as two overlapped micro-batches (--overlap)
   int graph_steps = 0;        // steps run as graph replays
   double capture_s = 0;       // capture + instantiation of every rank's decode graphs
   std::string status = "ok";  // ok | unavailable | error

@@ -21,7 +21,7 @@ constexpr double kProgressEveryS = 5.0;
 
 // The workload from the first step to the last, each step's wall time measured around
 // `run_all` (which runs `steps` on every rank); fills br's step counts, step times and latencies.
-void run_workload(const Plan& p, bool cuda_graph, std::vector<RankStep>& steps,
+void run_workload(const Plan& p, bool cuda_graph, bool overlap, std::vector<RankStep>& steps,
                   const std::function<void()>& run_all, const std::string& tag, BackendResult& br) {
   const Workload& w = p.workload;
   const std::vector<int>& buckets = p.graph_buckets;
@@ -40,8 +40,9 @@ void run_workload(const Plan& p, bool cuda_graph, std::vector<RankStep>& steps,
     const int bucket = cuda_graph && !plan.has_prefill() && plan.num_chunks == 1
                            ? decode_bucket(buckets, most)
                            : 0;
+    const bool pair = overlap && !plan.has_prefill() && plan.num_chunks == 1;
     for (int r = 0; r < w.world; ++r)
-      steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row, bucket};
+      steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row, bucket, pair};
     br.prefill_steps += plan.has_prefill();
     br.graph_steps += bucket > 0;
     const auto s0 = std::chrono::steady_clock::now();
@@ -76,19 +77,22 @@ void summarize_graph_times(const Ranks& ranks, const WorldGraphs& world_graphs, 
 
 }  // namespace
 
-BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph,
+BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool overlap,
                           const InProcessWorld& world, Ranks& ranks, RankThreads& threads) {
   BackendResult br;
   br.backend = backend;
   br.cuda_graph = cuda_graph;
-  const std::string tag =
-      fmt::format("serve-bench [{}{}]", to_string(backend), cuda_graph ? ", cuda graph" : "");
+  br.overlap = overlap;
+  const std::string tag = fmt::format("serve-bench [{}{}{}]", to_string(backend),
+                                      cuda_graph ? ", cuda graph" : "", overlap ? ", overlap" : "");
   const Workload& w = p.workload;
   const int W = w.world;
   const size_t row_bytes = size_t(p.shape.hidden) * 2;
   All2AllGroup group;
   try {
-    group = make_all2all_group(backend, p.cfg, world, p.launch.launch);
+    EpConfig cfg = p.cfg;
+    if (overlap) cfg.rounds_in_flight = 2;  // micro-batch b is dispatched before a is combined
+    group = make_all2all_group(backend, cfg, world, p.launch.launch);
   } catch (const UnsupportedError& e) {
     br.status = "unavailable";
     br.message = e.what();
@@ -122,6 +126,10 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph,
       for (auto& s : steps) s = RankStep{n, (n + chunk - 1) / chunk, 0};
       run_all();
     }
+    if (overlap) {  // the decode path the timed steps take
+      for (auto& s : steps) s = RankStep{2, 1, 0, 0, true};
+      run_all();
+    }
     // Decode graphs: captured per rank, then each replayed once on every rank (untimed).
     const std::vector<int>& buckets = p.graph_buckets;
     if (cuda_graph) {
@@ -131,12 +139,12 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph,
       } else {
         threads.run([&](int r) {
           capture_decode_graphs(*ranks[size_t(r)], *group[size_t(r)], p.layers, buckets,
-                                p.split_graphs);
+                                p.split_graphs && !overlap, overlap);
         });
       }
       br.capture_s = seconds_since(t_capture);
       for (const int b : buckets) {
-        for (auto& s : steps) s = RankStep{b, 1, 0, b};
+        for (auto& s : steps) s = RankStep{b, 1, 0, b, overlap};
         run_all();
       }
     }
@@ -147,7 +155,7 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph,
       r->piece_s.clear();
     }
     world_graphs.launch_s.clear();
-    run_workload(p, cuda_graph, steps, run_all, tag, br);
+    run_workload(p, cuda_graph, overlap, steps, run_all, tag, br);
     summarize_graph_times(ranks, world_graphs, br);
     fmt::print(stderr, "{}: done, {} steps ({} graph replays), {:.1f} s (warm-up {:.1f} s{})\n",
                tag, br.steps, br.graph_steps, br.latency.end_s, br.warmup_s,

@@ -8,6 +8,7 @@
 
 #include "testing/graph_capture.hpp"
 #include "epx/cuda_check.hpp"
+#include "epx/error.hpp"
 #include "epx/moe.hpp"
 
 namespace epx::cli::serve {
@@ -43,6 +44,17 @@ struct CaptureSettingsReset {
 double ms_between(std::chrono::steady_clock::time_point a,
                   std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// `tokens` rows of x (one chunk) through `layer` as two micro-batches: the first half of the
+// rows (rounded up), then the rest.
+void forward_pair(MoeLayer& layer, const void* x, int tokens, void* y, All2All& a2a,
+                  cudaStream_t stream, size_t row_bytes) {
+  const int first = (tokens + 1) / 2;
+  const MoeLayer::MicroBatch a{x, first, y};
+  const MoeLayer::MicroBatch b{static_cast<const uint8_t*>(x) + size_t(first) * row_bytes,
+                               tokens - first, static_cast<uint8_t*>(y) + size_t(first) * row_bytes};
+  layer.forward_pair(a, b, a2a, stream);
 }
 
 // The graph half of run_step.
@@ -92,13 +104,20 @@ void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, si
     replay_decode_graph(rank, a2a, step, x, row_bytes);
     return;
   }
-  for (int l = 0; l < num_layers; ++l)
-    rank.layer(l).forward(x, step.tokens, rank.y, a2a, rank.stream, step.num_chunks);
+  for (int l = 0; l < num_layers; ++l) {
+    if (step.pair) {
+      forward_pair(rank.layer(l), x, step.tokens, rank.y, a2a, rank.stream, row_bytes);
+    } else {
+      rank.layer(l).forward(x, step.tokens, rank.y, a2a, rank.stream, step.num_chunks);
+    }
+  }
   a2a.synchronize(rank.stream);
 }
 
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
-                           const std::vector<int>& buckets, bool split) {
+                           const std::vector<int>& buckets, bool split, bool pair) {
+  EPX_CHECK(!(split && pair), InputError, "split with pair", "both set",
+            "one of them (forward_pair records no split)");
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
   const CaptureSettingsReset reset{rank.layers};
   for (int b : buckets) {
@@ -113,8 +132,14 @@ void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
     }
     EPX_CUDA_CHECK(cudaStreamBeginCapture(rank.stream, cudaStreamCaptureModeThreadLocal));
     try {
-      for (int l = 0; l < num_layers; ++l)
-        rank.layer(l).forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
+      for (int l = 0; l < num_layers; ++l) {
+        if (pair) {
+          forward_pair(rank.layer(l), rank.x_graph, b, rank.y, a2a, rank.stream,
+                       size_t(rank.layer(l).shape().hidden) * 2);
+        } else {
+          rank.layer(l).forward(rank.x_graph, b, rank.y, a2a, rank.stream, 1);
+        }
+      }
     } catch (...) {
       testing::abandon_capture(rank.stream);
       throw;

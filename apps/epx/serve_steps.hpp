@@ -23,6 +23,7 @@ struct RankStep {
   int num_chunks = 1;    // the same on every rank
   size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
   int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
+  bool pair = false;     // one chunk as two micro-batches (MoeLayer::forward_pair)
 };
 
 // One rank's part of one engine step: every MoE layer on the rank's tokens, then the stream
@@ -33,12 +34,13 @@ struct RankStep {
 void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, size_t row_bytes);
 
 // Captures this rank's decode graphs per bucket into rank.graphs: every layer's forward of
-// `bucket` tokens of x_graph in one chunk (capture only records: no rank waits for another). One
-// graph, or with `split` 2 x layers + 1 pieces: each layer's expert stage in a graph of its own,
-// apart from dispatch and combine (MoeLayer::set_capture_split). The layers' capture settings
-// are reset on every path out.
+// `bucket` tokens of x_graph in one chunk (capture only records: no rank waits for another), or
+// with `pair` as two micro-batches (forward_pair). One graph, or with `split` (not with `pair`)
+// 2 x layers + 1 pieces: each layer's expert stage in a graph of its own, apart from dispatch
+// and combine (MoeLayer::set_capture_split). The layers' capture settings are reset on every
+// path out.
 void capture_decode_graphs(Rank& rank, All2All& a2a, int num_layers,
-                           const std::vector<int>& buckets, bool split);
+                           const std::vector<int>& buckets, bool split, bool pair);
 
 // --graph-scope world: per bucket one graph holding every rank's decode forward, each on its
 // rank's stream as a branch forked from and joined into `main`, replayed with one launch.

@@ -158,6 +158,28 @@ class MoeLayer {
   void forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                int num_chunks = 0, const MoeRoutingOut* routing = nullptr);
 
+  // One micro-batch of forward_pair(): y[num_tokens, H] bf16 = MoE(x[num_tokens, H] bf16).
+  struct MicroBatch {
+    const void* x = nullptr;
+    int num_tokens = 0;  // 0 .. max_tokens_per_rank (one chunk)
+    void* y = nullptr;
+  };
+
+  // Two micro-batches of one step with each one's communication waiting under the other's
+  // compute (dual-batch overlap), on one stream, with the halves of dispatch and combine:
+  //   route a, dispatch_send a | route b, shared expert a        | dispatch_recv a
+  //   dispatch_send b          | expert stage a                  | dispatch_recv b
+  //   combine_send a           | expert stage b                  | combine_recv a
+  //   combine_send b           | shared a added, shared expert b | combine_recv b
+  // so that a rank reaches each receive half one stage of work after its peers could have sent.
+  // Results are those of forward() on each micro-batch. `a2a` must have rounds_in_flight = 2
+  // (b is dispatched before a is combined; InputError otherwise); each micro-batch holds at most
+  // max_tokens_per_rank tokens (under capture: the set_capture_token_bound() bound), 0 is legal.
+  // Every rank calls it for the same steps (its calls are collective, as forward()'s). Eager:
+  // synchronises `stream` once per micro-batch for the row counts; under capture, records
+  // everything as forward() does (the capture split of set_capture_split() is not used).
+  void forward_pair(const MicroBatch& a, const MicroBatch& b, All2All& a2a, cudaStream_t stream);
+
   // For graphs captured from now on: every rank's chunks hold at most
   // `max_tokens_per_rank` tokens (0, the default: the EpConfig's
   // max_tokens_per_rank), so an expert receives at most world_size x that many

@@ -1,6 +1,8 @@
 // MoeLayer: router -> dispatch -> fp8 SwiGLU experts (cuBLASLt) -> combine -> +
 // shared expert.
 
+#include <fmt/format.h>
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -235,16 +237,27 @@ struct MoeLayer::Impl {
   }
 
   void warm_up_gemms();
-  void experts_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
-  void experts_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+  // The router of n tokens at x (ids and weights into `ids`, `w`) and, for an fp8 input, the cast
+  // of the rows: the dispatch input of the chunk.
+  DispatchInput route(const void* x, int n, int32_t* ids, float* w, cudaStream_t stream);
+  // The expert stage of a received round into d.combine_buffer: eagerly at the exact row counts
+  // (one host sync), or under capture with the counts on the device.
+  void expert_stage(const DispatchResult& d, All2All& a2a, cudaStream_t stream, bool captured);
+  // The shared expert of n tokens at x into shared_out, and its addition to y.
+  void shared_expert(const void* x, int n, cudaStream_t stream);
+  void add_shared(void* y, int n, cudaStream_t stream);
+  // InputError unless `a2a` was created with this layer's EpConfig (rank, shape, dtypes).
+  void check_a2a(const All2All& a2a) const;
+  void experts_token_major(const DispatchResult& d, cudaStream_t stream);
+  void experts_expert_major(const DispatchResult& d, cudaStream_t stream);
 
   // Under capture: the same expert stage with the row counts read on the device.
   using ExpertBody = std::function<void(int expert, int m_pad, cudaStream_t body_stream)>;
   void add_expert_switches(const int32_t* counts, cudaStream_t stream, const ExpertBody& body);
   // Calls capture_split (if set); StateError unless `stream` is capturing again afterwards.
   void call_capture_split(cudaStream_t stream);
-  void captured_token_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
-  void captured_expert_major(const DispatchResult& d, All2All& a2a, cudaStream_t stream);
+  void captured_token_major(const DispatchResult& d, cudaStream_t stream);
+  void captured_expert_major(const DispatchResult& d, cudaStream_t stream);
 };
 
 MoeLayer::MoeLayer(const MoeShape& shape, const MoeWeights& weights, const EpConfig& ep,
@@ -364,8 +377,7 @@ MoeLayer::~MoeLayer() = default;
 
 const MoeShape& MoeLayer::shape() const { return impl_->shape; }
 
-void MoeLayer::Impl::experts_token_major(const DispatchResult& d, All2All& a2a,
-                                         cudaStream_t stream) {
+void MoeLayer::Impl::experts_token_major(const DispatchResult& d, cudaStream_t stream) {
   const int k = shape.topk;
   const int local = ep.num_local_experts();
   const int e0 = ep.rank * local;
@@ -437,14 +449,13 @@ void MoeLayer::Impl::experts_token_major(const DispatchResult& d, All2All& a2a,
                                  .max_rows = rows,
                                  .topk = k,
                                  .hidden = shape.hidden,
-                                 .partials = static_cast<uint16_t*>(a2a.combine_buffer())},
+                                 .partials = static_cast<uint16_t*>(d.combine_buffer)},
                                 stream);
   // host_rows / host_slots may be reused by the next chunk at once: a copy from
   // pageable memory returns only after the source has been staged.
 }
 
-void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, All2All& a2a,
-                                          cudaStream_t stream) {
+void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, cudaStream_t stream) {
   const int local = ep.num_local_experts();
   const int h = shape.hidden;
   std::vector<int32_t> counts(static_cast<size_t>(local));
@@ -463,7 +474,7 @@ void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, All2All& a2a,
     const float* s = d.expert_scales ? d.expert_scales + size_t(e) * d.capacity * groups : nullptr;
     run_expert(experts[size_t(e)], wire_source(x, s, d.capacity), m, out_all, stream);
     moe::launch_store_bf16(out_all, out_type == GemmOut::kBF16, m, h,
-                           static_cast<uint16_t*>(a2a.combine_buffer()) + plane * size_t(e),
+                           static_cast<uint16_t*>(d.combine_buffer) + plane * size_t(e),
                            stream);
   }
 }
@@ -525,8 +536,7 @@ void MoeLayer::Impl::add_expert_switches(const int32_t* counts, cudaStream_t str
   }
 }
 
-void MoeLayer::Impl::captured_token_major(const DispatchResult& d, All2All& a2a,
-                                          cudaStream_t stream) {
+void MoeLayer::Impl::captured_token_major(const DispatchResult& d, cudaStream_t stream) {
   const int k = shape.topk;
   const int h = shape.hidden;
   const int local = ep.num_local_experts();
@@ -572,12 +582,11 @@ void MoeLayer::Impl::captured_token_major(const DispatchResult& d, All2All& a2a,
                                  .max_rows = cap,
                                  .topk = k,
                                  .hidden = h,
-                                 .partials = static_cast<uint16_t*>(a2a.combine_buffer())},
+                                 .partials = static_cast<uint16_t*>(d.combine_buffer)},
                                 stream);
 }
 
-void MoeLayer::Impl::captured_expert_major(const DispatchResult& d, All2All& a2a,
-                                           cudaStream_t stream) {
+void MoeLayer::Impl::captured_expert_major(const DispatchResult& d, cudaStream_t stream) {
   const int h = shape.hidden;
   const size_t plane = size_t(d.capacity) * h;
   const size_t groups = size_t(h) / 128;
@@ -590,7 +599,7 @@ void MoeLayer::Impl::captured_expert_major(const DispatchResult& d, All2All& a2a
     run_expert(experts[size_t(e)], src, m_pad, out_all, s);
     moe::launch_store_rows({.src = out_all,
                             .src_bf16 = out_type == GemmOut::kBF16,
-                            .dst = static_cast<uint16_t*>(a2a.combine_buffer()) + plane * size_t(e),
+                            .dst = static_cast<uint16_t*>(d.combine_buffer) + plane * size_t(e),
                             .dst_bf16 = true,
                             .cols = h,
                             .max_rows = std::min(m_pad, d.capacity),
@@ -626,16 +635,33 @@ void MoeLayer::set_capture_split(std::function<void(cudaStream_t)> split) {
   impl_->capture_split = std::move(split);
 }
 
+void MoeLayer::Impl::check_a2a(const All2All& a2a) const {
+  const EpConfig& c = a2a.config();
+  EPX_CHECK(c.rank == ep.rank && c.world_size == ep.world_size && c.hidden == ep.hidden &&
+                c.num_experts == ep.num_experts && c.topk == ep.topk &&
+                c.max_tokens_per_rank == ep.max_tokens_per_rank && c.dtype == ep.dtype &&
+                c.layout == ep.layout && c.scale_layout == ep.scale_layout,
+            InputError, "a2a.config()", "rank " + std::to_string(c.rank),
+            "the EpConfig this MoeLayer was created with");
+}
+
+namespace {
+
+// Whether `stream` is capturing; StateError when an earlier call invalidated its capture.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  EPX_CHECK(capture != cudaStreamCaptureStatusInvalidated, StateError, "stream capture",
+            "invalidated", "an active capture (an earlier call broke it)");
+  return capture == cudaStreamCaptureStatusActive;
+}
+
+}  // namespace
+
 void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                        int num_chunks, const MoeRoutingOut* routing) {
   Impl& m = *impl_;
-  const EpConfig& c = a2a.config();
-  EPX_CHECK(c.rank == m.ep.rank && c.world_size == m.ep.world_size && c.hidden == m.ep.hidden &&
-                c.num_experts == m.ep.num_experts && c.topk == m.ep.topk &&
-                c.max_tokens_per_rank == m.ep.max_tokens_per_rank && c.dtype == m.ep.dtype &&
-                c.layout == m.ep.layout && c.scale_layout == m.ep.scale_layout,
-            InputError, "a2a.config()", "rank " + std::to_string(c.rank),
-            "the EpConfig this MoeLayer was created with");
+  m.check_a2a(a2a);
   EPX_CHECK(num_tokens >= 0, InputError, "num_tokens", num_tokens, ">= 0");
   EPX_CHECK(num_tokens == 0 || (x != nullptr && y != nullptr), InputError, "x, y", "null",
             "device pointers");
@@ -647,11 +673,7 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
   const int h = m.shape.hidden;
   const int k = m.shape.topk;
   const size_t row_bytes = size_t(h) * 2;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  EPX_CHECK(capture != cudaStreamCaptureStatusInvalidated, StateError, "stream capture",
-            "invalidated", "an active capture (an earlier call broke it)");
-  const bool captured = capture == cudaStreamCaptureStatusActive;
+  const bool captured = capturing(stream);
 
   for (int ci = 0; ci < chunks; ++ci) {
     const int start = std::min(num_tokens, ci * t);
@@ -663,65 +685,121 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
     void* yc = n > 0 ? static_cast<uint8_t*>(y) + size_t(start) * row_bytes : nullptr;
     int32_t* ids = routing ? routing->topk_ids + size_t(start) * k : m.route_ids;
     float* w = routing ? routing->topk_weights + size_t(start) * k : m.route_w;
-    moe::launch_router({.x = static_cast<const uint16_t*>(xc),
-                        .gate = m.gate,
-                        .bias = m.bias,
-                        .n = n,
-                        .hidden = h,
-                        .num_experts = m.shape.num_experts,
-                        .topk = k,
-                        .num_groups = m.shape.num_groups,
-                        .topk_groups = m.shape.topk_groups,
-                        .routed_scaling = m.shape.routed_scaling,
-                        .grouped = m.shape.scoring == MoeScoring::kSigmoidGrouped,
-                        .ids = ids,
-                        .weights = w},
-                       stream);
-    if (m.has_shared && n > 0) {
-      moe::QuantizeRowsParams src;
-      src.src = xc;
-      src.src_rows = n;
-      m.run_expert(m.experts.back(), src, n, m.shared_out, stream);
-    }
-    DispatchInput in{.num_tokens = n, .x = xc, .topk_ids = ids, .topk_weights = w};
-    if (m.ep.input_fp8() && n > 0) {
-      moe::launch_quantize_rows({.src = xc,
-                                 .m = n,
-                                 .m_pad = n,
-                                 .k = h,
-                                 .dst_q = m.in_q,
-                                 .dst_scales = m.in_s,
-                                 .order = moe::ActScaleOrder::kRowMajor},
-                                stream);
-      in.x = m.in_q;
-      in.x_scales = m.in_s;
-    }
+    const DispatchInput in = m.route(xc, n, ids, w, stream);
+    m.shared_expert(xc, n, stream);
     const DispatchResult d = a2a.dispatch(in, stream);
-    const bool token_major = m.ep.layout == OutputLayout::kTokenMajor;
-    if (captured) {
-      // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
-      m.call_capture_split(stream);
-      if (token_major) {
-        m.captured_token_major(d, a2a, stream);
-      } else {
-        m.captured_expert_major(d, a2a, stream);
-      }
-      m.call_capture_split(stream);
-    } else {
-      // Host sync: the expert GEMMs are launched at the exact received row counts.
-      a2a.synchronize(stream);
-      if (token_major) {
-        m.experts_token_major(d, a2a, stream);
-      } else {
-        m.experts_expert_major(d, a2a, stream);
-      }
-    }
-    a2a.combine(a2a.combine_buffer(), yc, stream);
-    if (m.has_shared && n > 0) {
-      moe::launch_add_shared(static_cast<uint16_t*>(yc), m.shared_out, m.out_type == GemmOut::kBF16,
-                             n, h, stream);
-    }
+    if (captured) m.call_capture_split(stream);
+    m.expert_stage(d, a2a, stream, captured);
+    if (captured) m.call_capture_split(stream);
+    a2a.combine(d.combine_buffer, yc, stream);
+    m.add_shared(yc, n, stream);
   }
+}
+
+void MoeLayer::forward_pair(const MicroBatch& a, const MicroBatch& b, All2All& a2a,
+                            cudaStream_t stream) {
+  Impl& m = *impl_;
+  m.check_a2a(a2a);
+  EPX_CHECK(a2a.config().rounds_in_flight >= 2, InputError, "a2a.config().rounds_in_flight",
+            a2a.config().rounds_in_flight,
+            "2 (the second micro-batch is dispatched before the first is combined)");
+  const bool captured = capturing(stream);
+  const int t = captured && m.capture_tokens > 0 ? m.capture_tokens : m.ep.max_tokens_per_rank;
+  for (const MicroBatch* mb : {&a, &b}) {
+    const char* name = mb == &a ? "a.num_tokens" : "b.num_tokens";
+    EPX_CHECK(mb->num_tokens >= 0 && mb->num_tokens <= t, InputError, name, mb->num_tokens,
+              fmt::format("0..{} ({})", t,
+                          t == m.ep.max_tokens_per_rank ? "max_tokens_per_rank: one chunk"
+                                                        : "set_capture_token_bound()"));
+    EPX_CHECK(mb->num_tokens == 0 || (mb->x != nullptr && mb->y != nullptr), InputError,
+              mb == &a ? "a.x, a.y" : "b.x, b.y", "null", "device pointers");
+  }
+  // Each window between a send half and its receive half holds the other micro-batch's work.
+  // Scratch shared by the two (router output, fp8 input, expert stage, shared expert output) is
+  // reused only after the stream has finished with it.
+  a2a.dispatch_send(m.route(a.x, a.num_tokens, m.route_ids, m.route_w, stream), stream);
+  const DispatchInput in_b = m.route(b.x, b.num_tokens, m.route_ids, m.route_w, stream);
+  m.shared_expert(a.x, a.num_tokens, stream);
+  const DispatchResult da = a2a.dispatch_recv(stream);
+  a2a.dispatch_send(in_b, stream);
+  m.expert_stage(da, a2a, stream, captured);
+  const DispatchResult db = a2a.dispatch_recv(stream);
+  a2a.combine_send(da.combine_buffer, stream);
+  m.expert_stage(db, a2a, stream, captured);
+  a2a.combine_recv(a.num_tokens > 0 ? a.y : nullptr, stream);
+  a2a.combine_send(db.combine_buffer, stream);
+  m.add_shared(a.y, a.num_tokens, stream);
+  m.shared_expert(b.x, b.num_tokens, stream);
+  a2a.combine_recv(b.num_tokens > 0 ? b.y : nullptr, stream);
+  m.add_shared(b.y, b.num_tokens, stream);
+}
+
+DispatchInput MoeLayer::Impl::route(const void* x, int n, int32_t* ids, float* w,
+                                    cudaStream_t stream) {
+  const int h = shape.hidden;
+  moe::launch_router({.x = static_cast<const uint16_t*>(x),
+                      .gate = gate,
+                      .bias = bias,
+                      .n = n,
+                      .hidden = h,
+                      .num_experts = shape.num_experts,
+                      .topk = shape.topk,
+                      .num_groups = shape.num_groups,
+                      .topk_groups = shape.topk_groups,
+                      .routed_scaling = shape.routed_scaling,
+                      .grouped = shape.scoring == MoeScoring::kSigmoidGrouped,
+                      .ids = ids,
+                      .weights = w},
+                     stream);
+  DispatchInput in{.num_tokens = n, .x = x, .topk_ids = ids, .topk_weights = w};
+  if (ep.input_fp8() && n > 0) {
+    moe::launch_quantize_rows({.src = x,
+                               .m = n,
+                               .m_pad = n,
+                               .k = h,
+                               .dst_q = in_q,
+                               .dst_scales = in_s,
+                               .order = moe::ActScaleOrder::kRowMajor},
+                              stream);
+    in.x = in_q;
+    in.x_scales = in_s;
+  }
+  return in;
+}
+
+void MoeLayer::Impl::expert_stage(const DispatchResult& d, All2All& a2a, cudaStream_t stream,
+                                  bool captured) {
+  const bool token_major = ep.layout == OutputLayout::kTokenMajor;
+  if (captured) {
+    // Counts stay on the device: one SWITCH node per expert picks its GEMMs' row bucket.
+    if (token_major) {
+      captured_token_major(d, stream);
+    } else {
+      captured_expert_major(d, stream);
+    }
+    return;
+  }
+  // Host sync: the expert GEMMs are launched at the exact received row counts.
+  a2a.synchronize(stream);
+  if (token_major) {
+    experts_token_major(d, stream);
+  } else {
+    experts_expert_major(d, stream);
+  }
+}
+
+void MoeLayer::Impl::shared_expert(const void* x, int n, cudaStream_t stream) {
+  if (!has_shared || n == 0) return;
+  moe::QuantizeRowsParams src;
+  src.src = x;
+  src.src_rows = n;
+  run_expert(experts.back(), src, n, shared_out, stream);
+}
+
+void MoeLayer::Impl::add_shared(void* y, int n, cudaStream_t stream) {
+  if (!has_shared || n == 0) return;
+  moe::launch_add_shared(static_cast<uint16_t*>(y), shared_out, out_type == GemmOut::kBF16, n,
+                         shape.hidden, stream);
 }
 
 }  // namespace epx

@@ -586,6 +586,11 @@ void Catalogue::build() {
       {"--hidden = 1000", "a multiple of 512 in [512, 65536]"});
   cli("cli.serve_bench.preset_unknown", {"serve-bench", "--preset", "r2"},
       {"--preset = 'r2'", "expected original"});
+  cli("cli.serve_bench.overlap_world_graphs",
+      {"serve-bench", "--overlap", "--cuda-graph", "--graph-scope", "world"},
+      {"--overlap with --graph-scope world", "expected --graph-scope rank"});
+  cli("cli.check.rounds_in_flight_three", {"check", "--rounds-in-flight", "3"},
+      {"rounds_in_flight = 3", "[1, kMaxRoundsInFlight = 2]"});
   cli("cli.launch.ranks_above_64", {"launch", "-n", "65", "--", "true"},
       {"-n = 65", "[1, kMaxRanks = 64]"});
   cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"},

@@ -428,10 +428,16 @@ constexpr int kDefaultDispatchWarps = 32;
 // blocks): 32 warps 53.3 us vs 16 warps 59.6 us at 128 tokens/rank, 832 us vs 859 us at 4096.
 constexpr int kDefaultCombineWarps = 32;
 
+// Default blocks per op and rank: at most 16 SMs, so that a rank with a GPU of its own leaves the
+// rest to the compute that overlaps its communication (MoeLayer::forward_pair, an engine's other
+// micro-batch). 8 ranks sharing an H200 get 16 each from their budget anyway (132 / 8), the shape
+// every figure of docs/perf-notes.md was measured with. EPX_CONFIG_PATH sets more.
+constexpr int kDefaultMaxBlocks = 16;
+
 LaunchConfig resolve(LaunchConfig lc, int budget, const char* op, int rank, int world_size,
                      int default_warps) {
   if (lc.warps_per_block == 0) lc.warps_per_block = default_warps;
-  if (lc.num_blocks == 0) lc.num_blocks = std::min(budget, 32);
+  if (lc.num_blocks == 0) lc.num_blocks = std::min(budget, kDefaultMaxBlocks);
   EPX_CHECK(lc.num_blocks >= 1 && lc.num_blocks <= budget, ConfigError,
             fmt::format("{}.num_blocks (rank {})", op, rank), lc.num_blocks,
             fmt::format("1..{}: the SM budget of one rank when {} ranks share the GPU (more "
