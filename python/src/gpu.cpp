@@ -41,6 +41,17 @@ T* as_ptr(uintptr_t p) {
 
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
+// A dispatch's arguments from the integers the Python side passes.
+DispatchInput dispatch_input(int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
+                             bool ids_int64, uintptr_t topk_weights) {
+  return DispatchInput{.num_tokens = num_tokens,
+                       .x = as_ptr<const void>(x),
+                       .x_scales = as_ptr<const float>(x_scales),
+                       .topk_ids = as_ptr<const void>(topk_ids),
+                       .ids_type = ids_int64 ? IdType::kInt64 : IdType::kInt32,
+                       .topk_weights = as_ptr<const float>(topk_weights)};
+}
+
 IpcHandles parse_handles(const std::string& name) {
   if (name == "auto") return IpcHandles::kAuto;
   if (name == "posix-fd") return IpcHandles::kPosixFd;
@@ -220,13 +231,9 @@ void bind_gpu(nb::module_& m) {
           "dispatch",
           [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
              bool ids_int64, uintptr_t topk_weights, uintptr_t stream) {
-            DispatchInput in{.num_tokens = num_tokens,
-                             .x = as_ptr<const void>(x),
-                             .x_scales = as_ptr<const float>(x_scales),
-                             .topk_ids = as_ptr<const void>(topk_ids),
-                             .ids_type = ids_int64 ? IdType::kInt64 : IdType::kInt32,
-                             .topk_weights = as_ptr<const float>(topk_weights)};
-            return a.dispatch(in, as_stream(stream));
+            return a.dispatch(
+                dispatch_input(num_tokens, x, x_scales, topk_ids, ids_int64, topk_weights),
+                as_stream(stream));
           },
           nb::arg("num_tokens"), nb::arg("x"), nb::arg("x_scales"), nb::arg("topk_ids"),
           nb::arg("ids_int64"), nb::arg("topk_weights"), nb::arg("stream"),
@@ -242,13 +249,9 @@ void bind_gpu(nb::module_& m) {
           "dispatch_send",
           [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
              bool ids_int64, uintptr_t topk_weights, uintptr_t stream) {
-            DispatchInput in{.num_tokens = num_tokens,
-                             .x = as_ptr<const void>(x),
-                             .x_scales = as_ptr<const float>(x_scales),
-                             .topk_ids = as_ptr<const void>(topk_ids),
-                             .ids_type = ids_int64 ? IdType::kInt64 : IdType::kInt32,
-                             .topk_weights = as_ptr<const float>(topk_weights)};
-            a.dispatch_send(in, as_stream(stream));
+            a.dispatch_send(
+                dispatch_input(num_tokens, x, x_scales, topk_ids, ids_int64, topk_weights),
+                as_stream(stream));
           },
           nb::arg("num_tokens"), nb::arg("x"), nb::arg("x_scales"), nb::arg("topk_ids"),
           nb::arg("ids_int64"), nb::arg("topk_weights"), nb::arg("stream"),
