@@ -108,6 +108,11 @@ std::string ablate_text() {
   return v == nullptr ? std::string() : std::string(v);
 }
 
+std::string phase_clock_text() {
+  const char* v = raw("EPX_PHASE_CLOCK");
+  return v == nullptr ? std::string() : std::string(v);
+}
+
 int hardware_queues_per_gpu() {
   return ::epx::hardware_queues_per_gpu(raw("CUDA_DEVICE_MAX_CONNECTIONS"));
 }

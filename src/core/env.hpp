@@ -11,6 +11,8 @@
 //   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU        hardware_queues_per_gpu()
 //   EPX_ABLATE                   stages a measurement build     ablate_text()
 //                                leaves out (release builds never ask)
+//   EPX_PHASE_CLOCK              a measurement build times the  phase_clock_text()
+//                                phases of each op (release builds never ask)
 //
 // Each variable has a pure parser, which takes the variable's text (nullptr = unset) and never
 // looks at the process environment, so that tests can feed it any value, and a getter, which
@@ -57,6 +59,8 @@ std::string nccl_library();
 int hardware_queues_per_gpu();  // CUDA_DEVICE_MAX_CONNECTIONS, else CUDA's default 8
 // EPX_ABLATE as set ("" when unset): parsed by the peer engine of a measurement build only.
 std::string ablate_text();
+// EPX_PHASE_CLOCK as set ("" when unset): read by the peer engine of a measurement build only.
+std::string phase_clock_text();
 
 }  // namespace epx::env
 

@@ -289,12 +289,18 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x) peers[r] = p.common.peers[r];
   __syncthreads();
 
+  [[maybe_unused]] uint64_t clock0 = 0;  // the block's start: phase clock (EPX_PHASE_CLOCK)
+#if EPX_MEASUREMENT
+  clock0 = dev::globaltimer_ns();
+#endif
   const Half half = p.common.half;
   if (half != Half::kReceive) {
     publish_partials<PartialT>(c);
+    EPX_PHASE_MARK_SYNC(p.common, CombinePhase::kPublished, clock0);
     if (half == Half::kSend) return;
   }
   if (!wait_all(c, p.common.layout.ready)) return;
+  EPX_PHASE_MARK(p.common, CombinePhase::kWaited, clock0);
   // Only token-major (bf16) partials are ever all-reduced (validate_for: expert-major is
   // low_latency's alone).
   constexpr bool kMayAllReduce = std::is_same_v<PartialT, __nv_bfloat16>;
@@ -303,6 +309,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   } else {
     pull_partials<PartialT>(c);
   }
+  EPX_PHASE_MARK_SYNC(p.common, CombinePhase::kPulled, clock0);
 }
 
 }  // namespace

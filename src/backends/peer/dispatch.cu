@@ -399,15 +399,19 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
 }
 
 // After: this block's rows, scales and metadata are written into their destinations' receive
-// areas (not yet announced), and send_slot[n][r] holds absolute rows.
+// areas (not yet announced), and send_slot[n][r] holds absolute rows. `clock0`: the block's
+// start (phase clock of a measurement build).
 template <DispatchDtype kDtype>
-__device__ __forceinline__ void send(const DispatchCall& c, const DispatchShared& sh) {
+__device__ __forceinline__ void send(const DispatchCall& c, const DispatchShared& sh,
+                                     [[maybe_unused]] uint64_t clock0) {
   send_metadata(c, sh);
   __syncthreads();
+  EPX_PHASE_MARK(c.p.common, DispatchPhase::kMetadata, clock0);
 #if EPX_MEASUREMENT
   if (c.p.common.shape.ablate & kAblatePayload) return;
 #endif
   send_payloads<kDtype>(c, sh);
+  EPX_PHASE_MARK_SYNC(c.p.common, DispatchPhase::kPayload, clock0);
 }
 
 // ---- 4. signal -------------------------------------------------------------------------------
@@ -587,6 +591,10 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const State* state = at<State>(me.local, p.common.layout.state);
   // An earlier call timed out: the peers' state is unknown.
   if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
+  [[maybe_unused]] uint64_t clock0 = 0;  // the block's start: phase clock (EPX_PHASE_CLOCK)
+#if EPX_MEASUREMENT
+  clock0 = dev::globaltimer_ns();
+#endif
   const Half half = p.common.half;
   // A receive half serves the round its send half began.
   const uint32_t epoch = state->send_epoch + (half == Half::kReceive ? 0 : 1);
@@ -610,13 +618,16 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
 
   if (half != Half::kReceive) {
     route(c, sh);
+    EPX_PHASE_MARK(p.common, DispatchPhase::kRouted, clock0);
     if (p.common.shape.ordered) {
       if (!exchange_counts(c, sh)) return;
     } else {
       reserve_rows(c, sh);
     }
-    send<kDtype>(c, sh);
+    EPX_PHASE_MARK(p.common, DispatchPhase::kPlaced, clock0);
+    send<kDtype>(c, sh, clock0);
     signal_sent(c, sh);
+    EPX_PHASE_MARK(p.common, DispatchPhase::kSignalled, clock0);
     if (half == Half::kSend) return;
   } else if (p.common.shape.ordered) {
     // M of an ordered round came with the count exchange of the send half: read it again.
@@ -625,9 +636,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const bool expert_major = p.common.shape.expert_major;
   if (!expert_major && rb.b != 0) return;  // token-major: block 0 receives for the rank
   if (!await_senders(c, sh)) return;
+  EPX_PHASE_MARK(p.common, DispatchPhase::kReceived, clock0);
   const int M = sh.recv_total;
   if (expert_major && !expand_to_experts<kDtype>(c, M)) return;
   if (rb.b == 0) finish_round(c, M);
+  EPX_PHASE_MARK_SYNC(p.common, DispatchPhase::kDone, clock0);
 }
 
 }  // namespace

@@ -44,6 +44,18 @@ inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 
 
 // Parses EPX_ABLATE ("", "payload", "pull", "payload,pull"); ConfigError names the bad item.
 int32_t ablate_from_env();
+
+// EPX_PHASE_CLOCK=1: each block's thread 0 adds, at the end of each phase of an op, the time
+// since the block started (globaltimer, ns) into these sums, so that the host can split an op's
+// time into its phases (the mean over blocks and launches of when each phase ended).
+enum class DispatchPhase : int { kRouted, kPlaced, kMetadata, kPayload, kSignalled, kReceived,
+                                 kDone, kCount };
+enum class CombinePhase : int { kPublished, kWaited, kPulled, kCount };
+inline constexpr int kMaxPhases = 8;
+struct PhaseClock {
+  unsigned long long sum[2][kMaxPhases];    // [0 dispatch, 1 combine][phase] ns
+  unsigned long long count[2][kMaxPhases];  // blocks that reached the phase
+};
 #endif
 
 // One launch serves `num_ranks` ranks that share a GPU (an in-process group), each with
@@ -67,6 +79,9 @@ struct LaunchCommon {
   uint64_t timeout_ns;
   int32_t num_ranks;  // ranks served by this launch
   Half half;
+#if EPX_MEASUREMENT
+  PhaseClock* clock;  // EPX_PHASE_CLOCK: the phase sums of this launch, else null
+#endif
 };
 
 struct DispatchRank {

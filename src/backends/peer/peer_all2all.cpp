@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -94,10 +95,52 @@ class PeerAll2All final : public All2All {
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_status_dev_),
                                             host_status_, 0));
+#if EPX_MEASUREMENT
+    const std::string clock = env::phase_clock_text();
+    if (!clock.empty() && clock != "0") {
+      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&clock_), sizeof(PhaseClock)));
+      EPX_CUDA_CHECK(cudaMemset(clock_, 0, sizeof(PhaseClock)));
+    }
+#endif
   }
   ~PeerAll2All() override {
+#if EPX_MEASUREMENT
+    if (clock_ != nullptr) {
+      print_phase_clock();
+      (void)cudaFree(clock_);
+    }
+#endif
     if (host_status_ != nullptr) (void)cudaFreeHost(host_status_);
   }
+
+#if EPX_MEASUREMENT
+  // EPX_PHASE_CLOCK: the mean time from a block's start at which each phase of each op ended,
+  // over every block of every launch this object's launches served (stderr, at destruction).
+  void print_phase_clock() const noexcept {
+    PhaseClock h{};
+    if (cudaSetDevice(buf_.device()) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(&h, clock_, sizeof(h), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return;
+    }
+    static constexpr const char* kDispatch[] = {"routed", "placed", "metadata", "payload",
+                                                "signalled", "received", "done"};
+    static constexpr const char* kCombine[] = {"published", "waited", "pulled"};
+    for (int op = 0; op < 2; ++op) {
+      const int n = op == 0 ? int(DispatchPhase::kCount) : int(CombinePhase::kCount);
+      std::string line;
+      for (int ph = 0; ph < n; ++ph) {
+        if (h.count[op][ph] == 0) continue;
+        line += fmt::format(" {} {:.2f} ({} blocks)", op == 0 ? kDispatch[ph] : kCombine[ph],
+                            1e-3 * double(h.sum[op][ph]) / double(h.count[op][ph]),
+                            h.count[op][ph]);
+      }
+      if (!line.empty()) {
+        std::fprintf(stderr, "phase clock rank %d %s, us from a block's start:%s\n", cfg_.rank,
+                     op == 0 ? "dispatch" : "combine", line.c_str());
+      }
+    }
+  }
+#endif
 
   const EpConfig& config() const override { return cfg_; }
   Backend backend() const override { return algo_.backend; }
@@ -259,7 +302,11 @@ class PeerAll2All final : public All2All {
                         .shape = shape(),
                         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
                         .num_ranks = 1,
-                        .half = half};
+                        .half = half,
+#if EPX_MEASUREMENT
+                        .clock = clock_,
+#endif
+    };
   }
 
   // Ranks that may share one launch: the same in-process group, GPU, configuration and launch
@@ -417,6 +464,7 @@ class PeerAll2All final : public All2All {
   Pending pending_ = Pending::kNone;  // the receive half this rank owes (host-side call order)
 #if EPX_MEASUREMENT
   int32_t ablate_ = ablate_from_env();
+  PhaseClock* clock_ = nullptr;  // EPX_PHASE_CLOCK
 #endif
 };
 

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backends/peer/kernels.hpp"
 #include "core/sync_device.cuh"
@@ -54,6 +55,28 @@ __device__ __forceinline__ dev::WaitContext make_wait(uint8_t* local, DeviceStat
 __device__ __forceinline__ size_t scale_index(const Shape& S, int row, int group, int rows) {
   return S.scale_col_major ? size_t(group) * rows + row : size_t(row) * S.groups + group;
 }
+
+#if EPX_MEASUREMENT
+// Thread 0 of the block adds the time since `start` to the phase's sum (EPX_PHASE_CLOCK); call
+// it where the whole block has finished the phase (after a __syncthreads).
+template <typename PhaseT>
+__device__ __forceinline__ void phase_mark(const LaunchCommon& c, PhaseT phase, uint64_t start) {
+  if (c.clock == nullptr || threadIdx.x != 0) return;
+  constexpr int op = std::is_same_v<PhaseT, DispatchPhase> ? 0 : 1;
+  atomicAdd(&c.clock->sum[op][int(phase)], dev::globaltimer_ns() - start);
+  atomicAdd(&c.clock->count[op][int(phase)], 1ull);
+}
+#define EPX_PHASE_MARK(common, phase, start) phase_mark(common, phase, start)
+// The same where the block is not synchronised yet (the sync exists in measurement builds only).
+#define EPX_PHASE_MARK_SYNC(common, phase, start) \
+  do {                                             \
+    if ((common).clock != nullptr) __syncthreads(); \
+    phase_mark(common, phase, start);              \
+  } while (0)
+#else
+#define EPX_PHASE_MARK(common, phase, start) ((void)0)
+#define EPX_PHASE_MARK_SYNC(common, phase, start) ((void)0)
+#endif
 
 // Lowest rank of a non-empty rank mask.
 __device__ __forceinline__ int lowest_rank(uint64_t mask) {
