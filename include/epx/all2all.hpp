@@ -132,6 +132,18 @@ class All2All {
 
   // Bytes of symmetric (peer-visible) memory and of all device memory this object holds.
   virtual size_t symmetric_bytes() const = 0;
+
+  // Masking (EpConfig::mask_failed_ranks): the ranks whose wait this rank gave up on (bit r), and
+  // the (token, expert) pairs its dispatches dropped because their expert's rank was masked,
+  // since creation or clear_mask(). A masked rank's rows of the round it was masked in may be
+  // missing or partly written (nothing waits for them), and its partials are left out of every
+  // combine from then on. Read from mapped host memory: never synchronises; what a running
+  // kernel masks shows up as it happens. Both 0 without masking.
+  virtual uint64_t masked_ranks() const = 0;
+  virtual uint64_t dropped_pairs() const = 0;
+  // Unmasks every rank for the calls enqueued on `stream` after this one, and zeroes the
+  // dropped count (for a rank brought back on the same memory, or a test).
+  virtual void clear_mask(cudaStream_t stream) = 0;
 };
 
 // Bytes of device memory one rank's object needs for `cfg` (the one sizing function).

@@ -57,6 +57,11 @@ struct EpConfig {
   // (another micro-batch) before the combine of this one. Each round beyond the first holds its
   // own receive area, partials and per-round state: 2 doubles the memory of the data areas.
   int rounds_in_flight = 1;
+  // A peer that does not arrive within timeout_ms is masked instead of failing the call (DeepEP's
+  // shrink mode, NCCL EP's masks): the call completes without it, and later calls skip it
+  // (tokens routed to its experts are dropped and counted; its partials are left out of combine)
+  // until All2All::clear_mask(). Unordered rows only (not with deterministic or naive).
+  bool mask_failed_ranks = false;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }

@@ -39,6 +39,7 @@ class ConfigValues(NamedTuple):
     layout: str
     deterministic: bool
     rounds_in_flight: int
+    mask_failed_ranks: bool
     timeout_ms: int
     capacity: int
     num_local_experts: int

@@ -28,7 +28,7 @@ def ep_config(**fields: Any) -> EpConfig:
     Keys: rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype ('bf16',
     'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), layout ('token', 'expert'),
     deterministic, rounds_in_flight (1, or 2: the next round's dispatch before this round's
-    combine), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    combine), mask_failed_ranks (a peer that times out is masked, not fatal), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
     """
     cfg = EpConfig(**fields)
     cfg.validate()

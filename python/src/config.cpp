@@ -37,7 +37,7 @@ constexpr std::array<IntField, 8> kIntFields{{
 }};
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
-    "layout, deterministic, rounds_in_flight, timeout_ms";
+    "layout, deterministic, rounds_in_flight, mask_failed_ranks, timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
   for (const IntField& f : kIntFields) {
@@ -54,6 +54,8 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
     c.layout = parse_output_layout(str_arg("EpConfig", key, v));
   } else if (key == "deterministic") {
     c.deterministic = bool_arg("EpConfig", key, v);
+  } else if (key == "mask_failed_ranks") {
+    c.mask_failed_ranks = bool_arg("EpConfig", key, v);
   } else {
     EPX_CHECK(false, ConfigError, "EpConfig key", "'" + key + "'",
               std::string("one of ") + kEpConfigKeys);
@@ -64,10 +66,11 @@ std::string ep_repr(const EpConfig& c) {
   return fmt::format(
       "EpConfig(rank={}, world_size={}, hidden={}, num_experts={}, topk={}, "
       "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', layout='{}', deterministic={}, "
-      "rounds_in_flight={}, timeout_ms={})",
+      "rounds_in_flight={}, mask_failed_ranks={}, timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
       to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
-      c.deterministic ? "True" : "False", c.rounds_in_flight, c.timeout_ms);
+      c.deterministic ? "True" : "False", c.rounds_in_flight,
+      c.mask_failed_ranks ? "True" : "False", c.timeout_ms);
 }
 
 void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {
@@ -182,6 +185,10 @@ void bind_config(nb::module_& m) {
       "deterministic", [](const EpConfig& c) { return c.deterministic; },
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "deterministic", v); },
       "Rows ordered by (source rank, source index).");
+  ep.def_prop_rw(
+      "mask_failed_ranks", [](const EpConfig& c) { return c.mask_failed_ranks; },
+      [](EpConfig& c, nb::handle v) { set_ep_field(c, "mask_failed_ranks", v); },
+      "A peer that does not arrive within timeout_ms is masked instead of failing the call.");
 
   nb::class_<LaunchConfig>(m, "LaunchConfig",
                            "Launch shape of one op; 0 = chosen per world and shape.")

@@ -156,6 +156,10 @@ void EpConfig::validate() const {
   EPX_CHECK(rounds_in_flight >= 1 && rounds_in_flight <= kMaxRoundsInFlight, ConfigError,
             "rounds_in_flight", rounds_in_flight,
             fmt::format("in [1, kMaxRoundsInFlight = {}]", kMaxRoundsInFlight));
+  // Masking drops a peer's rows from a round that other ranks may still count: ordered rows,
+  // whose layout every rank derives from every rank's counts, would disagree.
+  EPX_CHECK(!mask_failed_ranks || !deterministic, ConfigError, "mask_failed_ranks", "true",
+            "false with deterministic = true (ordered rows need every rank's counts)");
   // Every device wait is bounded (DESIGN §5): 0 would fail at once, and a day is plenty.
   EPX_CHECK(timeout_ms >= 1 && timeout_ms <= kMaxTimeoutMs, ConfigError, "timeout_ms", timeout_ms,
             fmt::format("in [1, kMaxTimeoutMs = {}]", kMaxTimeoutMs));

@@ -48,6 +48,16 @@ static_assert(sizeof(StatusCode) == sizeof(DeviceStatus::code));
 static_assert(offsetof(DeviceStatus, expected) % alignof(int64_t) == 0);
 static_assert(offsetof(DeviceStatus, valid) % alignof(int32_t) == 0);
 
+// Mapped host memory of one rank: the status mirror, then what masking (EpConfig::
+// mask_failed_ranks) has done, so that the host reads both without synchronising. A kernel gets
+// &mirror.status and finds the rest behind it.
+struct HostMirror {
+  DeviceStatus status;
+  unsigned long long masked;   // bit r: this rank masked rank r
+  unsigned long long dropped;  // (token, expert) pairs dispatch dropped for masked ranks
+};
+static_assert(offsetof(HostMirror, status) == 0);
+
 // Host side: the status recorded in the mapped host mirror, once a kernel has completed it
 // (an acquire load of `valid`, then the fields it publishes); nullopt while nothing is recorded.
 std::optional<DeviceStatus> recorded_status(DeviceStatus& mirror);

@@ -65,10 +65,11 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // the deadline, and who is waiting.
 struct WaitContext {
   DeviceStatus* status;       // device memory: code arbitrated with atomicCAS
-  DeviceStatus* host_status;  // mapped host memory: the mirror the host reads
+  DeviceStatus* host_status;  // mapped host memory: the mirror the host reads (a HostMirror's)
   uint64_t timeout_ns;
   int32_t rank;
   uint32_t call = 0;          // the op's call number (epoch), once the kernel knows it
+  unsigned long long* masked = nullptr;  // masking on: the rank's mask word (device), else null
 };
 
 // First error wins; later ones are dropped. Safe to call from any thread.
@@ -121,25 +122,60 @@ __device__ __forceinline__ bool aborted(const WaitContext& ctx) {
   return code != StatusCode::kNone && code != StatusCode::kInput;
 }
 
-// Spins until pred() holds. Returns false (after recording a timeout unless another error was
-// already recorded) when the deadline passes or this rank has already failed.
+// Ranks this rank has masked (0 when masking is off).
+__device__ __forceinline__ uint64_t masked_ranks(const WaitContext& ctx) {
+  return ctx.masked == nullptr ? 0 : *reinterpret_cast<volatile unsigned long long*>(ctx.masked);
+}
+
+// Masks `peer`: the device word, then the host mirror (rewritten until it holds the device
+// word, so that concurrent maskings of different peers all reach it).
+__device__ inline void mask_peer(const WaitContext& ctx, int32_t peer) {
+  atomicOr(ctx.masked, 1ull << peer);
+  if (ctx.host_status == nullptr) return;
+  volatile unsigned long long* host = &reinterpret_cast<HostMirror*>(ctx.host_status)->masked;
+  for (uint64_t v = masked_ranks(ctx); *host != v; v = masked_ranks(ctx)) {
+    *host = v;
+    __threadfence_system();
+  }
+}
+
+enum class PeerWait { kArrived, kMasked, kFailed };
+
+// Spins until pred() holds: kArrived. When the deadline passes: with masking on and a peer to
+// blame, masks it (kMasked: the caller goes on without it); else records a timeout (unless
+// another error was already recorded) and returns kFailed, as when this rank has already failed.
+// A peer masked before the wait is not waited for (kMasked).
 template <typename Pred, typename Seen>
-__device__ inline bool bounded_wait(const WaitContext& ctx, Phase phase, int32_t peer,
-                                    int64_t expected, Pred pred, Seen seen) {
-  if (pred()) return true;
+__device__ inline PeerWait peer_wait(const WaitContext& ctx, Phase phase, int32_t peer,
+                                     int64_t expected, Pred pred, Seen seen) {
+  const bool may_mask = ctx.masked != nullptr && peer >= 0 && peer != ctx.rank;
+  if (may_mask && ((masked_ranks(ctx) >> peer) & 1)) return PeerWait::kMasked;
+  if (pred()) return PeerWait::kArrived;
   const uint64_t start = globaltimer_ns();
   for (uint32_t iter = 1;; ++iter) {
-    if (pred()) return true;
+    if (pred()) return PeerWait::kArrived;
     // Back off a little: spinning ranks share the memory system with the ranks still working.
     if (iter > 16) __nanosleep(64);
     if ((iter & 255u) == 0) {
-      if (aborted(ctx)) return false;
+      if (aborted(ctx)) return PeerWait::kFailed;
       if (globaltimer_ns() - start > ctx.timeout_ns) {
+        if (may_mask) {
+          mask_peer(ctx, peer);
+          return PeerWait::kMasked;
+        }
         record_error(ctx, StatusCode::kTimeout, phase, peer, expected, seen());
-        return false;
+        return PeerWait::kFailed;
       }
     }
   }
+}
+
+// peer_wait that never masks: true when pred() came to hold.
+template <typename Pred, typename Seen>
+__device__ inline bool bounded_wait(WaitContext ctx, Phase phase, int32_t peer, int64_t expected,
+                                    Pred pred, Seen seen) {
+  ctx.masked = nullptr;
+  return peer_wait(ctx, phase, peer, expected, pred, seen) == PeerWait::kArrived;
 }
 
 // Barrier over the `num_blocks` blocks of one rank in a kernel (all resident by construction; a

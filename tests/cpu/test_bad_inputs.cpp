@@ -288,6 +288,12 @@ void Catalogue::build() {
          {"timeout_ms = 0", "[1, kMaxTimeoutMs = 86400000]"});
   config("config.timeout_negative", "timeout_ms = -1", [](EpConfig& c) { c.timeout_ms = -1; },
          {"timeout_ms = -1", "[1, kMaxTimeoutMs = 86400000]"});
+  config("config.mask_with_ordered_rows", "mask_failed_ranks = true, deterministic = true",
+         [](EpConfig& c) {
+           c.mask_failed_ranks = true;
+           c.deterministic = true;
+         },
+         {"mask_failed_ranks = true", "false with deterministic = true"});
   config("config.rounds_in_flight_three", "rounds_in_flight = 3",
          [](EpConfig& c) { c.rounds_in_flight = 3; },
          {"rounds_in_flight = 3", "[1, kMaxRoundsInFlight = 2]"});

@@ -590,6 +590,54 @@ TEST(RoundsInFlight, DispatchAfterDispatchAbandonsTheOldestRound) {
   run(2, 3, {1, 2});  // the third dispatch abandons the first
 }
 
+// Masking (EpConfig::mask_failed_ranks): rank 3 of 4 never calls. The others' first round masks
+// it when their waits expire and completes without it; the second skips it from the start and
+// counts the dropped (token, expert) pairs. Each token goes to one expert on every rank and the
+// expert stage copies the received rows, so y = (live ranks) x = 3 x.
+TEST(Masking, ARankThatNeverCallsIsMaskedAndTheOthersGoOn) {
+  REQUIRE_GPU();
+  for (Backend backend : {Backend::kLowLatency, Backend::kAllgatherReduceScatter}) {
+    SCOPED_TRACE(to_string(backend));
+    EpConfig cfg = gpu_test::small_config();
+    cfg.mask_failed_ranks = true;
+    Group g(cfg, 4, backend);
+    const int N = 3, K = 4, H = 2048;
+    std::vector<int32_t> ids;
+    for (int n = 0; n < N; ++n) ids.insert(ids.end(), {0, 4, 8, 12});  // one expert per rank
+    const DispatchInput in{.num_tokens = N,
+                           .x = g.upload(std::vector<uint16_t>(size_t(N) * H, 0x3f80)),  // 1
+                           .topk_ids = g.upload(ids),
+                           .topk_weights = g.upload(std::vector<float>(size_t(N) * K, 0.25f))};
+    for (int round = 0; round < 2; ++round) {
+      std::vector<uint16_t*> ys;
+      for (int r = 0; r < 3; ++r) {
+        All2All& a = *g.a2a[r];
+        const DispatchResult d = a.dispatch(in, g.streams[r]);
+        EPX_CUDA_CHECK(cudaMemcpyAsync(d.combine_buffer, d.recv_x, size_t(d.capacity) * H * 2,
+                                       cudaMemcpyDeviceToDevice, g.streams[r]));
+        ys.push_back(g.upload(std::vector<uint16_t>(size_t(N) * H, 0xffff)));
+        a.combine(d.combine_buffer, ys.back(), g.streams[r]);
+      }
+      for (int r = 0; r < 3; ++r) {
+        ASSERT_NO_THROW(g.a2a[r]->synchronize(g.streams[r])) << "round " << round;
+        EXPECT_EQ(g.a2a[r]->masked_ranks(), uint64_t(1) << 3) << "rank " << r;
+        // The first round masked rank 3 while waiting: nothing was dropped at its start.
+        EXPECT_EQ(g.a2a[r]->dropped_pairs(), uint64_t(round == 0 ? 0 : N)) << "rank " << r;
+        std::vector<uint16_t> y(size_t(N) * H);
+        EPX_CUDA_CHECK(cudaMemcpy(y.data(), ys[r], y.size() * 2, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::count(y.begin(), y.end(), uint16_t(0x4040)), N * H)  // 3
+            << "rank " << r << " round " << round << ": y[0] = 0x" << std::hex << y[0];
+      }
+    }
+    for (int r = 0; r < 3; ++r) {
+      g.a2a[r]->clear_mask(g.streams[r]);
+      EXPECT_EQ(g.a2a[r]->masked_ranks(), 0u);
+      EXPECT_EQ(g.a2a[r]->dropped_pairs(), 0u);
+    }
+    EXPECT_EQ(g.a2a[3]->masked_ranks(), 0u);
+  }
+}
+
 TEST(LowLatency, TooManyBlocksForTheSmBudgetIsAConfigError) {
   REQUIRE_GPU();
   EpConfig c = small_config();

@@ -67,11 +67,11 @@ __device__ inline bool wait_all(const CombineCall& c, size_t flags) {
   __syncthreads();
   const int32_t* mine = at<int32_t>(c.local(), flags);
   for (int q = threadIdx.x; q < c.p.common.shape.world; q += blockDim.x) {
-    const bool ok = dev::bounded_wait(
+    const dev::PeerWait got = dev::peer_wait(
         c.wait(), Phase::kCombineReady, q, c.round,
         [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(mine + q)), c.round); },
         [&] { return int64_t(dev::ld_acquire_sys(mine + q)); });
-    if (!ok) failed_wait = 1;
+    if (got == dev::PeerWait::kFailed) failed_wait = 1;  // (a masked peer is left out of the sums)
   }
   __syncthreads();
   return failed_wait == 0;
@@ -160,10 +160,13 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
   const int chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
   constexpr int kVecInts = sizeof(PartialT) / 2;  // int4 per 8 elements: bf16 1, f32 2
   constexpr int kBatch = 8 / kVecInts;
+  // Masked ranks' partials are left out (their contribution is dropped).
+  // (Read once per warp, so that every lane skips the same ranks.)
+  const uint64_t live = ~__shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
   for (int item = b * num_warps + warp; item < N * chunks; item += nb * num_warps) {
     const int n = item / chunks, chunk = item % chunks;
     const RankSlots slots = load_rank_slots(send_slot, n, W, lane);
-    uint64_t rmask = slots.ranks();  // warp-uniform
+    uint64_t rmask = slots.ranks() & live;  // warp-uniform
 #if EPX_MEASUREMENT
     if (S.ablate & kAblatePull) rmask = 0;
 #endif

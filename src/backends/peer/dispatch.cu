@@ -93,6 +93,9 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
   const int per_step = kWarpSize / G, sub = lane / G, k = lane % G;
   const uint32_t lt = dev::lanemask_lt();
   const uint64_t all_ranks = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+  // Masked ranks get nothing: their (token, expert) pairs are dropped and counted.
+  // (Read once per warp: a peer masked meanwhile by another block waits for the next call.)
+  const uint64_t masked = __shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
   const int w0 = min(c.t1, c.t0 + warp * c.per_warp), w1 = min(c.t1, w0 + c.per_warp);
   int cnt_lo = 0, cnt_hi = 0;  // lane l holds the warp's count for ranks l and l + 32
   for (int first = w0; first < w1; first += per_step) {
@@ -124,12 +127,17 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
     }
     if (expert && !bad) {
       const int r = int(id / S.num_local);
-      dev::red_add_relaxed_sys(
-          at<int32_t>(sh.peers[r], L.expert_rows) + c.par() * S.num_local + (id - r * S.num_local), 1);
+      if ((masked >> r) & 1) {
+        atomicAdd(&c.state()->dropped, 1ull);
+      } else {
+        dev::red_add_relaxed_sys(
+            at<int32_t>(sh.peers[r], L.expert_rows) + c.par() * S.num_local + (id - r * S.num_local),
+            1);
+      }
     }
     // The group's first lane carries the token; invalid tokens are sent nowhere.
     const bool leader = tok && k == 0;
-    const uint64_t mask = leader && !bad ? (S.every_rank ? all_ranks : bits) : 0;
+    const uint64_t mask = leader && !bad ? (S.every_rank ? all_ranks : bits) & ~masked : 0;
     for (int r = 0; r < W; ++r) {
       const bool bit = (mask >> r) & 1;
       const uint32_t bal = __ballot_sync(kFullWarp, bit);
@@ -429,6 +437,9 @@ __device__ __forceinline__ void signal_sent(const DispatchCall& c, const Dispatc
   if (threadIdx.x == 0) {
     c.state()->send_epoch = c.epoch;
     c.state()->send_tokens = c.me.num_tokens;
+    if (c.p.common.shape.mask_failed && c.me.host_status != nullptr) {
+      reinterpret_cast<volatile HostMirror*>(c.me.host_status)->dropped = c.state()->dropped;
+    }
   }
   // The word carries the round's buffer slot too, so that a receiver whose call sequence put
   // the round elsewhere reports the disagreement instead of reading the wrong rows.
@@ -449,11 +460,12 @@ __device__ __forceinline__ bool await_senders(const DispatchCall& c, DispatchSha
   const int W = c.p.common.shape.world;
   const uint64_t* sent = at<uint64_t>(c.local(), L.sent) + size_t(c.par()) * W;
   for (int q = threadIdx.x; q < W; q += blockDim.x) {
-    const bool ok = dev::bounded_wait(
+    const dev::PeerWait got = dev::peer_wait(
         c.wait(), Phase::kDispatchData, q, c.epoch,
         [&] { return dev::epoch_reached(uint32_t(dev::ld_acquire_sys(sent + q)), c.epoch); },
         [&] { return int64_t(uint32_t(dev::ld_acquire_sys(sent + q))); });
-    if (!ok) {
+    if (got == dev::PeerWait::kMasked) continue;  // gone: whatever it wrote is not waited for
+    if (got == dev::PeerWait::kFailed) {
       sh.failed = 1;
     } else if (const uint32_t slot = uint32_t(dev::ld_acquire_sys(sent + q) >> 32);
                slot != uint32_t(c.p.common.slot)) {

@@ -21,6 +21,8 @@ struct Algorithm {
 
 // Device-resident cross-call state of one rank (DESIGN §5.1: epochs advance on the device).
 struct State {
+  unsigned long long masked;   // bit r: rank r masked (EpConfig::mask_failed_ranks)
+  unsigned long long dropped;  // (token, expert) pairs dropped for masked ranks
   uint32_t send_epoch;      // the round of the last dispatch send (a receive half serves it)
   int32_t send_tokens;      // N of that send
   GridBarrierWord barrier;

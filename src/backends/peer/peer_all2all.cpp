@@ -91,8 +91,10 @@ class PeerAll2All final : public All2All {
   PeerAll2All(const EpConfig& cfg, const Algorithm& algo, SymmetricBuffer buf, LaunchConfigs launch)
       : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch) {
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_status_), sizeof(DeviceStatus), cudaHostAllocMapped));
-    std::memset(host_status_, 0, sizeof(DeviceStatus));
+    // A HostMirror: the status, then what masking did (&mirror->status == host_status_).
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_status_), sizeof(HostMirror),
+                                 cudaHostAllocMapped));
+    std::memset(host_status_, 0, sizeof(HostMirror));
     EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_status_dev_),
                                             host_status_, 0));
 #if EPX_MEASUREMENT
@@ -145,6 +147,23 @@ class PeerAll2All final : public All2All {
   const EpConfig& config() const override { return cfg_; }
   Backend backend() const override { return algo_.backend; }
   size_t symmetric_bytes() const override { return buf_.bytes(); }
+
+  uint64_t masked_ranks() const override {
+    return reinterpret_cast<const volatile HostMirror*>(host_status_)->masked;
+  }
+  uint64_t dropped_pairs() const override {
+    return reinterpret_cast<const volatile HostMirror*>(host_status_)->dropped;
+  }
+  void clear_mask(cudaStream_t stream) override {
+    check_usable();
+    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    // State's first two words: masked, dropped.
+    static_assert(offsetof(State, masked) == 0 && offsetof(State, dropped) == 8);
+    EPX_CUDA_CHECK(cudaMemsetAsync(buf_.local() + layout_.state, 0, 16, stream));
+    auto* mirror = reinterpret_cast<volatile HostMirror*>(host_status_);
+    mirror->masked = 0;
+    mirror->dropped = 0;
+  }
 
   void* combine_buffer() override { return combine_buffer_of(next_combine_slot()); }
 
@@ -417,6 +436,7 @@ class PeerAll2All final : public All2All {
                  .all_reduce = algo_.all_reduce,
                  // the naive all-reduce needs every rank to hold the same rows in the same order
                  .ordered = cfg_.deterministic || algo_.all_reduce,
+                 .mask_failed = cfg_.mask_failed_ranks,
 #if EPX_MEASUREMENT
                  .ablate = ablate_,
 #endif
@@ -504,6 +524,9 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= kMaxExpertMajorLocal,
             ConfigError, "num_experts / world_size", cfg.num_local_experts(),
             fmt::format("at most {} for the expert-major layout", kMaxExpertMajorLocal));
+  // The naive all-reduce orders its rows (every rank must hold the same rows): no masking.
+  EPX_CHECK(!cfg.mask_failed_ranks || algo.backend != Backend::kNaive, ConfigError,
+            "mask_failed_ranks", "true", "false with backend naive (its rows are ordered)");
   // The baselines deliver every token of every rank in the token-major layout only.
   EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
             ConfigError, "layout", to_string(cfg.layout),

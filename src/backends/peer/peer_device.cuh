@@ -47,8 +47,10 @@ __device__ __forceinline__ RankBlock rank_block(int num_ranks) {
 // The bounded-wait context of a rank: its status word, the host mirror, the timeout.
 __device__ __forceinline__ dev::WaitContext make_wait(uint8_t* local, DeviceStatus* host_status,
                                                       int rank, const LaunchCommon& common) {
-  return dev::WaitContext{at<DeviceStatus>(local, common.layout.status), host_status,
-                          common.timeout_ns, rank};
+  dev::WaitContext w{at<DeviceStatus>(local, common.layout.status), host_status,
+                     common.timeout_ns, rank};
+  if (common.shape.mask_failed) w.masked = &at<State>(local, common.layout.state)->masked;
+  return w;
 }
 
 // Index of the f32 scale of (row, group) in a [rows][groups] or [groups][rows] scale area.
