@@ -22,6 +22,7 @@ struct CheckFlags {
   int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
   bool moe = false;
   MoeLayerFlags moe_layer;  // the layer's own flags (--moe)
+  std::string json;
 };
 
 // `epx check --moe`: the shared flags of `check` and the layer's own.
@@ -46,6 +47,10 @@ void add_check_run_flags(CLI::App* c, CheckRunFlags& f) {
   c->add_option("--seed", f.seed, "seed of inputs and routing")->capture_default_str();
   c->add_option("--iters", f.iters, "eager calls, fresh inputs each")->capture_default_str();
   c->add_option("--graph", f.graph, "capture once per rank, replay N times with fresh inputs");
+  c->add_option("--verify-every", f.verify_every,
+                "with --graph: download and compare every K-th replay (and the last) only; every "
+                "replay still gets fresh inputs and its device status is checked (soak runs)")
+      ->capture_default_str();
   c->add_flag("--mixed", f.mixed, "with --graph: rank 0 calls eagerly, the others replay");
   c->add_flag("--ids64", f.ids64, "pass topk_ids as int64");
   c->add_flag("--one-launch", f.one_launch,
@@ -73,6 +78,8 @@ void add_check(CLI::App& app, int& exit_code) {
                 "testing, --world-kind ipc: this rank creates its All2All, then kills itself "
                 "(SIGKILL) before its first dispatch")
       ->group("");
+  c->add_option("--json", f->json,
+                "write the options and the report (with memory samples) as JSON to this file");
   c->add_flag("--moe", f->moe,
               "check the MoE layer instead: W ranks vs the same layer on one rank with every "
               "expert local (and vs the CPU reference when H <= 1024 and E <= 64)");
@@ -93,8 +100,8 @@ void add_check(CLI::App& app, int& exit_code) {
           ->capture_default_str()};
   std::vector<CLI::Option*> not_moe;
   for (const char* name :
-       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--one-launch", "--halves",
-        "--world-kind", "--gpus"})
+       {"--routing", "--iters", "--graph", "--verify-every", "--mixed", "--ids64", "--one-launch",
+        "--halves", "--world-kind", "--gpus", "--json"})
     not_moe.push_back(c->get_option(name));
   CLI::Option* world_opt = c->get_option("--world");
   CLI::Option* gpus_opt = c->get_option("--gpus");
@@ -119,6 +126,9 @@ void add_check(CLI::App& app, int& exit_code) {
                 "process share a stream; --mixed has rank 0 call on its own)");
     }
     if (one_process_per_rank(kind)) {
+      EPX_CHECK(f->run.verify_every == 1, ConfigError, "--verify-every", f->run.verify_every,
+                "1 with --world-kind ipc or nccl (the soak with sparse comparisons runs "
+                "in-process)");
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
       ShapeFlags& shape = f->run.shape;
@@ -129,11 +139,11 @@ void add_check(CLI::App& app, int& exit_code) {
 #if EPX_HAVE_CUDA
     testing::CheckOptions o = check_options(f->run);
     if (one_process_per_rank(kind)) {
-      exit_code = run_world_check(o, kind, f->run, f->fault_kill_rank);
+      exit_code = run_world_check(o, kind, f->run, f->fault_kill_rank, f->json);
       return;
     }
     o.gpus = int(f->run.shape.devices().size());
-    exit_code = run_in_process_check(o, f->run);
+    exit_code = run_in_process_check(o, f->run, f->json);
 #else
     (void)exit_code;
     EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");

@@ -1,12 +1,15 @@
 // The runs of `epx check` (and `epx diag graph-replay`): the harness on an in-process world, or
-// on this process's rank of a world of one process per rank, with the lines a user reads.
+// on this process's rank of a world of one process per rank, with the lines a user reads and the
+// JSON report.
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <csignal>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "check.hpp"
@@ -35,6 +38,10 @@ testing::CheckOptions check_options(const CheckRunFlags& f) {
   o.seed = f.seed;
   o.iters = f.iters;
   o.graph_replays = f.graph;
+  check_range("--verify-every", f.verify_every, 1, INT64_MAX);
+  EPX_CHECK(f.verify_every == 1 || f.graph > 0, ConfigError, "--verify-every", f.verify_every,
+            "1 without --graph N (it thins out the comparison of graph replays)");
+  o.verify_every = f.verify_every;
   o.mixed = f.mixed;
   o.ids_int64 = f.ids64;
   o.one_launch = f.one_launch;
@@ -43,7 +50,70 @@ testing::CheckOptions check_options(const CheckRunFlags& f) {
   return o;
 }
 
-int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f) {
+namespace {
+
+nlohmann::json options_json(const testing::CheckOptions& o, const CheckRunFlags& f) {
+  const EpConfig& cfg = o.cfg;
+  return {{"backend", to_string(o.backend)},
+          {"world", cfg.world_size},
+          {"gpus", o.gpus},
+          {"hidden", cfg.hidden},
+          {"experts", cfg.num_experts},
+          {"topk", cfg.topk},
+          {"max_tokens", cfg.max_tokens_per_rank},
+          {"tokens", f.tokens},
+          {"dtype", to_string(cfg.dtype)},
+          {"layout", to_string(cfg.layout)},
+          {"scale_layout", to_string(cfg.scale_layout)},
+          {"deterministic", cfg.deterministic},
+          {"rounds_in_flight", cfg.rounds_in_flight},
+          {"timeout_ms", cfg.timeout_ms},
+          {"routing", f.routing},
+          {"seed", o.seed},
+          {"iters", o.iters},
+          {"graph_replays", o.graph_replays},
+          {"verify_every", o.verify_every},
+          {"mixed", o.mixed},
+          {"ids64", o.ids_int64},
+          {"one_launch", o.one_launch},
+          {"halves", o.halves}};
+}
+
+nlohmann::json report_json(const testing::CheckReport& rep, double seconds) {
+  nlohmann::json memory = nlohmann::json::array();
+  for (const testing::MemorySample& m : rep.memory)
+    memory.push_back({{"replays", m.replays},
+                      {"device_bytes", m.device_bytes},
+                      {"host_rss_bytes", m.host_rss_bytes}});
+  return {{"ok", rep.ok},
+          {"calls_checked", rep.calls},
+          {"graph_replays_run", rep.replays},
+          {"mismatches", rep.mismatches},
+          {"buffer_bytes_per_rank", rep.buffer_bytes},
+          {"tokens_per_rank", rep.tokens},
+          {"memory", memory},
+          {"seconds", seconds}};
+}
+
+// The document of `epx check --json`.
+void write_check_json(const std::string& path, const std::string& world_kind, int device,
+                      const testing::CheckOptions& o, const CheckRunFlags& f,
+                      const testing::CheckReport& rep, double seconds) {
+  nlohmann::json doc;
+  doc["schema"] = "epx-check/1";
+  doc["commit"] = git_commit();
+  doc["timestamp_utc"] = utc_timestamp();
+  doc["machine"] = machine_json(gpu_info(device));
+  doc["world_kind"] = world_kind;
+  doc["options"] = options_json(o, f);
+  doc["report"] = report_json(rep, seconds);
+  write_json(path, doc);
+}
+
+}  // namespace
+
+int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f,
+                         const std::string& json) {
   const EpConfig& cfg = o.cfg;
   fmt::print(
       "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
@@ -57,6 +127,7 @@ int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f)
   for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
   fmt::print("{}: {} call(s) checked, buffer {} per rank, {:.1f} s\n", rep.ok ? "PASS" : "FAIL",
              rep.calls, mib(rep.buffer_bytes), secs);
+  if (!json.empty()) write_check_json(json, "in-process", 0, o, f, rep, secs);
   return rep.ok ? 0 : 1;
 }
 
@@ -64,7 +135,7 @@ namespace {
 
 template <typename World>
 int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
-             int fault_kill_rank) {
+             int fault_kill_rank, const std::string& json) {
   const bool lead = world.rank() == 0;
   const EpConfig& cfg = o.cfg;
   if (fault_kill_rank == world.rank()) {
@@ -96,6 +167,7 @@ int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const
     for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
     fmt::print("{}: {} call(s) checked on each of {} ranks, buffer {} per rank, {:.1f} s\n",
                rep.ok ? "PASS" : "FAIL", rep.calls, world.size(), mib(rep.buffer_bytes), secs);
+    if (!json.empty()) write_check_json(json, to_string(kind), world.device(), o, f, rep, secs);
     std::fflush(stdout);
   }
   return rep.ok ? 0 : 1;
@@ -104,17 +176,17 @@ int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const
 }  // namespace
 
 int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
-                    int fault_kill_rank) {
+                    int fault_kill_rank, const std::string& json) {
   require_gpu("epx check");
   // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
   const int gpus = cuda_device_count();
   const int device = gpus > 0 ? BootstrapOptions::from_env().rank % gpus : -1;
   if (kind == WorldKind::kNccl) {
     NcclWorld world = NcclWorld::from_env(device);
-    return check_on(world, o, kind, f, fault_kill_rank);
+    return check_on(world, o, kind, f, fault_kill_rank, json);
   }
   IpcWorld world = IpcWorld::from_env(device);
-  return check_on(world, o, kind, f, fault_kill_rank);
+  return check_on(world, o, kind, f, fault_kill_rank, json);
 }
 
 }  // namespace epx::cli
