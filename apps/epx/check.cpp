@@ -1,8 +1,10 @@
 // `epx check`: dispatch -> identity expert -> combine on the GPU, every output compared with the
 // CPU reference, on an in-process world or with one process per rank; `--moe` checks the MoE
-// layer instead (moe_check.hpp). The flags and which of them go together.
+// layer instead (moe_check.hpp); `--fuzz` draws random cases until a time is up. The flags and
+// which of them go together.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,8 +24,14 @@ struct CheckFlags {
   int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
   bool moe = false;
   MoeLayerFlags moe_layer;  // the layer's own flags (--moe)
+  double fuzz_minutes = 0;  // --fuzz
   std::string json;
 };
+
+// The flags that go with --fuzz: the cases draw every other one.
+constexpr const char* kFuzzFlags[] = {"--fuzz", "--seed", "--json", "--timeout-ms"};
+// A week: long soaks run for days, a typo of minutes for seconds would not.
+constexpr double kMaxFuzzMinutes = 7 * 24 * 60;
 
 // `epx check --moe`: the shared flags of `check` and the layer's own.
 MoeCheckFlags moe_check_flags(const CheckFlags& f) {
@@ -78,8 +86,14 @@ void add_check(CLI::App& app, int& exit_code) {
                 "testing, --world-kind ipc: this rank creates its All2All, then kills itself "
                 "(SIGKILL) before its first dispatch")
       ->group("");
+  c->add_option("--fuzz", f->fuzz_minutes,
+                "random cases (world, shape, dtype, layouts, routing, backend, call mode) from "
+                "--seed, each checked against the reference, until MINUTES have passed; stops at "
+                "the first failure with the command that reproduces it")
+      ->type_name("MINUTES");
   c->add_option("--json", f->json,
-                "write the options and the report (with memory samples) as JSON to this file");
+                "write the options and the report (with memory samples), or with --fuzz the "
+                "cases and the summary, as JSON to this file");
   c->add_flag("--moe", f->moe,
               "check the MoE layer instead: W ranks vs the same layer on one rank with every "
               "expert local (and vs the CPU reference when H <= 1024 and E <= 64)");
@@ -101,11 +115,32 @@ void add_check(CLI::App& app, int& exit_code) {
   std::vector<CLI::Option*> not_moe;
   for (const char* name :
        {"--routing", "--iters", "--graph", "--verify-every", "--mixed", "--ids64", "--one-launch",
-        "--halves", "--world-kind", "--gpus", "--json"})
+        "--halves", "--world-kind", "--gpus", "--fuzz", "--json"})
     not_moe.push_back(c->get_option(name));
   CLI::Option* world_opt = c->get_option("--world");
   CLI::Option* gpus_opt = c->get_option("--gpus");
-  c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
+  c->callback([c, f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
+    if (c->get_option("--fuzz")->count() > 0) {
+      for (const CLI::Option* o : c->get_options()) {
+        const std::string name = o->get_name();
+        const bool allowed = std::any_of(std::begin(kFuzzFlags), std::end(kFuzzFlags),
+                                         [&](const char* flag) { return name == flag; });
+        EPX_CHECK(o->count() == 0 || allowed, ConfigError, name, "given",
+                  "not with --fuzz (its cases draw it; --fuzz takes --seed, --json and "
+                  "--timeout-ms)");
+      }
+      EPX_CHECK(f->fuzz_minutes > 0 && f->fuzz_minutes <= kMaxFuzzMinutes, ConfigError, "--fuzz",
+                f->fuzz_minutes, fmt::format("minutes in (0, {}]", kMaxFuzzMinutes));
+#if EPX_HAVE_CUDA
+      exit_code = run_fuzz({.minutes = f->fuzz_minutes,
+                            .seed = f->run.seed,
+                            .timeout_ms = f->run.shape.timeout_ms,
+                            .json = f->json});
+#else
+      EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");
+#endif
+      return;
+    }
     const WorldKind kind = parse_world_kind(f->world_kind);
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && one_process_per_rank(kind)), ConfigError,
               "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");

@@ -1,7 +1,8 @@
 #pragma once
 // `epx check` and `epx diag graph-replay`: the flags of one dispatch -> identity expert ->
 // combine check against the CPU reference (src/testing), and its runs on an in-process world and
-// with one process per rank.
+// with one process per rank; `epx check --fuzz`: random cases (src/testing/fuzz_cases.hpp)
+// until a time is up.
 
 #include <CLI/CLI.hpp>
 
@@ -36,6 +37,14 @@ struct CheckRunFlags {
 // --graph, --verify-every, --mixed, --ids64, --one-launch and --halves.
 void add_check_run_flags(CLI::App* c, CheckRunFlags& f);
 
+// `epx check --fuzz MINUTES`: the flags it takes (the cases draw everything else).
+struct FuzzFlags {
+  double minutes = 0;
+  uint64_t seed = 1;     // --seed: the stream of cases
+  int timeout_ms = 0;    // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
+  std::string json;      // --json: the cases and the summary
+};
+
 #if EPX_HAVE_CUDA
 // The harness options of the flags: per-rank token counts, max_tokens_per_rank = --max-tokens
 // or the largest count, the backend (--backend, EPX_BACKEND or low_latency) and the launch shapes
@@ -55,6 +64,13 @@ int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f,
 // written by rank 0.
 int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
                     int fault_kill_rank, const std::string& json = "");
+
+// `epx check --fuzz`: draws case after case (testing::make_fuzz_case of --seed, index 0, 1, ...)
+// and checks each on an in-process world on GPU 0 until f.minutes have passed, one line per
+// case; stops at the first mismatch or device error with its mismatches and the command that
+// reproduces it. Ends with "fuzz: N cases, M calls, K mismatches, X.X min". Returns the exit
+// code (0 only when every case passed).
+int run_fuzz(const FuzzFlags& f);
 #endif
 
 }  // namespace epx::cli

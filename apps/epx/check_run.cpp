@@ -1,13 +1,15 @@
 // The runs of `epx check` (and `epx diag graph-replay`): the harness on an in-process world, or
 // on this process's rank of a world of one process per rank, with the lines a user reads and the
-// JSON report.
+// JSON report; and `epx check --fuzz`, random cases one after another.
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,6 +21,7 @@
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 #include "report.hpp"
+#include "testing/fuzz_cases.hpp"
 
 namespace epx::cli {
 
@@ -187,6 +190,121 @@ int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckR
   }
   IpcWorld world = IpcWorld::from_env(device);
   return check_on(world, o, kind, f, fault_kill_rank, json);
+}
+
+// ---- epx check --fuzz ---------------------------------------------------------------------------
+
+namespace {
+
+// The options `epx check` builds from a fuzz case's command line: the same flags, parsed by the
+// same functions as a user's.
+testing::CheckOptions options_of_command(const std::string& command) {
+  constexpr const char* kPrefix = "epx check ";
+  EPX_CHECK(command.rfind(kPrefix, 0) == 0, InputError, "fuzz command", command,
+            "a line that starts with 'epx check '");
+  CLI::App app;
+  CheckRunFlags f;
+  add_check_run_flags(&app, f);
+  app.parse(command.substr(std::strlen(kPrefix)), false);
+  return check_options(f);
+}
+
+// Whether `a` and `b` check the same thing (launch shapes, log and timeout aside).
+bool same_check(const testing::CheckOptions& a, const testing::CheckOptions& b) {
+  const EpConfig &x = a.cfg, &y = b.cfg;
+  return x.world_size == y.world_size && x.hidden == y.hidden &&
+         x.num_experts == y.num_experts && x.topk == y.topk &&
+         x.max_tokens_per_rank == y.max_tokens_per_rank && x.dtype == y.dtype &&
+         x.scale_layout == y.scale_layout && x.layout == y.layout &&
+         x.deterministic == y.deterministic && x.rounds_in_flight == y.rounds_in_flight &&
+         a.gpus == b.gpus && a.backend == b.backend && a.tokens == b.tokens &&
+         a.routing == b.routing && a.seed == b.seed && a.iters == b.iters &&
+         a.graph_replays == b.graph_replays && a.verify_every == b.verify_every &&
+         a.mixed == b.mixed && a.one_launch == b.one_launch && a.halves == b.halves &&
+         a.pool == b.pool && a.ids_int64 == b.ids_int64;
+}
+
+}  // namespace
+
+int run_fuzz(const FuzzFlags& f) {
+  require_gpu("epx check --fuzz");
+  if (f.timeout_ms != 0) check_range("--timeout-ms", f.timeout_ms, 1, kMaxTimeoutMs);
+  // The cases' own config leaves the timeout at the library's default; EPX_TIMEOUT_MS, then
+  // --timeout-ms, as for every check (a reproducing command in the same environment agrees).
+  const int timeout_ms = f.timeout_ms != 0 ? f.timeout_ms : read_env().timeout_ms.value_or(0);
+  fmt::print(
+      "epx check --fuzz {:g} --seed {}: random cases on GPU 0, each against the CPU reference, "
+      "until {:g} min have passed; stops at the first failure\n",
+      f.minutes, f.seed, f.minutes);
+  if (read_env().config_path)
+    fmt::print("  note: EPX_CONFIG_PATH is not read by --fuzz (the backends' launch shapes)\n");
+  std::fflush(stdout);
+  const GpuInfo gpu = gpu_info(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto minutes = [&] { return seconds_since(t0) / 60.0; };
+  nlohmann::json cases = nlohmann::json::array();
+  int64_t num_cases = 0, calls = 0, mismatches = 0;
+  bool ok = true;
+  for (int64_t i = 0; ok && minutes() < f.minutes; ++i) {
+    const testing::FuzzCase c = testing::make_fuzz_case(f.seed, i);
+    testing::CheckOptions o = c.options;
+    std::string command = c.command;
+    if (timeout_ms != 0) o.cfg.timeout_ms = timeout_ms;
+    if (f.timeout_ms != 0) command += fmt::format(" --timeout-ms {}", f.timeout_ms);
+    const auto c0 = std::chrono::steady_clock::now();
+    testing::CheckReport rep;
+    if (!same_check(o, options_of_command(command))) {
+      rep.ok = false;
+      rep.mismatches.push_back("the case's command line does not reproduce it (fuzz_cases.cpp)");
+    } else {
+      try {
+        rep = testing::run_check(o);
+      } catch (const Error& e) {  // a refused case or an error outside the comparison
+        rep.ok = false;
+        rep.mismatches.push_back(fmt::format("{} error: {}", to_string(e.code()), e.what()));
+      }
+    }
+    const double secs = seconds_since(c0);
+    ++num_cases;
+    calls += rep.calls;
+    mismatches += int64_t(rep.mismatches.size());
+    ok = rep.ok;
+    fmt::print("#{} {} {:.1f} s  {}\n", i, rep.ok ? "PASS" : "FAIL", secs, c.description);
+    cases.push_back({{"index", i},
+                     {"description", c.description},
+                     {"mode", testing::to_string(c.mode)},
+                     {"command", command},
+                     {"ok", rep.ok},
+                     {"calls", rep.calls},
+                     {"seconds", secs},
+                     {"mismatches", rep.mismatches}});
+    if (!rep.ok) {
+      for (const auto& m : rep.mismatches) fmt::print("  MISMATCH {}\n", m);
+      fmt::print("reproduce: {}\n", command);
+    }
+    std::fflush(stdout);
+  }
+  const double total = minutes();
+  fmt::print("fuzz: {} cases, {} calls, {} mismatches, {:.1f} min\n", num_cases, calls, mismatches,
+             total);
+  if (!f.json.empty()) {
+    nlohmann::json doc;
+    doc["schema"] = "epx-check-fuzz/1";
+    doc["commit"] = git_commit();
+    doc["timestamp_utc"] = utc_timestamp();
+    doc["machine"] = machine_json(gpu);
+    doc["seed"] = f.seed;
+    doc["minutes"] = f.minutes;
+    doc["timeout_ms"] = timeout_ms;
+    doc["cases"] = cases;
+    doc["summary"] = {{"ok", ok},
+                      {"cases", num_cases},
+                      {"calls", calls},
+                      {"mismatches", mismatches},
+                      {"minutes", total}};
+    write_json(f.json, doc);
+  }
+  return ok ? 0 : 1;
 }
 
 }  // namespace epx::cli
