@@ -30,7 +30,7 @@ struct CheckFlags {
 
 // The flags that go with --fuzz: the cases draw every other one.
 constexpr const char* kFuzzFlags[] = {"--fuzz", "--seed", "--json", "--timeout-ms"};
-// A week: long soaks run for days, a typo of minutes for seconds would not.
+// The longest run --fuzz accepts: a week.
 constexpr double kMaxFuzzMinutes = 7 * 24 * 60;
 
 // `epx check --moe`: the shared flags of `check` and the layer's own.
