@@ -1,8 +1,10 @@
 // `epx check`: dispatch -> identity expert -> combine on the GPU, every output compared with the
 // CPU reference, on an in-process world or with one process per rank; `--moe` checks the MoE
-// layer instead (moe_check.hpp). The flags and which of them go together.
+// layer instead (moe_check.hpp); `--fuzz` draws random cases until a time is up. The flags and
+// which of them go together.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -22,7 +24,14 @@ struct CheckFlags {
   int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
   bool moe = false;
   MoeLayerFlags moe_layer;  // the layer's own flags (--moe)
+  double fuzz_minutes = 0;  // --fuzz
+  std::string json;
 };
+
+// The flags that go with --fuzz: the cases draw every other one.
+constexpr const char* kFuzzFlags[] = {"--fuzz", "--seed", "--json", "--timeout-ms"};
+// The longest run --fuzz accepts: a week.
+constexpr double kMaxFuzzMinutes = 7 * 24 * 60;
 
 // `epx check --moe`: the shared flags of `check` and the layer's own.
 MoeCheckFlags moe_check_flags(const CheckFlags& f) {
@@ -46,6 +55,10 @@ void add_check_run_flags(CLI::App* c, CheckRunFlags& f) {
   c->add_option("--seed", f.seed, "seed of inputs and routing")->capture_default_str();
   c->add_option("--iters", f.iters, "eager calls, fresh inputs each")->capture_default_str();
   c->add_option("--graph", f.graph, "capture once per rank, replay N times with fresh inputs");
+  c->add_option("--verify-every", f.verify_every,
+                "with --graph: download and compare every K-th replay (and the last) only; every "
+                "replay still gets fresh inputs and its device status is checked (soak runs)")
+      ->capture_default_str();
   c->add_flag("--mixed", f.mixed, "with --graph: rank 0 calls eagerly, the others replay");
   c->add_flag("--ids64", f.ids64, "pass topk_ids as int64");
   c->add_flag("--one-launch", f.one_launch,
@@ -73,6 +86,14 @@ void add_check(CLI::App& app, int& exit_code) {
                 "testing, --world-kind ipc: this rank creates its All2All, then kills itself "
                 "(SIGKILL) before its first dispatch")
       ->group("");
+  c->add_option("--fuzz", f->fuzz_minutes,
+                "random cases (world, shape, dtype, layouts, routing, backend, call mode) from "
+                "--seed, each checked against the reference, until MINUTES have passed; stops at "
+                "the first failure with the command that reproduces it")
+      ->type_name("MINUTES");
+  c->add_option("--json", f->json,
+                "write the options and the report (with memory samples), or with --fuzz the "
+                "cases and the summary, as JSON to this file");
   c->add_flag("--moe", f->moe,
               "check the MoE layer instead: W ranks vs the same layer on one rank with every "
               "expert local (and vs the CPU reference when H <= 1024 and E <= 64)");
@@ -93,12 +114,33 @@ void add_check(CLI::App& app, int& exit_code) {
           ->capture_default_str()};
   std::vector<CLI::Option*> not_moe;
   for (const char* name :
-       {"--routing", "--iters", "--graph", "--mixed", "--ids64", "--one-launch", "--halves",
-        "--world-kind", "--gpus"})
+       {"--routing", "--iters", "--graph", "--verify-every", "--mixed", "--ids64", "--one-launch",
+        "--halves", "--world-kind", "--gpus", "--fuzz", "--json"})
     not_moe.push_back(c->get_option(name));
   CLI::Option* world_opt = c->get_option("--world");
   CLI::Option* gpus_opt = c->get_option("--gpus");
-  c->callback([f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
+  c->callback([c, f, world_opt, gpus_opt, moe_only, not_moe, &exit_code] {
+    if (c->get_option("--fuzz")->count() > 0) {
+      for (const CLI::Option* o : c->get_options()) {
+        const std::string name = o->get_name();
+        const bool allowed = std::any_of(std::begin(kFuzzFlags), std::end(kFuzzFlags),
+                                         [&](const char* flag) { return name == flag; });
+        EPX_CHECK(o->count() == 0 || allowed, ConfigError, name, "given",
+                  "not with --fuzz (its cases draw it; --fuzz takes --seed, --json and "
+                  "--timeout-ms)");
+      }
+      EPX_CHECK(f->fuzz_minutes > 0 && f->fuzz_minutes <= kMaxFuzzMinutes, ConfigError, "--fuzz",
+                f->fuzz_minutes, fmt::format("minutes in (0, {}]", kMaxFuzzMinutes));
+#if EPX_HAVE_CUDA
+      exit_code = run_fuzz({.minutes = f->fuzz_minutes,
+                            .seed = f->run.seed,
+                            .timeout_ms = f->run.shape.timeout_ms,
+                            .json = f->json});
+#else
+      EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");
+#endif
+      return;
+    }
     const WorldKind kind = parse_world_kind(f->world_kind);
     EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && one_process_per_rank(kind)), ConfigError,
               "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");
@@ -119,6 +161,9 @@ void add_check(CLI::App& app, int& exit_code) {
                 "process share a stream; --mixed has rank 0 call on its own)");
     }
     if (one_process_per_rank(kind)) {
+      EPX_CHECK(f->run.verify_every == 1, ConfigError, "--verify-every", f->run.verify_every,
+                "1 with --world-kind ipc or nccl (the soak with sparse comparisons runs "
+                "in-process)");
       EPX_CHECK(gpus_opt->count() == 0, ConfigError, "--gpus", "given",
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
       ShapeFlags& shape = f->run.shape;
@@ -129,11 +174,11 @@ void add_check(CLI::App& app, int& exit_code) {
 #if EPX_HAVE_CUDA
     testing::CheckOptions o = check_options(f->run);
     if (one_process_per_rank(kind)) {
-      exit_code = run_world_check(o, kind, f->run, f->fault_kill_rank);
+      exit_code = run_world_check(o, kind, f->run, f->fault_kill_rank, f->json);
       return;
     }
     o.gpus = int(f->run.shape.devices().size());
-    exit_code = run_in_process_check(o, f->run);
+    exit_code = run_in_process_check(o, f->run, f->json);
 #else
     (void)exit_code;
     EPX_THROW(UnsupportedError, "epx check needs an NVIDIA GPU and a CUDA build of epx");

@@ -1,7 +1,9 @@
 #include "testing/harness.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -18,6 +20,41 @@ namespace epx::testing {
 
 using namespace internal;  // the pieces shared with run_check_ipc (harness_internal.hpp)
 
+namespace {
+
+// Resident set of this process: the second field of /proc/self/statm, in pages (0 where there
+// is no /proc).
+size_t host_rss_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  unsigned long size = 0, resident = 0;
+  const int got = std::fscanf(f, "%lu %lu", &size, &resident);
+  std::fclose(f);
+  return got == 2 ? size_t(resident) * size_t(::sysconf(_SC_PAGESIZE)) : 0;
+}
+
+// Device memory in use (total - free) summed over `devices`, and the host's resident set; the
+// current device is left as it was.
+MemorySample sample_memory(int64_t replays, const std::vector<int>& devices) {
+  MemorySample m;
+  m.replays = replays;
+  int current = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&current));
+  for (int d : devices) {
+    size_t free_bytes = 0, total_bytes = 0;
+    EPX_CUDA_CHECK(cudaSetDevice(d));
+    EPX_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    m.device_bytes += total_bytes - free_bytes;
+  }
+  EPX_CUDA_CHECK(cudaSetDevice(current));
+  m.host_rss_bytes = host_rss_bytes();
+  return m;
+}
+
+double in_mib(size_t bytes) { return double(bytes) / double(1 << 20); }
+
+}  // namespace
+
 struct Checker::State {
   CheckOptions o;
   EpConfig cfg;
@@ -27,12 +64,12 @@ struct Checker::State {
 
 Checker::Checker(const CheckOptions& options) : s_(std::make_unique<State>()) {
   require_gpu("epx check");
+  validate_check_options(options);
   State& st = *s_;
   st.o = options;
   const CheckOptions& o = st.o;
   st.cfg = o.cfg;
   st.cfg.rank = 0;
-  st.cfg.validate();
   st.counts = resolve_token_counts(o, st.cfg);
   st.sets = make_sets(o, st.cfg, st.counts);
   if (o.log)
@@ -62,20 +99,11 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (o.log) o.log(s);
   };
 
+  // The options passed validate_check_options() in the constructor.
   const bool one_stream = o.one_launch || o.halves;
-  EPX_CHECK(!one_stream || (!o.mixed && !o.conditional && !o.rank_threads &&
-                            o.graph_execs == 1 && !o.graph_split && !(o.one_launch && o.halves)),
-            InputError, o.halves ? "halves" : "one_launch", "with mixed, a graph variant or each other",
-            "one stream per GPU: plain eager calls and one captured graph per GPU");
-  // Ordered rows exchange counts in the send half: one stream for all ranks would deadlock.
-  EPX_CHECK(!o.halves || (!cfg.deterministic && o.backend != Backend::kNaive), InputError,
-            "halves", "with ordered rows (deterministic or naive)",
-            "unordered rows: the send half of ordered rows waits for every peer's counts");
   // Rounds in flight: each call is R rounds interleaved, every dispatch before the combines
   // (dispatch A, dispatch B, expert A, combine A, expert B, combine B), each on its own inputs.
   const int R = cfg.rounds_in_flight;
-  EPX_CHECK(R == 1 || (!o.conditional && !o.graph_split), InputError, "rounds_in_flight", R,
-            "1 with the conditional or split graph variants");
   std::vector<int> devices;
   for (int g = 0; g < o.gpus; ++g) devices.push_back(g);
   InProcessWorld world(W, devices);
@@ -224,7 +252,9 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamSynchronize(rb[r].stream));
   };
   Comparer cmp(rep, o.max_report);
-  auto finish_and_compare = [&](int64_t call) -> bool {
+  // Waits for every rank's work of a call; a device error (timeout, bad input, peer) becomes a
+  // mismatch.
+  auto finish = [&]() -> bool {
     try {
       if (one_stream) sync_all();
       for (int r = 0; r < W; ++r) group[r]->synchronize(rb[r].stream);
@@ -233,6 +263,10 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       for (int r = 0; r < W; ++r) (void)cudaStreamSynchronize(rb[r].stream);
       return false;
     }
+    return true;
+  };
+  auto finish_and_compare = [&](int64_t call) -> bool {
+    if (!finish()) return false;
     if (o.corrupt_rank >= 0 && o.corrupt_rank < W && counts[o.corrupt_rank] > 0) {
       // flip the low bit of the first element of y[0] on that rank
       uint16_t v = 0;
@@ -252,6 +286,32 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     }
     ++rep.calls;
     return rep.ok;
+  };
+  // Replay i (0-based) of the graph: every verify_every-th and the last are compared, the
+  // others only finished (their device status checked).
+  auto finish_replay = [&](int i) {
+    ++rep.replays;
+    const bool verify = (i + 1) % o.verify_every == 0 || i + 1 == o.graph_replays;
+    if (verify) {
+      finish_and_compare(o.iters + i);
+    } else {
+      finish();
+    }
+    if (o.verify_every == 1 && (i + 1) % 100 == 0)
+      say(fmt::format("graph: {} replay(s) checked", i + 1));
+  };
+  // Memory in use before the first replay, after every tenth of them and after the last (or
+  // the one that failed).
+  const int64_t sample_step = std::max<int64_t>(1, (int64_t(o.graph_replays) + 9) / 10);
+  auto sample = [&](int64_t done) {
+    if (!rep.memory.empty() && rep.memory.back().replays == done) return;
+    const MemorySample& m = rep.memory.emplace_back(sample_memory(done, devices));
+    say(fmt::format("memory after {} of {} replay(s): device {:.1f} MiB in use, host RSS {:.1f} "
+                    "MiB",
+                    done, o.graph_replays, in_mib(m.device_bytes), in_mib(m.host_rss_bytes)));
+  };
+  auto sample_after = [&](int i) {
+    if ((i + 1) % sample_step == 0 || i + 1 == o.graph_replays || !rep.ok) sample(i + 1);
   };
 
   // Eager calls.
@@ -289,6 +349,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       execs.push_back(capture_graph(rb[g].stream, [&] { enqueue_gpu(g); }));
     }
     const int64_t before = rep.calls;
+    sample(0);
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
       for (int r = 0; r < W; ++r) upload(r, o.iters + i);
       sync_all();
@@ -296,11 +357,12 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
         EPX_CUDA_CHECK(cudaSetDevice(world.device_of(g)));
         EPX_CUDA_CHECK(cudaGraphLaunch(execs[size_t(g)], rb[g].stream));
       }
-      finish_and_compare(o.iters + i);
-      if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
+      finish_replay(i);
+      sample_after(i);
     }
-    say(fmt::format("graph ({}): {} replay(s) checked",
-                    o.one_launch ? "one launch per GPU" : "halves, one stream", rep.calls - before));
+    say(fmt::format("graph ({}): {} replay(s), {} checked",
+                    o.one_launch ? "one launch per GPU" : "halves, one stream", rep.replays,
+                    rep.calls - before));
     return rep;
   }
 
@@ -321,8 +383,6 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       }
       for (auto& f : done) f.get();  // rethrows the first rank's exception
     };
-    EPX_CHECK(o.graph_execs >= 1 && o.graph_execs <= 64, InputError, "graph_execs", o.graph_execs,
-              "in [1, 64]");
     // Per rank graph_execs executable graphs, each one capture cut into pieces (one, or three with
     // graph_split) replayed in order; one capture each (a graph with conditional nodes
     // instantiates once). Destroyed on the way out, after the streams are drained.
@@ -363,6 +423,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       }
     });
     const int64_t before = rep.calls;
+    sample(0);
     for (int i = 0; i < o.graph_replays && rep.ok; ++i) {
       for (int r = 0; r < W; ++r) upload(r, o.iters + i);
       each_rank([&](int r) {
@@ -373,11 +434,11 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
           enqueue(r, false);
         }
       });
-      finish_and_compare(o.iters + i);
-      if ((i + 1) % 100 == 0) say(fmt::format("graph: {} replay(s) checked", i + 1));
+      finish_replay(i);
+      sample_after(i);
     }
-    say(fmt::format("graph{}: {} replay(s) checked", o.mixed ? " (rank 0 eager)" : "",
-                    rep.calls - before));
+    say(fmt::format("graph{}: {} replay(s), {} checked", o.mixed ? " (rank 0 eager)" : "",
+                    rep.replays, rep.calls - before));
   }
   return rep;
 }

@@ -30,6 +30,9 @@ struct CheckOptions {
   uint64_t seed = 1;
   int iters = 2;                    // eager calls, each with fresh inputs
   int graph_replays = 0;            // > 0: capture once per rank, replay this many times
+  int verify_every = 1;             // with graph_replays: every replay gets fresh inputs, but
+                                    // only every verify_every-th (and the last) is downloaded
+                                    // and compared; every replay's device status is checked
   bool mixed = false;               // with graph_replays: rank 0 eager, the others replay
   bool one_launch = false;          // in-process: the ranks of each GPU in one kernel per op
                                     // (dispatch_group / combine_group) on one stream, eager and
@@ -56,21 +59,45 @@ struct CheckOptions {
   std::function<void(const std::string&)> log;  // progress lines, may be empty
 };
 
+// Memory in use at one point of the graph replays (in-process check).
+struct MemorySample {
+  int64_t replays = 0;              // replays completed when taken
+  size_t device_bytes = 0;          // total - free (cudaMemGetInfo), summed over the world's GPUs
+  size_t host_rss_bytes = 0;        // resident set of this process (/proc/self/statm)
+};
+
 struct CheckReport {
   bool ok = true;
-  int64_t calls = 0;                // dispatch+combine rounds checked
+  int64_t calls = 0;                // dispatch+combine rounds checked (compared)
+  int64_t replays = 0;              // graph replays run (checked or not: verify_every)
   std::vector<std::string> mismatches;
   size_t buffer_bytes = 0;          // device memory of one rank's object
   std::vector<int> tokens;          // per-rank counts of the first input set
+  // In-process, with graph_replays: before the first replay, after every tenth of them and
+  // after the last, so that a long run shows whether memory stays flat.
+  std::vector<MemorySample> memory;
 };
 
+// The rules of the options that every world shares (no GPU needed): pool, graph replays,
+// verify_every, mixed, and the token list against the world and max_tokens_per_rank. Throws
+// InputError naming the option, the value and the bound.
+void validate_shared_check_options(const CheckOptions& options);
+
+// Everything run_check and Checker refuse before touching a GPU (no GPU needed): the config
+// (EpConfig::validate(), with rank 0: ConfigError), the shared rules above and those of the
+// in-process world: one_launch and halves (one stream per GPU: not with mixed, the graph
+// variants or each other), halves with unordered rows only (not deterministic, not the naive
+// backend), rounds_in_flight 2 without the conditional or split graph variants, graph_execs in
+// [1, 64]. Throws InputError naming the option, the value and the bound.
+void validate_check_options(const CheckOptions& options);
+
 // The check of run_check split in two, for callers that check many launch shapes of one
-// configuration (`epx tune`): the constructor validates the options, resolves the token counts
-// and builds the input sets with their CPU reference once (the slow part: tens of seconds at
-// thousands of tokens per rank); every run() creates a fresh in-process world and group with
-// the given launch shapes (options.launch is not used) and runs the eager / graph / mixed
-// procedure of run_check on those same inputs, returning its own report. run_check(o) is
-// Checker(o).run(o.launch).
+// configuration (`epx tune`): the constructor validates the options (validate_check_options),
+// resolves the token counts and builds the input sets with their CPU reference once (the slow
+// part: tens of seconds at thousands of tokens per rank); every run() creates a fresh
+// in-process world and group with the given launch shapes (options.launch is not used) and
+// runs the eager / graph / mixed procedure of run_check on those same inputs, returning its own
+// report. run_check(o) is Checker(o).run(o.launch).
 class Checker {
  public:
   explicit Checker(const CheckOptions& options);

@@ -231,28 +231,14 @@ struct RankBuffers {
   cudaGraphExec_t exec = nullptr;
 };
 
-// Checks the options shared by every world and returns the token count of each rank (one
-// count for all ranks, one per rank, or drawn from the seed).
+// Checks the options shared by every world (validate_shared_check_options) and returns the
+// token count of each rank (one count for all ranks, one per rank, or drawn from the seed).
 inline std::vector<int> resolve_token_counts(const CheckOptions& o, const EpConfig& cfg) {
+  validate_shared_check_options(o);
   const int W = cfg.world_size;
-  EPX_CHECK(o.pool >= 1, InputError, "pool", o.pool, "at least 1");
-  EPX_CHECK(o.graph_replays >= 0, InputError, "graph replays", o.graph_replays, ">= 0");
-  EPX_CHECK(!o.mixed || o.graph_replays > 0, InputError, "mixed", "true",
-            "only together with graph replays (--graph N)");
-  std::vector<int> counts;
-  if (o.tokens.empty()) {
-    counts = ref::make_token_counts(W, cfg.max_tokens_per_rank, -1, o.seed);
-  } else if (o.tokens.size() == 1) {
-    counts.assign(W, o.tokens[0]);
-  } else {
-    EPX_CHECK(int(o.tokens.size()) == W, InputError, "tokens (list length)", o.tokens.size(),
-              "1 or world size = " + std::to_string(W));
-    counts = o.tokens;
-  }
-  for (int c : counts)
-    EPX_CHECK(c <= cfg.max_tokens_per_rank, InputError, "tokens", c,
-              "at most max_tokens_per_rank = " + std::to_string(cfg.max_tokens_per_rank));
-  return counts;
+  if (o.tokens.empty()) return ref::make_token_counts(W, cfg.max_tokens_per_rank, -1, o.seed);
+  if (o.tokens.size() == 1) return std::vector<int>(size_t(W), o.tokens[0]);
+  return o.tokens;
 }
 
 }  // namespace epx::testing::internal

@@ -79,6 +79,8 @@ CheckReport run_check_process(const CheckOptions& o, World& world) {
   cfg.validate();
   EPX_CHECK(cfg.rounds_in_flight == 1, InputError, "rounds_in_flight", cfg.rounds_in_flight,
             "1 with one process per rank (the interleaved rounds are checked in-process)");
+  EPX_CHECK(o.verify_every == 1, InputError, "verify_every", o.verify_every,
+            "1 with one process per rank (the soak with sparse comparisons runs in-process)");
   const int W = cfg.world_size;
   const int me = world.rank();
   const std::vector<int> counts = resolve_token_counts(o, cfg);
