@@ -63,7 +63,7 @@ void add_bench(CLI::App& app, int& exit_code) {
       "(honours EPX_CONFIG_PATH and EPX_TIMEOUT_MS)");
   add_sweep_flags(c, f->sweep);
   c->add_option("--backends", f->backends,
-                "comma list of naive | allgather_reducescatter | low_latency")
+                "comma list of naive | allgather_reducescatter | low_latency | high_throughput")
       ->capture_default_str();
   c->add_option("--iters", f->iters, "timed rounds (at least 50)")->capture_default_str();
   c->add_option("--warmup", f->warmup, "untimed rounds before them")->capture_default_str();

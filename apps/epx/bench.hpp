@@ -68,10 +68,15 @@ inline TimingMode timing_of(int m) { return m % 2 == 0 ? TimingMode::kGraph : Ti
 inline LaunchMode launch_of(int m) { return m < 2 ? LaunchMode::kOnePerGpu : LaunchMode::kPerRank; }
 // The mode of the headline figures (table, floor ratio): one launch per GPU in graph mode where
 // measured, else per-rank graph.
+// The mode of the table's headline: graph replay with one launch per GPU, else (a backend that
+// cannot be captured: high_throughput with exact output sizes) eager with one launch per GPU,
+// else graph replay per rank.
 inline int headline_mode(const BackendResult& br) {
-  return br.mode[mode_index(TimingMode::kGraph, LaunchMode::kOnePerGpu)].run
-             ? mode_index(TimingMode::kGraph, LaunchMode::kOnePerGpu)
-             : mode_index(TimingMode::kGraph, LaunchMode::kPerRank);
+  for (const int m : {mode_index(TimingMode::kGraph, LaunchMode::kOnePerGpu),
+                      mode_index(TimingMode::kEager, LaunchMode::kOnePerGpu)}) {
+    if (br.mode[m].run) return m;
+  }
+  return mode_index(TimingMode::kGraph, LaunchMode::kPerRank);
 }
 
 struct TokenResult {

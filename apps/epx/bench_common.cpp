@@ -222,7 +222,7 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
     if (it == gpus.end()) it = gpus.insert(gpus.end(), GpuRanks{.first = r});
     it->ranks.push_back(group[r].get());
     it->inputs.push_back(inputs.input(r));
-    it->outs.push_back(group[r]->combine_buffer());
+    it->outs.push_back(nullptr);  // combine_all takes each round's combine buffer
     it->ys.push_back(inputs.y(r));
   }
   auto per_gpu = [&](const std::function<void(GpuRanks&, cudaStream_t)>& op) {
@@ -244,7 +244,11 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
   };
   auto combine_all = [&] {
     if (launch == LaunchMode::kOnePerGpu) {
-      per_gpu([](GpuRanks& g, cudaStream_t s) { combine_group(g.ranks, g.outs, g.ys, s); });
+      per_gpu([](GpuRanks& g, cudaStream_t s) {
+        // The round's combine buffer (high_throughput may move it when a round needs more rows).
+        for (size_t i = 0; i < g.ranks.size(); ++i) g.outs[i] = g.ranks[i]->combine_buffer();
+        combine_group(g.ranks, g.outs, g.ys, s);
+      });
       return;
     }
     fj.run([&](int r, cudaStream_t s) {

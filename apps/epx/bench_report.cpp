@@ -52,8 +52,11 @@ void print_table(const Plan& p, const std::vector<TokenResult>& results) {
   for (const TokenResult& tr : results) {
     for (int op = 0; op < 2; ++op) {
       for (const BackendResult& br : tr.backends) {
+        const bool eager_headline =
+            br.status == "ok" && timing_of(headline_mode(br)) == TimingMode::kEager;
         const std::string head =
-            fmt::format("{:>7}  {:<8}  {:<23}", tr.tokens, kOps[op], to_string(br.backend));
+            fmt::format("{:>7}  {:<8}  {:<23}", tr.tokens, kOps[op],
+                        std::string(to_string(br.backend)) + (eager_headline ? " (eager)" : ""));
         if (br.status != "ok") {
           const std::string what = br.status == "failed" ? "FAILED" : br.status;
           fmt::print("{}  {}: {}\n", head, what, one_line(br.message, 100));

@@ -50,7 +50,7 @@ void add_check_run_flags(CLI::App* c, CheckRunFlags& f) {
       ->capture_default_str();
   c->add_option("--routing", f.routing, kRoutingNames)->capture_default_str();
   c->add_option("--backend", f.backend,
-                "naive | allgather_reducescatter | low_latency (default: EPX_BACKEND or "
+                "naive | allgather_reducescatter | low_latency | high_throughput (default: EPX_BACKEND or "
                 "low_latency)");
   c->add_option("--seed", f.seed, "seed of inputs and routing")->capture_default_str();
   c->add_option("--iters", f.iters, "eager calls, fresh inputs each")->capture_default_str();

@@ -70,6 +70,7 @@ nlohmann::json options_json(const testing::CheckOptions& o, const CheckRunFlags&
           {"scale_layout", to_string(cfg.scale_layout)},
           {"deterministic", cfg.deterministic},
           {"rounds_in_flight", cfg.rounds_in_flight},
+          {"worst_case_output", cfg.worst_case_output},
           {"timeout_ms", cfg.timeout_ms},
           {"routing", f.routing},
           {"seed", o.seed},
@@ -217,6 +218,7 @@ bool same_check(const testing::CheckOptions& a, const testing::CheckOptions& b) 
          x.max_tokens_per_rank == y.max_tokens_per_rank && x.dtype == y.dtype &&
          x.scale_layout == y.scale_layout && x.layout == y.layout &&
          x.deterministic == y.deterministic && x.rounds_in_flight == y.rounds_in_flight &&
+         x.worst_case_output == y.worst_case_output &&
          a.gpus == b.gpus && a.backend == b.backend && a.tokens == b.tokens &&
          a.routing == b.routing && a.seed == b.seed && a.iters == b.iters &&
          a.graph_replays == b.graph_replays && a.verify_every == b.verify_every &&

@@ -211,6 +211,7 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.scale_layout = parse_scale_layout_flag(scale_layout);
   cfg.deterministic = deterministic;
   cfg.rounds_in_flight = rounds_in_flight;
+  cfg.worst_case_output = worst_case_output;
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -255,6 +256,9 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
                 "1 | 2: dispatches whose combine may still be due (2: the next round's dispatch "
                 "before this round's combine; `epx check` then runs two rounds interleaved)")
       ->capture_default_str();
+  c->add_flag("--worst-case-output", f.worst_case_output,
+              "high_throughput: receive areas for world x max tokens rows, so that dispatch never "
+              "reads a count back on the host (CUDA graphs); default: sized per call");
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
 }

@@ -42,7 +42,7 @@ std::vector<int> tokens_per_rank(const std::vector<int>& counts, int world, cons
 inline constexpr const char* kRoutingNames = "uniform | skew | one-expert | masked";
 ref::RoutingKind parse_routing_flag(const std::string& name);
 
-// A backend by name (naive | allgather_reducescatter | low_latency), named as `flag`.
+// A backend by name (naive | allgather_reducescatter | low_latency | high_throughput), named as `flag`.
 Backend parse_backend_flag(const std::string& name, const char* flag);
 // A comma list of backends ("naive,low_latency"), each once, in the order given; errors name
 // `flag`.
@@ -82,6 +82,7 @@ struct ShapeFlags {
   std::string scale_layout = "row";
   bool deterministic = false;  // --deterministic: rows in (source rank, source index) order
   int rounds_in_flight = 1;    // --rounds-in-flight
+  bool worst_case_output = false;  // --worst-case-output (high_throughput)
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

@@ -218,7 +218,7 @@ std::vector<CLI::Option*> add_flags(CLI::App* c, Flags& f) {
                     "in further chunks")};
   for (CLI::Option* o : workload_opts) o->capture_default_str();
   c->add_option("--backends", f.backends,
-                "comma list of naive | allgather_reducescatter | low_latency")
+                "comma list of naive | allgather_reducescatter | low_latency | high_throughput")
       ->capture_default_str();
   c->add_option("--hidden", f.hidden, "hidden size H (multiple of 512)")->capture_default_str();
   c->add_option("--intermediate", f.intermediate, "routed experts' I (multiple of 512)")

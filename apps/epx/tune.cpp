@@ -48,7 +48,7 @@ void add_tune(CLI::App& app, int& exit_code) {
       "dispatch), check each candidate against the CPU reference, time it as a CUDA "
       "graph, and write the fastest as an EPX_CONFIG_PATH launch file");
   add_sweep_flags(c, f->sweep);
-  c->add_option("--backend", f->backend, "naive | allgather_reducescatter | low_latency")
+  c->add_option("--backend", f->backend, "naive | allgather_reducescatter | low_latency | high_throughput")
       ->capture_default_str();
   c->add_option("--iters", f->iters, "timed rounds per candidate and token count (at least 10)")
       ->capture_default_str();

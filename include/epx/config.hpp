@@ -36,7 +36,13 @@ enum class OutputLayout {
   kExpertMajor,  // recv_x[E/W, W*max_tokens, H], one row per (source token, local expert)
 };
 
-enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency };
+enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughput };
+
+// The baselines deliver every token of every rank (that is what they are); low_latency and
+// high_throughput deliver only routed tokens, once per destination rank.
+constexpr bool delivers_every_token(Backend b) {
+  return b == Backend::kNaive || b == Backend::kAllgatherReduceScatter;
+}
 
 struct EpConfig {
   int rank = 0;
@@ -62,6 +68,12 @@ struct EpConfig {
   // (tokens routed to its experts are dropped and counted; its partials are left out of combine)
   // until All2All::clear_mask(). Unordered rows only (not with deterministic or naive).
   bool mask_failed_ranks = false;
+  // high_throughput only: hold the received rows (and the partials combine reads) for the worst
+  // case, world_size * max_tokens_per_rank rows, so that dispatch never reads a count back on the
+  // host and can be captured in a CUDA graph. Without it (the default) dispatch exchanges the
+  // counts, reads the round's row count back on the host (the host waits for the peers' counts)
+  // and sizes those areas to it: memory follows the rows actually received.
+  bool worst_case_output = false;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
@@ -83,10 +95,14 @@ inline constexpr int kMaxRoundsInFlight = 2;
 struct LaunchConfig {
   int num_blocks = 0;       // 0 = choose per world and shape
   int warps_per_block = 0;  // 0 = choose per world and shape
+  // high_throughput: rows of each ring (one per channel and peer) that this op's rows flow
+  // through; fixes the backend's memory. 0 = choose. Ignored by the other backends.
+  int ring_rows = 0;
 };
 
 inline constexpr int kMaxWarpsPerBlock = 32;
 inline constexpr int kMaxBlocks = 1024;
+inline constexpr int kMaxRingRows = 1 << 14;
 
 struct LaunchConfigs {
   LaunchConfig dispatch;
@@ -94,8 +110,8 @@ struct LaunchConfigs {
 };
 
 // Reads the JSON launch file (DESIGN §6): {"global": {...}, "dispatch": {...}, "combine": {...}}
-// with keys num_blocks / warps_per_block (aliases block_num / warp_num_per_block). "global"
-// fills what an op leaves unset. Unknown keys, wrong types and out-of-range values throw
+// with keys num_blocks / warps_per_block (aliases block_num / warp_num_per_block) and ring_rows
+// (high_throughput). "global" fills what an op leaves unset. Unknown keys, wrong types and out-of-range values throw
 // ConfigError naming the file, the key and the allowed range.
 LaunchConfigs load_launch_configs(const std::string& path);
 LaunchConfigs parse_launch_configs(const std::string& json_text, const std::string& origin);

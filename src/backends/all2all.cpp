@@ -1,9 +1,11 @@
-// make_all2all*: from a Backend to the engine that implements it. Every backend today runs on
-// the peer engine (src/backends/peer), which takes what distinguishes them as an Algorithm: a
-// backend is a row of kPeerBackends.
+// make_all2all*: from a Backend to the engine that implements it. naive, allgather_reducescatter
+// and low_latency run on the peer engine (src/backends/peer), which takes what distinguishes them
+// as an Algorithm: each is a row of kPeerBackends. high_throughput has its own engine
+// (src/backends/high_throughput): rings of fixed size instead of receive areas for every row.
 
 #include <string>
 
+#include "backends/high_throughput/ht_all2all.hpp"
 #include "backends/peer/peer_all2all.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
@@ -32,7 +34,7 @@ const peer::Algorithm& algorithm_of(Backend backend) {
     if (algo.backend == backend) return algo;
   }
   EPX_THROW(ConfigError, "backend = " + std::to_string(int(backend)) + ", expected one of naive, "
-                         "allgather_reducescatter, low_latency");
+                         "allgather_reducescatter, low_latency, high_throughput");
 }
 
 }  // namespace
@@ -40,31 +42,37 @@ const peer::Algorithm& algorithm_of(Backend backend) {
 std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
                                                          const InProcessWorld& world,
                                                          LaunchConfigs launch) {
+  if (backend == Backend::kHighThroughput) return ht::make_in_process_group(cfg, world, launch);
   return peer::make_in_process_group(cfg, world, launch, algorithm_of(backend));
 }
 
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
                                       LaunchConfigs launch) {
+  if (backend == Backend::kHighThroughput) return ht::make_ipc_rank(cfg, world, launch);
   return peer::make_ipc_rank(cfg, world, launch, algorithm_of(backend));
 }
 
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch) {
+  if (backend == Backend::kHighThroughput) return ht::make_nccl_rank(cfg, world, launch);
   return peer::make_nccl_rank(cfg, world, launch, algorithm_of(backend));
 }
 
 std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
                                            std::span<const DispatchInput> inputs,
                                            cudaStream_t stream) {
+  if (!ranks.empty() && ht::is_rank(ranks[0])) return ht::dispatch_group(ranks, inputs, stream);
   return peer::dispatch_group(ranks, inputs, stream);
 }
 
 void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
                    std::span<void* const> y, cudaStream_t stream) {
+  if (!ranks.empty() && ht::is_rank(ranks[0])) return ht::combine_group(ranks, expert_out, y, stream);
   peer::combine_group(ranks, expert_out, y, stream);
 }
 
 size_t buffer_bytes(Backend backend, const EpConfig& cfg) {
+  if (backend == Backend::kHighThroughput) return ht::buffer_bytes(cfg);
   return peer::buffer_bytes(cfg, algorithm_of(backend));
 }
 

@@ -31,10 +31,11 @@ struct NamedValue {
   const char* name;
 };
 
-constexpr std::array<NamedValue<Backend>, 3> kBackendNames{{
+constexpr std::array<NamedValue<Backend>, 4> kBackendNames{{
     {Backend::kNaive, "naive"},
     {Backend::kAllgatherReduceScatter, "allgather_reducescatter"},
     {Backend::kLowLatency, "low_latency"},
+    {Backend::kHighThroughput, "high_throughput"},
 }};
 constexpr std::array<NamedValue<DispatchDtype>, 3> kDtypeNames{{
     {DispatchDtype::kBF16, "bf16"},
@@ -173,14 +174,15 @@ using nlohmann::json;
 
 struct LaunchKey {
   const char* name;   // epx's key
-  const char* alias;  // the key of the system we descend from
+  const char* alias;  // the key of the system we descend from, or null
   int max;
   int LaunchConfig::*field;
 };
 
-constexpr std::array<LaunchKey, 2> kLaunchKeys{{
+constexpr std::array<LaunchKey, 3> kLaunchKeys{{
     {"num_blocks", "block_num", kMaxBlocks, &LaunchConfig::num_blocks},
     {"warps_per_block", "warp_num_per_block", kMaxWarpsPerBlock, &LaunchConfig::warps_per_block},
+    {"ring_rows", nullptr, kMaxRingRows, &LaunchConfig::ring_rows},
 }};
 constexpr std::array<const char*, 3> kSections{"global", "dispatch", "combine"};
 
@@ -188,7 +190,7 @@ std::string allowed_inner_keys() {
   std::string out;
   for (const auto& k : kLaunchKeys) {
     if (!out.empty()) out += ", ";
-    out += fmt::format("{} (alias {})", k.name, k.alias);
+    out += k.alias != nullptr ? fmt::format("{} (alias {})", k.name, k.alias) : k.name;
   }
   return out;
 }
@@ -204,7 +206,7 @@ LaunchConfig parse_section(const json& section, const std::string& section_name,
   LaunchConfig out;
   for (const auto& key : kLaunchKeys) {
     const bool has_name = section.contains(key.name);
-    const bool has_alias = section.contains(key.alias);
+    const bool has_alias = key.alias != nullptr && section.contains(key.alias);
     if (has_name && has_alias) {
       EPX_THROW(ConfigError,
                 fmt::format("{}: {}.{} and its alias {}.{} are both set, expected one of them",
@@ -216,7 +218,7 @@ LaunchConfig parse_section(const json& section, const std::string& section_name,
     const std::string& name = item.key();
     const json& value = item.value();
     const auto* key = std::find_if(kLaunchKeys.begin(), kLaunchKeys.end(), [&](const auto& k) {
-      return name == k.name || name == k.alias;
+      return name == k.name || (k.alias != nullptr && name == k.alias);
     });
     const std::string path = section_name + "." + name;
     if (key == kLaunchKeys.end()) {

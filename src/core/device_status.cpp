@@ -18,6 +18,7 @@ const char* to_string(Phase p) {
     case Phase::kDispatchData: return "dispatch/data-arrival";
     case Phase::kCombineReady: return "combine/partials-ready";
     case Phase::kGridBarrier: return "grid-barrier";
+    case Phase::kRingSpace: return "ring-space";
   }
   return "unknown";
 }

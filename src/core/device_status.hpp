@@ -25,6 +25,7 @@ enum class Phase : int32_t {
   kDispatchData = 3,     // waiting for the rows of every rank to arrive
   kCombineReady = 4,     // waiting for every rank's partials to be ready
   kGridBarrier = 5,      // waiting for the other blocks of this rank's own kernel
+  kRingSpace = 6,        // high_throughput: waiting for a peer to read a ring this rank writes
 };
 const char* to_string(Phase p);
 

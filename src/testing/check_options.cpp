@@ -22,6 +22,12 @@ void validate_shared_check_options(const CheckOptions& o) {
             o.verify_every, "1 without graph replays (it thins out the comparison of replays)");
   EPX_CHECK(!o.mixed || o.graph_replays > 0, InputError, "mixed", "true",
             "only together with graph replays (--graph N)");
+  // high_throughput reads each round's row count back on the host unless its receive areas
+  // hold the worst case: no capture then.
+  EPX_CHECK(o.backend != Backend::kHighThroughput || o.graph_replays == 0 || cfg.worst_case_output,
+            InputError, "graph replays", o.graph_replays,
+            "0 for high_throughput without worst_case_output (--worst-case-output): its dispatch "
+            "reads the row count back on the host, which a captured stream cannot");
   if (o.tokens.size() > 1) {
     EPX_CHECK(int(o.tokens.size()) == W, InputError, "tokens (list length)", o.tokens.size(),
               "1 or world size = " + std::to_string(W));
@@ -42,6 +48,8 @@ void validate_check_options(const CheckOptions& o) {
             InputError, o.halves ? "halves" : "one_launch",
             "with mixed, a graph variant or each other",
             "one stream per GPU: plain eager calls and one captured graph per GPU");
+  EPX_CHECK(!o.halves || o.backend != Backend::kHighThroughput, InputError, "halves", "true",
+            "false for high_throughput (it has no send and receive halves)");
   // Ordered rows exchange counts in the send half: one stream for all ranks would deadlock.
   EPX_CHECK(!o.halves || (!cfg.deterministic && o.backend != Backend::kNaive), InputError,
             "halves", "with ordered rows (deterministic or naive)",

@@ -62,7 +62,7 @@ const char* routing_flag(ref::RoutingKind kind) {
 // all-gather backends), plus one per expert in the expert-major layout.
 int64_t reference_rows_per_token(const EpConfig& cfg, Backend backend) {
   const int W = cfg.world_size, K = cfg.topk;
-  int64_t rows = backend == Backend::kLowLatency ? std::min(K, W) : W;
+  int64_t rows = delivers_every_token(backend) ? W : std::min(K, W);
   if (cfg.layout == OutputLayout::kExpertMajor) rows += K;
   return rows;
 }
@@ -110,8 +110,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   // World: 1, 2, 3, 4 or 8 ranks on the GPU, now and then 16.
   cfg.world_size = d.odds(1, 16) ? 16 : d.pick(std::array{1, 2, 3, 4, 8});
   const int W = cfg.world_size;
-  o.backend = d.pick(
-      std::array{Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kLowLatency});
+  o.backend = d.pick(std::array{Backend::kNaive, Backend::kAllgatherReduceScatter,
+                                Backend::kLowLatency, Backend::kHighThroughput});
+  const bool ht = o.backend == Backend::kHighThroughput;
   // The expert-major layout exists in the low_latency backend only.
   cfg.layout = o.backend == Backend::kLowLatency && d.odds(1, 3) ? OutputLayout::kExpertMajor
                                                                  : OutputLayout::kTokenMajor;
@@ -129,7 +130,7 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   // Top-k: up to 8 as models use, now and then up to 32 (one routing entry per warp lane).
   const int max_k = std::min(cfg.num_experts, d.odds(1, 8) ? kMaxTopk : 8);
   cfg.topk = d.in(1, max_k);
-  cfg.rounds_in_flight = d.in(1, kMaxRoundsInFlight);
+  cfg.rounds_in_flight = ht ? 1 : d.in(1, kMaxRoundsInFlight);  // high_throughput: one round
   cfg.deterministic = d.odds(1, 4);
   o.ids_int64 = d.odds(1, 4);
   o.routing = d.pick(std::array{ref::RoutingKind::kUniform, ref::RoutingKind::kSkewed,
@@ -149,8 +150,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
     o.tokens.push_back(kind == 0 ? 0 : kind == 1 ? max_tokens : d.in(0, max_tokens));
   }
 
-  // The mode; halves need unordered rows (their send half must not wait for peers' counts).
-  const bool halves_ok = !cfg.deterministic && o.backend != Backend::kNaive;
+  // The mode; halves need unordered rows (their send half must not wait for peers' counts), and
+  // high_throughput has none.
+  const bool halves_ok = !cfg.deterministic && o.backend != Backend::kNaive && !ht;
   do {
     c.mode = FuzzMode(d.in(0, kNumFuzzModes - 1));
   } while (c.mode == FuzzMode::kHalves && !halves_ok);
@@ -175,6 +177,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       o.halves = c.mode == FuzzMode::kHalves;
       break;
   }
+  // high_throughput: receive areas for the worst case where a graph is captured, and now and then
+  // in eager calls too; else sized per call.
+  cfg.worst_case_output = ht && (o.graph_replays > 0 || d.odds(1, 3));
   o.seed = fuzz_case_seed(seed, index);
 
   const std::string tokens = fmt::format("{}", fmt::join(o.tokens, ","));
@@ -187,7 +192,10 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       "W{} H{} E{} K{} tokens {} (max {}) {} {}-major{} routing {} {}{}{} rounds {} {} ({})", W,
       cfg.hidden, cfg.num_experts, cfg.topk, tokens, max_tokens, to_string(cfg.dtype),
       to_string(cfg.layout), scales, routing_flag(o.routing), to_string(o.backend),
-      cfg.deterministic ? " deterministic" : "", o.ids_int64 ? " ids64" : "",
+      cfg.deterministic   ? " deterministic"
+      : cfg.worst_case_output ? " worst-case-output"
+                              : "",
+      o.ids_int64 ? " ids64" : "",
       cfg.rounds_in_flight, to_string(c.mode), calls);
 
   std::string cmd = fmt::format(
@@ -201,7 +209,8 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   for (const auto& [on, flag] : {std::pair{cfg.deterministic, " --deterministic"},
                                  std::pair{o.ids_int64, " --ids64"}, std::pair{o.mixed, " --mixed"},
                                  std::pair{o.one_launch, " --one-launch"},
-                                 std::pair{o.halves, " --halves"}})
+                                 std::pair{o.halves, " --halves"},
+                                 std::pair{cfg.worst_case_output, " --worst-case-output"}})
     if (on) cmd += flag;
   c.command = cmd;
   return c;

@@ -278,7 +278,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       const InputSet& s = set_of(call, k);
       const std::string round = R > 1 ? fmt::format(" (round {} of the call)", k) : "";
       for (int r = 0; r < W; ++r) {
-        compare_dispatch(group[r]->config(), r, result_of(r, k), s, cmp);
+        compare_dispatch(group[r]->config(), o.backend, r, result_of(r, k), s, cmp);
         const size_t n = size_t(counts[r]) * H;
         cmp.eq(download<uint16_t>(io(r, k).y, n), s.y[r].data(), n, int(H),
                fmt::format("rank {} combine y{}", r, round));
@@ -314,6 +314,25 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if ((i + 1) % sample_step == 0 || i + 1 == o.graph_replays || !rep.ok) sample(i + 1);
   };
 
+  // Runs fn(r) for every rank: one host thread per rank with rank_threads (or when a rank's
+  // dispatch waits on the host for its peers: high_throughput sizing its receive area per call),
+  // else in turn.
+  const bool host_waits = o.backend == Backend::kHighThroughput && !cfg.worst_case_output;
+  auto each_rank = [&](const std::function<void(int)>& fn) {
+    if (!o.rank_threads && !host_waits) {
+      for (int r = 0; r < W; ++r) fn(r);
+      return;
+    }
+    std::vector<std::future<void>> done;
+    for (int r = 0; r < W; ++r) {
+      done.push_back(std::async(std::launch::async, [&, r] {
+        EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
+        fn(r);
+      }));
+    }
+    for (auto& f : done) f.get();  // rethrows the first rank's exception
+  };
+
   // Eager calls.
   for (int it = 0; it < o.iters && rep.ok; ++it) {
     for (int r = 0; r < W; ++r) upload(r, it);
@@ -321,7 +340,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       sync_all();
       for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);
     } else {
-      for (int r = 0; r < W; ++r) enqueue(r, false);
+      each_rank([&](int r) { enqueue(r, false); });
     }
     finish_and_compare(it);
   }
@@ -368,21 +387,6 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
 
   // Graph replays.
   if (o.graph_replays > 0 && rep.ok) {
-    // Runs fn(r) for every rank: one host thread per rank with rank_threads, else in turn.
-    auto each_rank = [&](const std::function<void(int)>& fn) {
-      if (!o.rank_threads) {
-        for (int r = 0; r < W; ++r) fn(r);
-        return;
-      }
-      std::vector<std::future<void>> done;
-      for (int r = 0; r < W; ++r) {
-        done.push_back(std::async(std::launch::async, [&, r] {
-          EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
-          fn(r);
-        }));
-      }
-      for (auto& f : done) f.get();  // rethrows the first rank's exception
-    };
     // Per rank graph_execs executable graphs, each one capture cut into pieces (one, or three with
     // graph_split) replayed in order; one capture each (a graph with conditional nodes
     // instantiates once). Destroyed on the way out, after the streams are drained.

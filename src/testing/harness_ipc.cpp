@@ -184,7 +184,7 @@ CheckReport run_check_process(const CheckOptions& o, World& world) {
         v ^= 1;
         EPX_CUDA_CHECK(cudaMemcpy(b.y, &v, 2, cudaMemcpyHostToDevice));
       }
-      compare_dispatch(a2a->config(), me, result, s, cmp);
+      compare_dispatch(a2a->config(), o.backend, me, result, s, cmp);
       const size_t n = size_t(counts[me]) * H;
       cmp.eq(download<uint16_t>(b.y, n), s.y[me].data(), n, int(H),
              fmt::format("rank {} combine y", me));

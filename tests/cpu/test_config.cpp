@@ -201,9 +201,15 @@ TEST(ConfigDerived, Sizes) {
 // ---- enum names -----------------------------------------------------------------------------
 
 TEST(ConfigNames, RoundTrip) {
-  for (Backend b : {Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kLowLatency}) {
+  for (Backend b : {Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kLowLatency,
+                    Backend::kHighThroughput}) {
     EXPECT_EQ(parse_backend(to_string(b)), b);
   }
+  EXPECT_STREQ(to_string(Backend::kHighThroughput), "high_throughput");
+  EXPECT_TRUE(delivers_every_token(Backend::kNaive));
+  EXPECT_TRUE(delivers_every_token(Backend::kAllgatherReduceScatter));
+  EXPECT_FALSE(delivers_every_token(Backend::kLowLatency));
+  EXPECT_FALSE(delivers_every_token(Backend::kHighThroughput));
   for (DispatchDtype d : {DispatchDtype::kBF16, DispatchDtype::kFP8, DispatchDtype::kBF16ToFP8}) {
     EXPECT_EQ(parse_dispatch_dtype(to_string(d)), d);
   }
@@ -223,7 +229,8 @@ TEST(ConfigNames, RoundTrip) {
 TEST(ConfigNames, UnknownNamesListTheValidOnes) {
   EXPECT_TRUE(
       throws_config_error([] { parse_backend("deepep"); },
-                          {"backend = \"deepep\"", "naive, allgather_reducescatter, low_latency"}));
+                          {"backend = \"deepep\"",
+                           "naive, allgather_reducescatter, low_latency, high_throughput"}));
   EXPECT_TRUE(throws_config_error([] { parse_backend("Naive"); }, {"naive"}));
   EXPECT_TRUE(throws_config_error([] { parse_dispatch_dtype("e4m3"); },
                                   {"dtype = \"e4m3\"", "bf16, fp8, bf16-to-fp8"}));
@@ -252,6 +259,25 @@ TEST(LaunchJson, Aliases) {
   EXPECT_EQ(c.dispatch.warps_per_block, 32);
   EXPECT_EQ(c.combine.num_blocks, 1);
   EXPECT_EQ(c.combine.warps_per_block, 1);
+}
+
+// high_throughput's ring rows: per op or from global, in [1, kMaxRingRows], no alias.
+TEST(LaunchJson, RingRows) {
+  LaunchConfigs c = parse(R"({"global": {"ring_rows": 64}, "combine": {"ring_rows": 256}})");
+  EXPECT_EQ(c.dispatch.ring_rows, 64);
+  EXPECT_EQ(c.combine.ring_rows, 256);
+  EXPECT_EQ(c.dispatch.num_blocks, 0);
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"dispatch": {"ring_rows": 0}})"); },
+                                  {"tune.json", "dispatch.ring_rows = 0", "[1, 16384]"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"combine": {"ring_rows": 16385}})"); },
+                                  {"combine.ring_rows = 16385", "[1, 16384]"}));
+  EXPECT_TRUE(throws_config_error([] { parse(R"({"combine": {"ring_row": 8}})"); },
+                                  {"combine.ring_row", "ring_rows"}));
+  LaunchConfigs w;
+  w.dispatch.ring_rows = 128;
+  const LaunchConfigs back = parse(to_json(w));
+  EXPECT_EQ(back.dispatch.ring_rows, 128);
+  EXPECT_EQ(back.combine.ring_rows, 0);
 }
 
 TEST(LaunchJson, GlobalFillsOnlyWhatIsUnset) {

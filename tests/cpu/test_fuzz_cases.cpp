@@ -64,6 +64,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   shape.scale_layout = take("--scale-layout");
   shape.rounds_in_flight = std::stoi(take("--rounds-in-flight"));
   shape.deterministic = has("--deterministic");
+  shape.worst_case_output = has("--worst-case-output");
   const EpConfig cfg = shape.config(1);  // as `epx check` builds it (--max-tokens given)
   EXPECT_EQ(cfg.world_size, o.cfg.world_size) << c.command;
   EXPECT_EQ(cfg.hidden, o.cfg.hidden) << c.command;
@@ -75,6 +76,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   EXPECT_EQ(cfg.scale_layout, o.cfg.scale_layout) << c.command;
   EXPECT_EQ(cfg.rounds_in_flight, o.cfg.rounds_in_flight) << c.command;
   EXPECT_EQ(cfg.deterministic, o.cfg.deterministic) << c.command;
+  EXPECT_EQ(cfg.worst_case_output, o.cfg.worst_case_output) << c.command;
   const std::string tokens = take("--tokens");
   EXPECT_EQ(cli::tokens_per_rank(cli::parse_token_counts(tokens, "--tokens"), cfg.world_size,
                                  "--tokens", tokens),
@@ -117,7 +119,7 @@ void expect_within_bounds(const FuzzCase& c) {
   // The budgets that keep a case to a second or two (a case of one token per rank may exceed
   // them: there is nothing smaller).
   if (cfg.max_tokens_per_rank > 1) {
-    const int64_t rows = (o.backend == Backend::kLowLatency ? std::min(cfg.topk, W) : W) +
+    const int64_t rows = (delivers_every_token(o.backend) ? W : std::min(cfg.topk, W)) +
                          (cfg.layout == OutputLayout::kExpertMajor ? cfg.topk : 0);
     EXPECT_LE(int64_t(W) * cfg.max_tokens_per_rank * cfg.hidden * rows, kFuzzReferenceBudget)
         << why;
@@ -129,6 +131,14 @@ void expect_within_bounds(const FuzzCase& c) {
   EXPECT_FALSE(o.log) << why;
   // The expert-major layout is the low_latency backend's alone.
   EXPECT_TRUE(cfg.layout == OutputLayout::kTokenMajor || o.backend == Backend::kLowLatency) << why;
+  // high_throughput: one round, no halves, worst-case receive areas where a graph is captured.
+  if (o.backend == Backend::kHighThroughput) {
+    EXPECT_EQ(cfg.rounds_in_flight, 1) << why;
+    EXPECT_FALSE(o.halves) << why;
+    EXPECT_TRUE(o.graph_replays == 0 || cfg.worst_case_output) << why;
+  } else {
+    EXPECT_FALSE(cfg.worst_case_output) << why;
+  }
   // The mode says how the ops are called.
   EXPECT_EQ(o.mixed, c.mode == FuzzMode::kMixed) << why;
   EXPECT_EQ(o.one_launch, c.mode == FuzzMode::kOneLaunch) << why;
@@ -167,6 +177,7 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
   std::set<bool> deterministic, ids64;
   bool empty_rank = false, full_rank = false, one_launch_replayed = false, halves_replayed = false;
   bool expert_rounds2 = false, halves_rounds2 = false, mixed_rounds2 = false;
+  bool ht_replayed = false, ht_exact_eager = false, ht_one_launch = false;
   for (int i = 0; i < kCases; ++i) {
     const FuzzCase c = make_fuzz_case(1, i);
     const CheckOptions& o = c.options;
@@ -191,9 +202,14 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
     expert_rounds2 |= r2 && o.cfg.layout == OutputLayout::kExpertMajor;
     halves_rounds2 |= r2 && o.halves;
     mixed_rounds2 |= r2 && o.mixed;
+    const bool ht = o.backend == Backend::kHighThroughput;
+    ht_replayed |= ht && o.graph_replays > 0;
+    ht_exact_eager |= ht && !o.cfg.worst_case_output && o.iters > 0;
+    ht_one_launch |= ht && o.one_launch;
   }
+  EXPECT_TRUE(ht_replayed && ht_exact_eager && ht_one_launch);
   EXPECT_EQ(worlds, (std::set<int>{1, 2, 3, 4, 8, 16}));
-  EXPECT_EQ(backends.size(), 3u);
+  EXPECT_EQ(backends.size(), 4u);
   EXPECT_EQ(dtypes.size(), 3u);
   EXPECT_EQ(layouts.size(), 2u);
   EXPECT_EQ(scale_layouts.size(), 2u);

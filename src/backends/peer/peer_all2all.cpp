@@ -13,6 +13,7 @@
 #include "core/env.hpp"
 #endif
 
+#include "backends/common/rank_status.hpp"
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
 #include "epx/cuda_check.hpp"
@@ -89,14 +90,8 @@ class PeerAll2All final : public All2All {
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
   PeerAll2All(const EpConfig& cfg, const Algorithm& algo, SymmetricBuffer buf, LaunchConfigs launch)
-      : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch) {
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    // A HostMirror: the status, then what masking did (&mirror->status == host_status_).
-    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_status_), sizeof(HostMirror),
-                                 cudaHostAllocMapped));
-    std::memset(host_status_, 0, sizeof(HostMirror));
-    EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_status_dev_),
-                                            host_status_, 0));
+      : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch),
+        status_(cfg, buf_.device()), host_status_dev_(status_.device_mirror()) {
 #if EPX_MEASUREMENT
     const std::string clock = env::phase_clock_text();
     if (!clock.empty() && clock != "0") {
@@ -112,7 +107,6 @@ class PeerAll2All final : public All2All {
       (void)cudaFree(clock_);
     }
 #endif
-    if (host_status_ != nullptr) (void)cudaFreeHost(host_status_);
   }
 
 #if EPX_MEASUREMENT
@@ -148,21 +142,15 @@ class PeerAll2All final : public All2All {
   Backend backend() const override { return algo_.backend; }
   size_t symmetric_bytes() const override { return buf_.bytes(); }
 
-  uint64_t masked_ranks() const override {
-    return reinterpret_cast<const volatile HostMirror*>(host_status_)->masked;
-  }
-  uint64_t dropped_pairs() const override {
-    return reinterpret_cast<const volatile HostMirror*>(host_status_)->dropped;
-  }
+  uint64_t masked_ranks() const override { return status_.masked(); }
+  uint64_t dropped_pairs() const override { return status_.dropped(); }
   void clear_mask(cudaStream_t stream) override {
     check_usable();
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
     // State's first two words: masked, dropped.
     static_assert(offsetof(State, masked) == 0 && offsetof(State, dropped) == 8);
     EPX_CUDA_CHECK(cudaMemsetAsync(buf_.local() + layout_.state, 0, 16, stream));
-    auto* mirror = reinterpret_cast<volatile HostMirror*>(host_status_);
-    mirror->masked = 0;
-    mirror->dropped = 0;
+    status_.clear_masked();
   }
 
   void* combine_buffer() override { return combine_buffer_of(next_combine_slot()); }
@@ -337,59 +325,7 @@ class PeerAll2All final : public All2All {
   DispatchResult dispatch_result() const { return result(due_.back()); }
   void clear_pending() { pending_ = Pending::kNone; }
 
-  void poll() override {
-    check_usable();
-    const std::optional<DeviceStatus> recorded = recorded_status(*host_status_);
-    if (!recorded) return;
-    failed_ = true;
-    try {
-      raise_recorded(*recorded);
-    } catch (const Error& e) {
-      first_error_ = e.what();
-      throw;
-    }
-  }
-
-  void raise_recorded(const DeviceStatus& s) const {
-    const std::string where =
-        s.call > 0 ? fmt::format("rank {} in {} (call {})", s.rank, to_string(Phase(s.phase)), s.call)
-                   : fmt::format("rank {} in {}", s.rank, to_string(Phase(s.phase)));
-    switch (StatusCode(s.code)) {
-      case StatusCode::kTimeout:
-        if (Phase(s.phase) == Phase::kGridBarrier) {
-          EPX_THROW(TimeoutError,
-                    fmt::format("{}: the blocks of this rank's own kernel did not all become "
-                                "resident within {} ms (generation expected {}, seen {}); the "
-                                "launch shape exceeds what the GPU can hold at once",
-                                where, cfg_.timeout_ms, s.expected, s.seen));
-        }
-        EPX_THROW(TimeoutError,
-                  fmt::format("{}: waited {} ms for rank {} (expected {}, saw {}); rank {} did "
-                              "not take part in this call or failed",
-                              where, cfg_.timeout_ms, s.peer, s.expected, s.seen, s.peer));
-      case StatusCode::kInput:
-        if (s.expected >= 0 && s.expected < cfg_.topk && s.seen >= 0 && s.seen < cfg_.num_experts) {
-          EPX_THROW(InputError,
-                    fmt::format("{}: topk_ids[{}][{}] = {} repeats the expert of slot {}; each "
-                                "token must list distinct experts (the token was not sent)",
-                                where, s.token, s.slot, s.seen, s.expected));
-        }
-        EPX_THROW(InputError,
-                  fmt::format("{}: topk_ids[{}][{}] = {}, expected -1 or an expert id in [0, {}) "
-                              "(the token was not sent)",
-                              where, s.token, s.slot, s.seen, cfg_.num_experts));
-      case StatusCode::kPeer:
-        EPX_THROW(PeerError,
-                  fmt::format("{}: rank {} sent its rows of this round into buffer slot {}, this "
-                              "rank expected slot {}: the ranks' sequences of dispatches and "
-                              "combines differ (a captured graph replayed where the eager calls "
-                              "beside it would use the other slot?)",
-                              where, s.peer, s.seen, s.expected));
-      default:
-        EPX_THROW(PeerError, fmt::format("{}: device error code {} (peer {}, expected {}, saw {})",
-                                         where, s.code, s.peer, s.expected, s.seen));
-    }
-  }
+  void poll() override { status_.poll(); }
 
   void synchronize(cudaStream_t stream) override {
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
@@ -398,27 +334,9 @@ class PeerAll2All final : public All2All {
   }
 
  private:
-  void check_usable() const {
-    if (failed_) {
-      EPX_THROW(StateError, fmt::format("rank {}: this All2All refuses further calls after an "
-                                        "earlier error; recreate it. The error was: {}",
-                                        cfg_.rank, first_error_));
-    }
-  }
+  void check_usable() const { status_.check_usable(); }
   void check_ptr(const void* p, const char* name, size_t align) const {
-    EPX_CHECK(p != nullptr, InputError, name, "nullptr", "a device pointer");
-    EPX_CHECK(reinterpret_cast<uintptr_t>(p) % align == 0, InputError, name, p,
-              std::to_string(align) + "-byte alignment");
-    // A host pointer would fault inside the kernel and take every rank's context with it.
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-      (void)cudaGetLastError();
-      attr.type = cudaMemoryTypeUnregistered;
-    }
-    const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
-    EPX_CHECK(on_device, InputError, name, p,
-              fmt::format("device memory on GPU {} (this is {} memory)", buf_.device(),
-                          attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host"));
+    status_.check_ptr(p, name, align);
   }
   Shape shape() const {
     return Shape{.world = cfg_.world_size,
@@ -472,14 +390,12 @@ class PeerAll2All final : public All2All {
   Layout layout_;
   SymmetricBuffer buf_;
   LaunchConfigs launch_;
-  DeviceStatus* host_status_ = nullptr;
-  DeviceStatus* host_status_dev_ = nullptr;
-  bool failed_ = false;
+  RankStatus status_;
+  DeviceStatus* host_status_dev_;  // status_'s mirror as kernels address it
   bool dispatched_ = false;  // a dispatch was enqueued (combine has a round to serve)
   std::deque<int> due_;      // buffer slots of the rounds whose combine is due, oldest first
   int combined_slot_ = 0;    // the slot of the last combine
   int slot_tokens_[kMaxRoundsInFlight] = {};  // num_tokens of each slot's round (y's rows)
-  std::string first_error_;
   std::shared_ptr<const void> launch_group_;
   Pending pending_ = Pending::kNone;  // the receive half this rank owes (host-side call order)
 #if EPX_MEASUREMENT

@@ -1,7 +1,7 @@
 #pragma once
 // Device helpers shared by the peer engine's dispatch (dispatch.cu) and combine (combine.cu)
-// kernels: the limits they rely on, addressing inside a rank's buffer, the per-token rank slots
-// a warp holds, and bf16 vectors. Included by .cu files only.
+// kernels: the limits they rely on, the block's rank, and the per-token rank slots a warp holds
+// (addressing and bf16 vectors come from core/vec_device.cuh). Included by .cu files only.
 
 #include <cuda_bf16.h>
 
@@ -10,12 +10,19 @@
 
 #include "backends/peer/kernels.hpp"
 #include "core/sync_device.cuh"
+#include "core/vec_device.cuh"
 #include "epx/config.hpp"
 
 namespace epx::peer {
 
-inline constexpr int kWarpSize = 32;
-inline constexpr uint32_t kFullWarp = 0xffffffffu;
+using dev::at;
+using dev::bf16x8_to_float;
+using dev::kFullWarp;
+using dev::kWarpSize;
+using dev::load_bf16x8;
+using dev::lowest_rank;
+using dev::store_bf16x8;
+
 // Every kernel is launched with warps_per_block <= kMaxWarpsPerBlock (resolve() checks it).
 inline constexpr int kMaxThreadsPerBlock = kMaxWarpsPerBlock * kWarpSize;
 
@@ -26,11 +33,6 @@ static_assert(kMaxRanks <= 2 * kWarpSize,
 static_assert(kMaxTopk <= kWarpSize, "a token's top-k entries are read one per lane");
 static_assert(sizeof(int4) == 16, "rows move in 16-byte vectors");
 static_assert(kFp8BlockSize % 16 == 0, "an fp8 scale block is whole 16-byte vectors");
-
-template <typename T>
-__device__ __forceinline__ T* at(uint8_t* base, size_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
 
 // Which rank of a launch this block serves, and its place among that rank's blocks.
 struct RankBlock {
@@ -80,11 +82,6 @@ __device__ __forceinline__ void phase_mark(const LaunchCommon& c, PhaseT phase, 
 #define EPX_PHASE_MARK_SYNC(common, phase, start) ((void)0)
 #endif
 
-// Lowest rank of a non-empty rank mask.
-__device__ __forceinline__ int lowest_rank(uint64_t mask) {
-  return __ffsll(static_cast<long long>(mask)) - 1;
-}
-
 // A token's row in every rank's receive area (-1: not sent there), spread over a warp: lane l
 // holds rank l in `lo` and rank l + 32 in `hi`. Every lane of the warp calls the members.
 struct RankSlots {
@@ -106,31 +103,6 @@ __device__ __forceinline__ RankSlots load_rank_slots(const int32_t* send_slot, i
                                                      int lane) {
   const int32_t* row = send_slot + size_t(n) * W;
   return RankSlots{lane < W ? row[lane] : -1, lane + 32 < W ? row[lane + 32] : -1};
-}
-
-// ---- bf16 vectors: 8 elements in 16 bytes --------------------------------------------------
-
-__device__ __forceinline__ void bf16x8_to_float(const int4 v, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&f)[8]) {
-  bf16x8_to_float(*reinterpret_cast<const int4*>(p), f);
-}
-
-// Rounds 8 f32 sums to bf16 once each and stores them as one 16-byte vector.
-__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* dst, const float (&acc)[8]) {
-  int4 o;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  *reinterpret_cast<int4*>(dst) = o;
 }
 
 }  // namespace epx::peer

@@ -1,0 +1,257 @@
+// The high_throughput combine: one kernel, two blocks per channel and rank.
+//
+// send (rank r, channel c): the rows r received from segment (s, c) go back, in order, through
+//   combine ring (r -> s, c) as the partials the expert stage wrote for them. The block's warps
+//   form groups; each ring has one group, which never waits on one ring while another of its
+//   rings has room, so a receiver waiting for one ring can always be served.
+// receive (owner s, channel c): tokens in batches of one per warp; once every ring holds the
+//   batch's partials, each token's partials are summed in rank order in f32 and rounded to bf16
+//   once (0 for a token sent nowhere): the bits of every other backend and of the reference.
+//   Ring positions follow from the dispatch's token_mask: token n's partial from rank r is the
+//   next one in ring (r -> s, c) after those of the earlier tokens of the channel sent to r.
+
+#include <cuda_bf16.h>
+
+#include "backends/high_throughput/ht_device.cuh"
+#include "epx/cuda_check.hpp"
+
+namespace epx::ht {
+namespace {
+
+constexpr int kMaxGroups = 15;  // named barriers 1..15 (0 is __syncthreads)
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ void group_sync(int group, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(threads) : "memory");
+}
+
+// Partial row `src` (this rank's expert output, H bf16) into ring row `dst`. One whole warp.
+__device__ __forceinline__ void copy_partial(const uint8_t* src, uint8_t* dst, int H) {
+  const int lane = threadIdx.x % kWarpSize, vecs = H / 8;
+  for (int v0 = 0; v0 < vecs; v0 += kUnroll * kWarpSize) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kWarpSize + lane;
+      if (vi < vecs) v[u] = __ldg(reinterpret_cast<const int4*>(src) + vi);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kWarpSize + lane;
+      if (vi < vecs) reinterpret_cast<int4*>(dst)[vi] = v[u];
+    }
+  }
+}
+
+__device__ __forceinline__ void send_partials(const HtCombineParams& p, const HtCombineRank& me,
+                                              const dev::WaitContext& w, int c) {
+  __shared__ uint64_t sent[kMaxRanks];  // ring position written so far, towards owner s
+  __shared__ int32_t done[kMaxRanks];   // rows of segment (s, c) sent this round
+  __shared__ int32_t group_rows[kMaxGroups];  // the group's next chunk: rows, or -1 done, -2 failed
+  __shared__ int32_t group_dest[kMaxGroups];
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, r = me.rank, ring = L.combine_ring, H = S.hidden;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int groups = min(min(W, num_warps), kMaxGroups);
+  const int per_group = num_warps / groups;  // warps of a group
+  const int g = warp / per_group, gw = warp % per_group;
+  uint64_t* csent = at<uint64_t>(me.local, L.csent) + size_t(c) * W;
+  const uint64_t* head = at<uint64_t>(me.local, L.chead) + size_t(c) * W;  // owners' progress
+  const int32_t* seg_count = at<int32_t>(me.local, L.seg_count);
+  const int32_t* seg_offset = at<int32_t>(me.local, L.seg_offset);
+  for (int s = threadIdx.x; s < W; s += blockDim.x) {
+    sent[s] = csent[s];
+    done[s] = 0;
+  }
+  __syncthreads();
+  if (g >= groups) return;  // warps left over by the division
+  const bool leader = gw == 0 && lane == 0;
+  const int chunk = 2 * per_group;  // rows per release
+  int cursor = g;                   // the leader's round-robin position among its owners
+  uint64_t idle_since = 0;
+  const uint8_t* out = static_cast<const uint8_t*>(me.expert_out);
+  for (;;) {
+    if (leader) {
+      int pick = -1, rows = 0, waiting = -1;
+      for (int tried = 0, s = cursor; tried < (W - g + groups - 1) / groups; ++tried) {
+        const int left = seg_count[s * C + c] - done[s];
+        if (left > 0) {
+          if (waiting < 0) waiting = s;
+          const int room = ring - int(sent[s] - dev::ld_acquire_sys(head + s));
+          if (room > 0) {
+            pick = s;
+            rows = min(min(left, room), chunk);
+            break;
+          }
+        }
+        s += groups;
+        if (s >= W) s = g;
+      }
+      if (pick >= 0) {
+        cursor = pick + groups < W ? pick + groups : g;
+        idle_since = 0;
+        group_rows[g] = rows;
+        group_dest[g] = pick;
+      } else if (waiting < 0) {
+        group_rows[g] = -1;
+      } else {
+        group_rows[g] = 0;
+        const uint64_t now = dev::globaltimer_ns();
+        if (idle_since == 0) {
+          idle_since = now;
+        } else if (dev::aborted(w)) {
+          group_rows[g] = -2;
+        } else if (now - idle_since > w.timeout_ns) {
+          dev::record_error(w, StatusCode::kTimeout, Phase::kRingSpace, waiting,
+                            int64_t(sent[waiting] - ring + 1),
+                            int64_t(dev::ld_acquire_sys(head + waiting)));
+          group_rows[g] = -2;
+        }
+      }
+    }
+    group_sync(g, per_group * kWarpSize);
+    const int rows = group_rows[g];
+    if (rows < 0) break;
+    if (rows > 0) {
+      const int s = group_dest[g];
+      for (int j = gw; j < rows; j += per_group) {
+        const uint64_t pos = sent[s] + uint64_t(j);
+        const int row = seg_offset[s * C + c] + done[s] + j;
+        copy_partial(out + size_t(row) * H * 2,
+                     cm.peers[s] + L.cring +
+                         ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2,
+                     H);
+      }
+    } else {
+      __nanosleep(128);
+    }
+    group_sync(g, per_group * kWarpSize);
+    if (leader && rows > 0) {
+      const int s = group_dest[g];
+      sent[s] += uint64_t(rows);
+      done[s] += rows;
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[s], L.ctail) + size_t(c) * W + r, sent[s]);
+    }
+  }
+  if (leader) {
+    for (int s = g; s < W; s += groups) csent[s] = sent[s];
+  }
+}
+
+__device__ __forceinline__ void receive_partials(const HtCombineParams& p, const HtCombineRank& me,
+                                                 const dev::WaitContext& w, int c) {
+  __shared__ uint64_t base[kMaxRanks];     // ring position of this batch's first partial from r
+  __shared__ uint32_t bal[kMaxRanks];      // bit i: token i of the batch went to r
+  __shared__ uint64_t mask_of[kWarpSize];
+  __shared__ int32_t failed;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, s = me.rank, ring = L.combine_ring, H = S.hidden;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int N = at<HtState>(me.local, L.state)->num_tokens;
+  const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
+  uint64_t* crecv = at<uint64_t>(me.local, L.crecv) + size_t(c) * W;
+  const uint64_t* tail = at<uint64_t>(me.local, L.ctail) + size_t(c) * W;  // writers' progress
+  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  const uint8_t* rings = me.local + L.cring;
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(me.y);
+  for (int r = threadIdx.x; r < W; r += blockDim.x) base[r] = crecv[r];
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const int vecs = H / 8;
+  constexpr int kBatch = 8;  // ranks whose loads are in flight before their adds
+  for (int t = t0; t < t1; t += num_warps) {
+    const int t_end = min(t1, t + num_warps);
+    if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
+    __syncthreads();
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      const int cnt = __popc(bal[r]);
+      if (cnt == 0) continue;
+      const uint64_t need = base[r] + cnt;
+      const bool ok = dev::bounded_wait(
+          w, Phase::kCombineReady, r, int64_t(need),
+          [&] { return dev::ld_acquire_sys(tail + r) >= need; },
+          [&] { return int64_t(dev::ld_acquire_sys(tail + r)); });
+      if (!ok) failed = 1;
+    }
+    __syncthreads();
+    if (failed) return;
+    const int n = t + warp;
+    if (n < t_end) {
+      const uint64_t m = mask_of[warp];
+      for (int v = lane; v < vecs; v += kWarpSize) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        uint64_t mm = m;
+        while (mm != 0) {
+          int4 raw[kBatch];
+          int got = 0;
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            if (mm != 0) {
+              const int r = lowest_rank(mm);
+              mm &= mm - 1;
+              const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
+              raw[i] = ld_ring(rings + ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
+                               size_t(v) * 16);
+              got = i + 1;
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            if (i < got) {
+              float f[8];
+              dev::bf16x8_to_float(raw[i], f);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
+            }
+          }
+        }
+        dev::store_bf16x8(y + size_t(n) * H + size_t(v) * 8, acc);
+      }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      const int cnt = __popc(bal[r]);
+      if (cnt == 0) continue;
+      base[r] += cnt;
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s, base[r]);
+    }
+    __syncthreads();
+  }
+  for (int r = threadIdx.x; r < W; r += blockDim.x) crecv[r] = base[r];
+}
+
+__global__ void __launch_bounds__(kMaxThreads) ht_combine_kernel(const __grid_constant__ HtCombineParams p) {
+  const HtBlock hb = ht_block(p.common.num_ranks);
+  const HtCombineRank& me = p.ranks[hb.slot];
+  dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
+  if (dev::aborted(w)) return;
+  w.call = at<HtState>(me.local, p.common.layout.state)->epoch;
+  const int C = p.common.layout.channels;
+  if (hb.b < C) {
+    send_partials(p, me, w, hb.b);
+  } else {
+    receive_partials(p, me, w, hb.b - C);
+  }
+}
+
+}  // namespace
+
+void load_ht_combine_kernels() {
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_kernel));
+}
+
+void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream) {
+  ht_combine_kernel<<<dim3(2 * channels * p.common.num_ranks), dim3(warps * kWarpSize), 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epx::ht

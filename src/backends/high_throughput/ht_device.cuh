@@ -1,0 +1,83 @@
+#pragma once
+// Device helpers shared by the high_throughput kernels (ht_dispatch.cu, ht_combine.cu).
+// Included by .cu files only.
+
+#include <cstdint>
+
+#include "backends/high_throughput/ht_kernels.hpp"
+#include "core/sync_device.cuh"
+#include "core/vec_device.cuh"
+#include "epx/config.hpp"
+
+namespace epx::ht {
+
+using dev::at;
+using dev::kFullWarp;
+using dev::kWarpSize;
+using dev::lowest_rank;
+
+inline constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
+static_assert(kMaxThreads <= 1024, "a CUDA block holds at most 1024 threads");
+static_assert(kMaxWarpsPerBlock <= kWarpSize, "a batch holds one token per warp, one per lane of warp 0");
+static_assert(kMaxRanks <= 64, "destinations of a token are one uint64_t");
+
+// Channel c's tokens of a rank with N tokens: [channel_begin(c), channel_begin(c + 1)).
+__device__ __forceinline__ int channel_begin(int N, int channels, int c) {
+  return int(int64_t(N) * c / channels);
+}
+
+// Which rank of a launch this block serves, and its block among that rank's nb.
+struct HtBlock {
+  int slot;
+  int b;
+  int nb;
+};
+__device__ __forceinline__ HtBlock ht_block(int num_ranks) {
+  const int nb = int(gridDim.x) / num_ranks;
+  return HtBlock{int(blockIdx.x) / nb, int(blockIdx.x) % nb, nb};
+}
+
+__device__ __forceinline__ dev::WaitContext ht_wait(uint8_t* local, DeviceStatus* host_status,
+                                                   int rank, const HtCommon& c) {
+  return dev::WaitContext{at<DeviceStatus>(local, c.layout.status), host_status, c.timeout_ns,
+                          rank};
+}
+
+// Bytes of a dispatch ring row: payload, then f32 scales, int32 ids, f32 weights, int32 index.
+struct SlotParts {
+  int scales, ids, weights, index;
+};
+__device__ __forceinline__ SlotParts slot_parts(const HtShape& S) {
+  SlotParts p;
+  p.scales = S.wire_row_bytes;
+  p.ids = p.scales + S.groups * 4;
+  p.weights = p.ids + S.topk * 4;
+  p.index = p.weights + S.topk * 4;
+  return p;
+}
+
+// Index of the f32 scale of (row, group) in a [rows][groups] or [groups][rows] scale area.
+__device__ __forceinline__ size_t ht_scale_index(const HtShape& S, int row, int group, int rows) {
+  return S.scale_col_major ? size_t(group) * rows + row : size_t(row) * S.groups + group;
+}
+
+// A 16-byte load that bypasses L1: ring rows are rewritten while a kernel runs, and L1 is not
+// kept coherent with writes of other SMs or GPUs.
+__device__ __forceinline__ int4 ld_ring(const void* p) { return __ldcg(static_cast<const int4*>(p)); }
+
+// The destination ranks of the tokens [t, t_end) of a batch (at most kWarpSize), by warp 0:
+// mask_of[i] for token t + i (0 past t_end), bal[r] = bit i set when token t + i goes to rank r.
+// Position of token t + i in ring r among the batch: popc(bal[r] & ((1 << i) - 1)).
+__device__ __forceinline__ void batch_ballots(const uint64_t* token_mask, int t, int t1, int W,
+                                              uint64_t* mask_of, uint32_t* bal) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = t + lane;
+  const uint64_t m = n < t1 ? token_mask[n] : 0;
+  mask_of[lane] = m;
+  for (int r = 0; r < W; ++r) {
+    const uint32_t b = __ballot_sync(kFullWarp, (m >> r) & 1);
+    if (lane == 0) bal[r] = b;
+  }
+}
+
+}  // namespace epx::ht

@@ -1,0 +1,468 @@
+// The high_throughput dispatch: two kernels.
+//
+// count (one block per channel and rank): each block reads its channel's top-k ids once,
+//   checks them (a bad or repeated id is recorded and its token sent nowhere), keeps each
+//   token's destination ranks (token_mask), adds the round's (token, expert) pairs at each
+//   expert's rank, and posts to every rank how many rows the channel sends it. Block 0 then waits
+//   for every (source, channel) count of the round and lays out the receive area: segment (q, c)
+//   starts at the sum of the segments before it in (source, channel) order, so rows are ordered
+//   by (source rank, source index). The round's M and N, the per-expert counts and the epoch go
+//   to HtState. (With exact output sizes the host reads M here and sizes the receive area.)
+// transfer (two blocks per channel and rank): the sending block walks its channel's tokens in
+//   batches of one token per warp; it waits until each destination's ring has room for the
+//   batch, writes each token's row (quantised on the fly for bf16-to-fp8), scales, ids, weights
+//   and index once to each destination, then publishes the ring positions written (one release
+//   per destination and batch). The receiving block polls the tails of its channel's W rings,
+//   copies whatever has arrived into the receive area at its segment's place, and publishes how
+//   far it has read. Every wait is bounded (no progress within the timeout records which peer).
+
+#include <cuda_bf16.h>
+
+#include "backends/high_throughput/ht_device.cuh"
+#include "core/fp8.cuh"
+#include "epx/cuda_check.hpp"
+
+namespace epx::ht {
+namespace {
+
+__device__ __forceinline__ int64_t load_id(const HtShape& S, const void* ids, int n, int k) {
+  const size_t i = size_t(n) * S.topk + k;
+  return S.ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+}
+
+// ---- count -----------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kMaxThreads) ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
+  __shared__ int32_t count[kMaxRanks];  // rows this channel sends to rank r
+  __shared__ int32_t failed;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const HtBlock hb = ht_block(cm.num_ranks);
+  const HtDispatchRank& me = p.ranks[hb.slot];
+  const int c = hb.b, C = L.channels;
+  HtState* st = at<HtState>(me.local, L.state);
+  dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, cm);
+  if (dev::aborted(w)) return;
+  // Every block reads the epoch before it posts its counts, and block 0 advances it only after
+  // every block of this rank has posted: all blocks see the same value.
+  const uint32_t epoch = st->epoch + 1;
+  w.call = epoch;
+  const int par = int(epoch & 1);
+  const int W = S.world, K = S.topk, E = S.num_experts, num_local = S.num_local;
+  const int N = me.num_tokens;
+  const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  for (int r = threadIdx.x; r < W; r += blockDim.x) count[r] = 0;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  const uint32_t lt = dev::lanemask_lt();
+  for (int n = t0 + warp; n < t1; n += num_warps) {
+    const bool has = lane < K;
+    const int64_t id = has ? load_id(S, me.topk_ids, n, lane) : -1;
+    bool bad = false;
+    if (has && (id < -1 || id >= E)) {
+      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, E, id, n, lane);
+      bad = true;
+    }
+    const bool expert = has && id >= 0 && !bad;
+    const unsigned long long key =
+        expert ? uint64_t(id) : (uint64_t(1) << 40) | uint32_t(lane);  // distinct unless repeated
+    const uint32_t same = __match_any_sync(kFullWarp, key);
+    if (expert && (same & lt) != 0) {
+      // expected = the earlier slot holding the same expert
+      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, __ffs(same) - 1, id, n,
+                        lane);
+      bad = true;
+    }
+    const bool token_bad = __any_sync(kFullWarp, bad);
+    const bool send = expert && !token_bad;
+    uint64_t bits = send ? uint64_t(1) << (id / num_local) : 0;
+#pragma unroll
+    for (int off = kWarpSize / 2; off >= 1; off >>= 1) bits |= __shfl_xor_sync(kFullWarp, bits, off);
+    if (send) {
+      const int r = int(id / num_local);
+      dev::red_add_relaxed_sys(
+          at<int32_t>(cm.peers[r], L.expert_rows) + par * num_local + (id - int64_t(r) * num_local), 1);
+    }
+    if (lane == 0) token_mask[n] = bits;
+    if (lane < W && ((bits >> lane) & 1)) atomicAdd(&count[lane], 1);
+    if (lane + 32 < W && ((bits >> (lane + 32)) & 1)) atomicAdd(&count[lane + 32], 1);
+  }
+  __syncthreads();
+  // The expert pairs above are ordered before each count by the fence and the release.
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    dev::fence_acq_rel_sys();
+    dev::st_release_sys(at<uint64_t>(cm.peers[r], L.counts) + (size_t(par) * W + me.rank) * C + c,
+                        (uint64_t(epoch) << 32) | uint32_t(count[r]));
+  }
+  if (c != 0) return;
+
+  // Block 0: every (source, channel) count of the round -> the receive area's segments.
+  const uint64_t* counts = at<uint64_t>(me.local, L.counts) + size_t(par) * W * C;  // [q][c]
+  int32_t* seg_count = at<int32_t>(me.local, L.seg_count);
+  int32_t* seg_offset = at<int32_t>(me.local, L.seg_offset);
+  for (int i = threadIdx.x; i < W * C; i += blockDim.x) {
+    uint64_t seen = 0;
+    const bool ok = dev::bounded_wait(
+        w, Phase::kDispatchCounts, i / C, epoch,
+        [&] {
+          seen = dev::ld_acquire_sys(counts + i);
+          return uint32_t(seen >> 32) == epoch;
+        },
+        [&] { return int64_t(seen >> 32); });
+    if (!ok) {
+      failed = 1;
+    } else {
+      seg_count[i] = int32_t(uint32_t(seen));
+    }
+  }
+  __syncthreads();
+  if (failed) return;
+  int32_t* rows = at<int32_t>(me.local, L.expert_rows) + par * num_local;
+  int32_t* expert_counts = at<int32_t>(me.local, L.expert_counts);
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
+    expert_counts[e] = rows[e];
+    rows[e] = 0;  // ready for the round after next (same parity)
+  }
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int i = 0; i < W * C; ++i) {
+      seg_offset[i] = run;
+      run += seg_count[i];
+    }
+    st->recv_count = run;
+    st->num_tokens = N;
+    st->epoch = epoch;
+  }
+}
+
+// ---- transfer: send --------------------------------------------------------------------------
+
+// Row vectors a lane loads before it stores them (all in flight).
+constexpr int kUnroll = 4;
+
+template <DispatchDtype kDtype>
+inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
+
+// Token n's payload, scales and metadata into ring row dst(r) of every rank r in `m` (the
+// token's destinations, warp-uniform). Called by one whole warp.
+template <DispatchDtype kDtype, typename DstOf>
+__device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtDispatchRank& me,
+                                            int n, uint64_t m, DstOf dst) {
+  const HtShape& S = p.common.shape;
+  const int H = S.hidden, K = S.topk, lane = threadIdx.x % kWarpSize;
+  constexpr int kPer = kElemsPerVec<kDtype>;
+  constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
+  const int vecs = H / kPer;  // 16-byte vectors of the input row
+  const SlotParts parts = slot_parts(S);
+  const uint8_t* src = static_cast<const uint8_t*>(me.x) + size_t(n) * H * kInBytes;
+  for (int v0 = 0; v0 < vecs; v0 += kUnroll * kWarpSize) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kWarpSize + lane;
+      v[u] = vi < vecs ? __ldg(reinterpret_cast<const int4*>(src) + vi) : make_int4(0, 0, 0, 0);
+    }
+    if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
+      for (uint64_t mm = m; mm; mm &= mm - 1) {
+        int4* out = reinterpret_cast<int4*>(dst(lowest_rank(mm)));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int vi = v0 + u * kWarpSize + lane;
+          if (vi < vecs) out[vi] = v[u];
+        }
+      }
+    } else {
+      // 8 bf16 -> 8 fp8 per lane; 16 lanes hold one 1x128 block (H % 128 == 0, so a half-warp
+      // is either wholly inside the row or wholly past it).
+      constexpr int kLanesPerBlock = kFp8BlockSize / kPer;
+      uint2 q[kUnroll];
+      float sc[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float f[kPer];
+        dev::bf16x8_to_float(v[u], f);
+        q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);
+      }
+      for (uint64_t mm = m; mm; mm &= mm - 1) {
+        uint8_t* out = dst(lowest_rank(mm));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int vi = v0 + u * kWarpSize + lane;
+          if (vi < vecs) {
+            reinterpret_cast<uint2*>(out)[vi] = q[u];
+            if (lane % kLanesPerBlock == 0)
+              reinterpret_cast<float*>(out + parts.scales)[vi / kLanesPerBlock] = sc[u];
+          }
+        }
+      }
+    }
+  }
+  int32_t id = -1;
+  float weight = 0.f;
+  if (lane < K) {
+    id = int32_t(load_id(S, me.topk_ids, n, lane));
+    weight = __ldg(me.topk_weights + size_t(n) * K + lane);
+  }
+  for (uint64_t mm = m; mm; mm &= mm - 1) {
+    uint8_t* out = dst(lowest_rank(mm));
+    if constexpr (kDtype == DispatchDtype::kFP8) {
+      for (int g = lane; g < S.groups; g += kWarpSize)
+        reinterpret_cast<float*>(out + parts.scales)[g] = __ldg(me.x_scales + size_t(n) * S.groups + g);
+    }
+    if (lane < K) {
+      reinterpret_cast<int32_t*>(out + parts.ids)[lane] = id;
+      reinterpret_cast<float*>(out + parts.weights)[lane] = weight;
+    }
+    if (lane == 0) *reinterpret_cast<int32_t*>(out + parts.index) = n;
+  }
+}
+
+// Channel c of rank `me`: its tokens into the dispatch rings of their destinations (returns early
+// when a wait failed: recorded in the status word).
+template <DispatchDtype kDtype>
+__device__ __forceinline__ void send_channel(const HtDispatchParams& p, const HtDispatchRank& me,
+                                             const dev::WaitContext& w, int c) {
+  __shared__ uint64_t base[kMaxRanks];     // ring position of this batch's first row for r
+  __shared__ uint32_t bal[kMaxRanks];      // bit i: token i of the batch goes to r
+  __shared__ uint64_t mask_of[kWarpSize];  // destinations of token i of the batch
+  __shared__ int32_t failed;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, s = me.rank, ring = L.dispatch_ring;
+  const int N = me.num_tokens;
+  const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
+  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  uint64_t* sent = at<uint64_t>(me.local, L.dsent) + size_t(c) * W;
+  const uint64_t* head = at<uint64_t>(me.local, L.dhead) + size_t(c) * W;  // readers' progress
+  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  for (int r = threadIdx.x; r < W; r += blockDim.x) base[r] = sent[r];
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int t = t0; t < t1; t += num_warps) {
+    const int t_end = min(t1, t + num_warps);
+    if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
+    __syncthreads();
+    // Room for the batch in every destination's ring.
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      const int cnt = __popc(bal[r]);
+      if (cnt == 0) continue;
+      const uint64_t need = base[r] + cnt;
+      const bool ok = dev::bounded_wait(
+          w, Phase::kRingSpace, r, int64_t(need - ring),
+          [&] { return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring); },
+          [&] { return int64_t(dev::ld_acquire_sys(head + r)); });
+      if (!ok) failed = 1;
+    }
+    __syncthreads();
+    if (failed) return;
+    if (t + warp < t_end) {
+      const uint64_t m = mask_of[warp];
+      if (m != 0) {
+        // This token's row in ring (s -> r, c): after the batch's earlier tokens for r.
+        auto dst = [&](int r) {
+          const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
+          return cm.peers[r] + L.dring +
+                 ((size_t(c) * W + s) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
+        };
+        write_token<kDtype>(p, me, t + warp, m, dst);
+      }
+    }
+    __syncthreads();
+    // Publish: the batch's rows are written (the block's writes, then the release).
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      const int cnt = __popc(bal[r]);
+      if (cnt == 0) continue;
+      base[r] += cnt;
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s, base[r]);
+    }
+    __syncthreads();
+  }
+  for (int r = threadIdx.x; r < W; r += blockDim.x) sent[r] = base[r];
+}
+
+// ---- transfer: receive -----------------------------------------------------------------------
+
+// Ring row `src` (source q) into received row `row` of the receive area.
+__device__ __forceinline__ void read_row(const HtShape& S, const HtDispatchRank& me,
+                                         const HtRowsLayout& RL, const uint8_t* src, int row, int q) {
+  const int lane = threadIdx.x % kWarpSize;
+  const SlotParts parts = slot_parts(S);
+  const int vecs = S.wire_row_bytes / 16;
+  int4* out = reinterpret_cast<int4*>(me.rows + RL.recv_x + size_t(row) * S.wire_row_bytes);
+  for (int v0 = 0; v0 < vecs; v0 += kUnroll * kWarpSize) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kWarpSize + lane;
+      if (vi < vecs) v[u] = ld_ring(src + size_t(vi) * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int vi = v0 + u * kWarpSize + lane;
+      if (vi < vecs) out[vi] = v[u];
+    }
+  }
+  float* scales = reinterpret_cast<float*>(me.rows + RL.recv_scales);
+  for (int g = lane; g < S.groups; g += kWarpSize)
+    scales[ht_scale_index(S, row, g, RL.rows)] = __ldcg(reinterpret_cast<const float*>(src + parts.scales) + g);
+  if (lane < S.topk) {
+    reinterpret_cast<int32_t*>(me.rows + RL.recv_topk_ids)[size_t(row) * S.topk + lane] =
+        __ldcg(reinterpret_cast<const int32_t*>(src + parts.ids) + lane);
+    reinterpret_cast<float*>(me.rows + RL.recv_topk_w)[size_t(row) * S.topk + lane] =
+        __ldcg(reinterpret_cast<const float*>(src + parts.weights) + lane);
+  }
+  if (lane == 0) {
+    reinterpret_cast<int32_t*>(me.rows + RL.recv_src_rank)[row] = q;
+    reinterpret_cast<int32_t*>(me.rows + RL.recv_src_idx)[row] =
+        __ldcg(reinterpret_cast<const int32_t*>(src + parts.index));
+  }
+}
+
+// Channel c's rings into the receive area: segment (q, c) at seg_offset[q][c].
+__device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const HtDispatchRank& me,
+                                                const dev::WaitContext& w, int c) {
+  __shared__ uint64_t consumed[kMaxRanks];  // ring position read so far, from source q
+  __shared__ int32_t done[kMaxRanks];       // rows of segment (q, c) read this round
+  __shared__ int32_t todo[kMaxRanks];       // rows of segment (q, c)
+  __shared__ int32_t avail[kMaxRanks];      // rows readable now
+  __shared__ int32_t first[kMaxRanks + 1];  // prefix of avail
+  __shared__ int32_t finished, failed;
+  __shared__ uint64_t idle_since;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, r = me.rank, ring = L.dispatch_ring;
+  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  uint64_t* recvd = at<uint64_t>(me.local, L.drecv) + size_t(c) * W;
+  const uint64_t* tail = at<uint64_t>(me.local, L.dtail) + size_t(c) * W;  // writers' progress
+  const int32_t* seg_count = at<int32_t>(me.local, L.seg_count);
+  const int32_t* seg_offset = at<int32_t>(me.local, L.seg_offset);
+  const HtRowsLayout RL = rows_layout(me.area_rows, S.wire_row_bytes, S.groups, S.topk, S.hidden);
+  const uint8_t* rings = me.local + L.dring;
+  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+    consumed[q] = recvd[q];
+    done[q] = 0;
+    todo[q] = seg_count[q * C + c];
+  }
+  if (threadIdx.x == 0) {
+    failed = 0;
+    idle_since = 0;
+  }
+  __syncthreads();
+  for (;;) {
+    for (int q = threadIdx.x; q < W; q += blockDim.x) {
+      int32_t a = 0;
+      if (todo[q] > done[q]) {
+        const uint64_t written = dev::ld_acquire_sys(tail + q);
+        a = int32_t(min(written - consumed[q], uint64_t(todo[q] - done[q])));
+      }
+      avail[q] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int32_t run = 0;
+      int waiting = -1;
+      for (int q = 0; q < W; ++q) {
+        first[q] = run;
+        run += avail[q];
+        if (todo[q] > done[q] && waiting < 0) waiting = q;
+      }
+      first[W] = run;
+      finished = waiting < 0;
+      if (run > 0 || waiting < 0) {
+        idle_since = 0;
+      } else if (idle_since == 0) {
+        idle_since = dev::globaltimer_ns();
+      } else if (dev::aborted(w)) {
+        failed = 1;
+      } else if (dev::globaltimer_ns() - idle_since > w.timeout_ns) {
+        dev::record_error(w, StatusCode::kTimeout, Phase::kDispatchData, waiting,
+                          int64_t(consumed[waiting] + 1), int64_t(dev::ld_acquire_sys(tail + waiting)));
+        failed = 1;
+      }
+    }
+    __syncthreads();
+    if (finished || failed) break;
+    const int total = first[W];
+    if (total == 0) {
+      __nanosleep(128);
+      continue;
+    }
+    for (int j = warp; j < total; j += num_warps) {
+      int q = 0;
+      while (j >= first[q + 1]) ++q;
+      const int i = j - first[q];
+      const uint64_t pos = consumed[q] + uint64_t(i);
+      const uint8_t* src = rings + ((size_t(c) * W + q) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
+      read_row(S, me, RL, src, seg_offset[q * C + c] + done[q] + i, q);
+    }
+    __syncthreads();
+    // Publish how far this rank has read (the block's loads, then the release).
+    for (int q = threadIdx.x; q < W; q += blockDim.x) {
+      if (avail[q] == 0) continue;
+      consumed[q] += uint64_t(avail[q]);
+      done[q] += avail[q];
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[q], L.dhead) + size_t(c) * W + r, consumed[q]);
+    }
+    __syncthreads();
+  }
+  if (failed) return;
+  for (int q = threadIdx.x; q < W; q += blockDim.x) recvd[q] = consumed[q];
+}
+
+template <DispatchDtype kDtype>
+__global__ void __launch_bounds__(kMaxThreads)
+    ht_transfer_kernel(const __grid_constant__ HtDispatchParams p) {
+  const HtBlock hb = ht_block(p.common.num_ranks);
+  const HtDispatchRank& me = p.ranks[hb.slot];
+  dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
+  if (dev::aborted(w)) return;
+  w.call = at<HtState>(me.local, p.common.layout.state)->epoch;
+  const int C = p.common.layout.channels;
+  if (hb.b < C) {
+    send_channel<kDtype>(p, me, w, hb.b);
+  } else {
+    receive_channel(p, me, w, hb.b - C);
+  }
+}
+
+}  // namespace
+
+void load_ht_dispatch_kernels() {
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_count_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kBF16>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kFP8>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kBF16ToFP8>));
+}
+
+void launch_ht_count(const HtDispatchParams& p, int channels, int warps, cudaStream_t stream) {
+  ht_count_kernel<<<dim3(channels * p.common.num_ranks), dim3(warps * kWarpSize), 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_ht_transfer(const HtDispatchParams& p, DispatchDtype dtype, int channels, int warps,
+                        cudaStream_t stream) {
+  const dim3 grid(2 * channels * p.common.num_ranks), block(warps * kWarpSize);
+  switch (dtype) {
+    case DispatchDtype::kBF16:
+      ht_transfer_kernel<DispatchDtype::kBF16><<<grid, block, 0, stream>>>(p);
+      break;
+    case DispatchDtype::kFP8:
+      ht_transfer_kernel<DispatchDtype::kFP8><<<grid, block, 0, stream>>>(p);
+      break;
+    case DispatchDtype::kBF16ToFP8:
+      ht_transfer_kernel<DispatchDtype::kBF16ToFP8><<<grid, block, 0, stream>>>(p);
+      break;
+  }
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epx::ht

@@ -1,0 +1,122 @@
+#pragma once
+// Launch parameters and launchers of the high_throughput kernels (ht_dispatch.cu, ht_combine.cu).
+// One params struct per kernel (STYLE §7), trivially copyable, passed as __grid_constant__.
+//
+// A dispatch is two kernels: `count` (each rank's channels post how many rows they send to each
+// rank; every rank then lays out its receive area by (source, channel) and knows M) and
+// `transfer` (per channel a sending block streams rows into the rings and a receiving block
+// drains the rings into the receive area). With exact output sizes the host reads M between
+// them. Combine is one kernel: per channel a sending block streams each received row's partial
+// back through the combine rings, and a receiving block sums, per token, the partials of the ranks
+// that got it, in rank order.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backends/high_throughput/ht_layout.hpp"
+#include "core/device_status.hpp"
+#include "epx/config.hpp"
+
+#if defined(__CUDACC__)
+#define EPX_HOST_DEVICE __host__ __device__
+#else
+#define EPX_HOST_DEVICE
+#endif
+
+namespace epx::ht {
+
+// What every rank of a launch shares.
+struct HtShape {
+  int32_t world;
+  int32_t hidden;
+  int32_t num_experts;
+  int32_t num_local;
+  int32_t topk;
+  int32_t groups;           // fp8 scale blocks per row (0: bf16 wire)
+  int32_t wire_row_bytes;
+  int32_t scale_col_major;  // recv scales [G][rows]
+  int32_t ids_int64;
+};
+
+// Ranks one launch may serve (an in-process group sharing a GPU).
+inline constexpr int kMaxLaunchRanks = 32;
+
+struct HtCommon {
+  uint8_t* const* peers;  // device array [W]: every rank's symmetric buffer
+  HtLayout layout;
+  HtShape shape;
+  uint64_t timeout_ns;
+  int32_t num_ranks;      // ranks served by this launch, gridDim.x / num_ranks blocks each
+};
+
+// The received rows' areas of `rows` rows, in one allocation (the host sizes it, the kernels
+// address it): one definition for both sides.
+inline EPX_HOST_DEVICE HtRowsLayout rows_layout(int rows, int64_t row_bytes, int groups, int topk,
+                                                int hidden) {
+  auto carve = [](size_t& c, size_t bytes) {
+    const size_t off = c;
+    c = (c + bytes + 255) / 256 * 256;
+    return off;
+  };
+  const size_t R = size_t(rows);
+  HtRowsLayout L{};
+  size_t c = 0;
+  L.rows = rows;
+  L.recv_x = carve(c, R * size_t(row_bytes));
+  L.recv_scales = carve(c, R * size_t(groups) * sizeof(float));
+  L.recv_src_rank = carve(c, R * sizeof(int32_t));
+  L.recv_src_idx = carve(c, R * sizeof(int32_t));
+  L.recv_topk_ids = carve(c, R * size_t(topk) * sizeof(int32_t));
+  L.recv_topk_w = carve(c, R * size_t(topk) * sizeof(float));
+  L.partials = carve(c, R * size_t(hidden) * 2);
+  L.total = c;
+  return L;
+}
+
+struct HtDispatchRank {
+  uint8_t* local;             // this rank's symmetric buffer (== peers[rank])
+  DeviceStatus* host_status;  // mapped host mirror of its status word
+  int32_t rank;
+  int32_t num_tokens;
+  const void* x;
+  const float* x_scales;
+  const void* topk_ids;
+  const float* topk_weights;
+  uint8_t* rows;              // the received rows' allocation (transfer only)
+  int32_t area_rows;          // its rows
+};
+
+struct HtDispatchParams {
+  HtCommon common;
+  HtDispatchRank ranks[kMaxLaunchRanks];
+};
+
+struct HtCombineRank {
+  uint8_t* local;
+  DeviceStatus* host_status;
+  int32_t rank;
+  const void* expert_out;  // [M][H] bf16 partials, row j = received row j
+  void* y;                 // [N][H] bf16
+};
+
+struct HtCombineParams {
+  HtCommon common;
+  HtCombineRank ranks[kMaxLaunchRanks];
+};
+
+static_assert(std::is_trivially_copyable_v<HtDispatchParams> && sizeof(HtDispatchParams) <= 4096);
+static_assert(std::is_trivially_copyable_v<HtCombineParams> && sizeof(HtCombineParams) <= 4096);
+
+// Load the kernels on the current device (see peer::preload_kernels for why up front).
+void load_ht_dispatch_kernels();
+void load_ht_combine_kernels();
+// `channels` per rank: count launches one block per channel, transfer and combine two (a sending
+// and a receiving block), each of `warps` warps.
+void launch_ht_count(const HtDispatchParams& p, int channels, int warps, cudaStream_t stream);
+void launch_ht_transfer(const HtDispatchParams& p, DispatchDtype dtype, int channels, int warps,
+                        cudaStream_t stream);
+void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream);
+
+}  // namespace epx::ht

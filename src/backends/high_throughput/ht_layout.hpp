@@ -1,0 +1,76 @@
+#pragma once
+// The high_throughput backend's memory, derived from EpConfig and the launch shapes by
+// make_ht_layout() alone (STYLE §4).
+//
+// Rows flow through rings: ring (q -> r, c) carries the rows that rank q's channel c sends to
+// rank r, `ring_rows` slots in r's symmetric memory. Positions in a ring count rows since the
+// object was created (never reset): the writer publishes how far it has written (tail, in the
+// reader's memory), the reader how far it has read (head, in the writer's memory). The counts of
+// a round travel first, so that every receiver knows where each (source, channel) segment of its
+// rows begins: rows are ordered by (source rank, source index) on every call.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epx/config.hpp"
+
+namespace epx::ht {
+
+inline constexpr int kMaxChannels = 64;
+
+// Cross-call state of one rank, advanced by the kernels (DESIGN §5.1).
+struct HtState {
+  uint32_t epoch;          // the last dispatch whose counts are complete (1 = the first)
+  int32_t num_tokens;      // its N
+  int32_t recv_count;      // its M
+  int32_t pad;
+};
+
+struct HtLayout {
+  int channels = 0;          // C: token ranges of a rank that move independently
+  int dispatch_ring = 0;     // rows per dispatch ring
+  int combine_ring = 0;      // rows per combine ring
+  size_t dispatch_slot = 0;  // bytes of one dispatch ring row: payload, scales, ids, weights, index
+  // symmetric part
+  size_t counts;        // uint64 [2][W][C]: (epoch << 32 | rows) that sender q's channel c sends here
+  size_t expert_rows;   // int32 [2][E/W]: (token, local expert) pairs of the round, by parity
+  size_t dtail;         // uint64 [C][W]: rows sender q has written into ring (q -> this rank, c)
+  size_t dhead;         // uint64 [C][W]: rows receiver r has read from ring (this rank -> r, c)
+  size_t ctail;         // uint64 [C][W]: combine: rows rank q has written into (q -> this, c)
+  size_t chead;         // uint64 [C][W]: combine: rows owner r has read from (this -> r, c)
+  size_t dring;         // [C][W][dispatch_ring][dispatch_slot]: ring (q -> this, c) at [c][q]
+  size_t cring;         // bf16 [C][W][combine_ring][H]: ring (q -> this, c) at [c][q]
+  size_t symmetric_end;
+  // local part
+  size_t state;         // HtState
+  size_t status;        // DeviceStatus
+  size_t token_mask;    // uint64 [max_tokens]: destination ranks of each token of the round
+  size_t seg_offset;    // int32 [W][C]: first received row of segment (q, c)
+  size_t seg_count;     // int32 [W][C]: rows of segment (q, c)
+  size_t dsent;         // uint64 [C][W]: rows this rank has written into ring (this -> r, c)
+  size_t drecv;         // uint64 [C][W]: rows this rank has read from ring (q -> this, c)
+  size_t csent;         // uint64 [C][W]
+  size_t crecv;         // uint64 [C][W]
+  size_t expert_counts;  // int32 [E/W]
+  size_t total;
+};
+
+// Byte offsets of the received rows' areas in a separate local allocation of `rows` rows
+// (worst case: world_size * max_tokens_per_rank; else sized per round).
+struct HtRowsLayout {
+  int rows = 0;
+  size_t recv_x;         // [rows][wire_row_bytes]
+  size_t recv_scales;    // f32 [rows][G] or [G][rows] (fp8 wires)
+  size_t recv_src_rank;  // int32 [rows]
+  size_t recv_src_idx;   // int32 [rows]
+  size_t recv_topk_ids;  // int32 [rows][K]
+  size_t recv_topk_w;    // f32 [rows][K]
+  size_t partials;       // bf16 [rows][H]: the combine buffer
+  size_t total;
+};
+
+// `channels`: blocks per rank of each op / 2 (a sending and a receiving block per channel).
+HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, int combine_ring);
+// (The received rows' areas: rows_layout() in ht_kernels.hpp, shared with the kernels.)
+
+}  // namespace epx::ht

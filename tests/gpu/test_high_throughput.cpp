@@ -1,0 +1,203 @@
+// GPU suite of the high_throughput backend on in-process worlds sharing one GPU: every case runs
+// dispatch -> identity expert -> combine and compares all outputs with the CPU reference
+// (dispatch exactly and in order: its rows are always ordered by (source rank, source index);
+// combine bit for bit), with receive areas sized per call (the host reads the count back) and
+// for the worst case (no host read, graph replays), per rank and one launch per GPU, and with
+// rings small enough that every call laps them many times.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu_group.hpp"
+#include "epx/all2all.hpp"
+#include "epx/error.hpp"
+#include "testing/harness.hpp"
+
+namespace epx {
+namespace {
+
+struct HtCase {
+  const char* name;
+  int world, hidden, experts, topk;
+  std::vector<int> tokens;  // one count for every rank, or one per rank
+  DispatchDtype dtype;
+  ref::RoutingKind routing;
+  ScaleLayout scales = ScaleLayout::kRowMajor;
+  bool ids64 = false;
+};
+
+using D = DispatchDtype;
+using R = ref::RoutingKind;
+
+const HtCase kCases[] = {
+    {"w1_h2048_e8_k1_bf16", 1, 2048, 8, 1, {7}, D::kBF16, R::kUniform},
+    {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, {0, 128}, D::kBF16ToFP8, R::kUniform},
+    {"w3_h2048_e24_k4_fp8_col", 3, 2048, 24, 4, {7, 0, 1024}, D::kFP8, R::kSkewed,
+     ScaleLayout::kColumnMajor},
+    {"w4_h4096_e32_k4_bf16_masked_ids64", 4, 4096, 32, 4, {0, 1, 7, 1024}, D::kBF16, R::kMasked,
+     ScaleLayout::kRowMajor, true},
+    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, {1024, 128, 0, 7}, D::kBF16ToFP8,
+     R::kOneExpert},
+    {"w8_r1_1024_q", 8, 7168, 256, 8, {1024}, D::kBF16ToFP8, R::kUniform},
+    {"w8_r1_mixed_fp8", 8, 7168, 256, 8, {0, 1, 7, 128, 4096, 0, 1024, 7}, D::kFP8, R::kSkewed},
+    {"w8_h2048_e8_k1_bf16", 8, 2048, 8, 1, {4096, 0, 1, 7, 128, 1, 0, 7}, D::kBF16,
+     R::kUniform},
+};
+
+testing::CheckOptions options_for(const HtCase& c, bool worst_case) {
+  testing::CheckOptions o;
+  o.backend = Backend::kHighThroughput;
+  o.cfg.world_size = c.world;
+  o.cfg.hidden = c.hidden;
+  o.cfg.num_experts = c.experts;
+  o.cfg.topk = c.topk;
+  o.cfg.dtype = c.dtype;
+  o.cfg.scale_layout = c.scales;
+  o.cfg.worst_case_output = worst_case;
+  o.tokens = c.tokens;
+  int max_t = 1;
+  for (int t : o.tokens) max_t = std::max(max_t, t);
+  o.cfg.max_tokens_per_rank = max_t;
+  o.routing = c.routing;
+  o.ids_int64 = c.ids64;
+  o.iters = 2;
+  o.seed = 13;
+  return o;
+}
+
+std::string describe(const testing::CheckReport& rep) {
+  std::string s;
+  for (const auto& m : rep.mismatches) s += "\n  " + m;
+  return s;
+}
+
+// Sized per call (each rank from its own host thread) and for the worst case.
+class HtCheck : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(HtCheck, MatchesReferenceInOrder) {
+  REQUIRE_GPU();
+  const auto [index, worst_case] = GetParam();
+  const auto rep = testing::run_check(options_for(kCases[index], worst_case));
+  EXPECT_TRUE(rep.ok) << describe(rep);
+  EXPECT_EQ(rep.calls, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, HtCheck,
+                         ::testing::Combine(::testing::Range(0, int(std::size(kCases))),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& i) {
+                           return std::string(kCases[std::get<0>(i.param)].name) +
+                                  (std::get<1>(i.param) ? "_worst_case" : "_sized");
+                         });
+
+// One launch per GPU, sized per call (one host read for the group) and, for the worst case,
+// captured once and replayed.
+TEST(HighThroughput, OneLaunchSizedAndReplayed) {
+  REQUIRE_GPU();
+  for (const bool worst_case : {false, true}) {
+    auto o = options_for(kCases[6], worst_case);
+    o.one_launch = true;
+    o.graph_replays = worst_case ? 20 : 0;
+    const auto rep = testing::run_check(o);
+    EXPECT_TRUE(rep.ok) << (worst_case ? "worst case" : "sized") << describe(rep);
+  }
+}
+
+// Graph replays with fresh inputs, and one rank eager while the others replay: the ring
+// positions live on the device and advance with every call, captured or not.
+TEST(HighThroughput, GraphReplaysAndMixed) {
+  REQUIRE_GPU();
+  for (const bool mixed : {false, true}) {
+    auto o = options_for(kCases[5], true);
+    o.iters = 1;
+    o.graph_replays = 100;
+    o.mixed = mixed;
+    o.verify_every = 10;
+    const auto rep = testing::run_check(o);
+    EXPECT_TRUE(rep.ok) << (mixed ? "mixed" : "graph") << describe(rep);
+    EXPECT_EQ(rep.replays, 100);
+  }
+}
+
+// Rings of 4 rows with 2-warp blocks and one channel: 4096 tokens per rank lap each ring about a
+// thousand times a call, so the writers wait for the readers again and again.
+TEST(HighThroughput, SmallRingsLapManyTimes) {
+  REQUIRE_GPU();
+  auto o = options_for(kCases[7], false);
+  o.cfg.world_size = 4;
+  o.tokens = {4096, 1, 0, 2048};
+  o.cfg.max_tokens_per_rank = 4096;
+  for (LaunchConfig* op : {&o.launch.dispatch, &o.launch.combine}) {
+    op->num_blocks = 2;
+    op->warps_per_block = 2;
+    op->ring_rows = 4;
+  }
+  const auto rep = testing::run_check(o);
+  EXPECT_TRUE(rep.ok) << describe(rep);
+}
+
+// A rank that never calls: its peers' waits expire with a TimeoutError naming it, and nothing
+// hangs (the receiving blocks give up after the timeout without progress).
+TEST(HighThroughput, AMissingRankTimesOutNamingIt) {
+  REQUIRE_GPU();
+  EpConfig c = gpu_test::small_config();
+  c.worst_case_output = true;  // no host read: rank 0's dispatch returns at once
+  gpu_test::Group g(c, 2, Backend::kHighThroughput);
+  const int N = 8;
+  std::vector<uint16_t> x(size_t(N) * c.hidden, 0x3f80);
+  std::vector<int32_t> ids(size_t(N) * c.topk);
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < c.topk; ++k) ids[size_t(n) * c.topk + k] = (n + 4 * k) % c.num_experts;
+  std::vector<float> w(ids.size(), 0.25f);
+  DispatchInput in{.num_tokens = N,
+                   .x = g.upload(x),
+                   .topk_ids = g.upload(ids),
+                   .topk_weights = g.upload(w)};
+  (void)g.a2a[0]->dispatch(in, g.streams[0]);
+  try {
+    g.a2a[0]->synchronize(g.streams[0]);
+    FAIL() << "expected a TimeoutError";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(g.a2a[0]->dispatch(in, g.streams[0]), StateError);
+}
+
+// What the backend refuses, by name, before anything is launched.
+TEST(HighThroughput, RefusesWhatItCannotDo) {
+  REQUIRE_GPU();
+  EpConfig c = gpu_test::small_config();
+  c.world_size = 2;
+  InProcessWorld world(2);
+  auto refuses = [&](EpConfig cfg, LaunchConfigs lc, const char* field) {
+    try {
+      (void)make_all2all_group(Backend::kHighThroughput, cfg, world, lc);
+      ADD_FAILURE() << "expected a ConfigError naming " << field;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  EpConfig em = c;
+  em.layout = OutputLayout::kExpertMajor;
+  refuses(em, {}, "layout");
+  EpConfig r2 = c;
+  r2.rounds_in_flight = 2;
+  refuses(r2, {}, "rounds_in_flight");
+  LaunchConfigs odd;
+  odd.dispatch.num_blocks = 3;
+  refuses(c, odd, "dispatch.num_blocks");
+  LaunchConfigs ring;
+  ring.combine.warps_per_block = 8;
+  ring.combine.ring_rows = 8;
+  refuses(c, ring, "combine.ring_rows");
+  LaunchConfigs apart;
+  apart.dispatch.num_blocks = 4;
+  apart.combine.num_blocks = 2;
+  refuses(c, apart, "combine.num_blocks");
+  gpu_test::Group g(c, 2, Backend::kHighThroughput);
+  EXPECT_THROW(g.a2a[0]->dispatch_send({}, g.streams[0]), ConfigError);
+}
+
+}  // namespace
+}  // namespace epx
