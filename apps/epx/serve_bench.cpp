@@ -93,7 +93,7 @@ bool run_serve_bench(const serve::Plan& plan) {
 
   serve::RankThreads threads(p.workload.world);
   std::vector<serve::BackendResult> results;
-  for (Backend b : p.backends) {
+  for (const serve::BackendMix& b : p.backends) {
     for (const bool overlap : {false, true}) {
       if (overlap && !p.overlap) continue;
       results.push_back(serve::run_backend(p, b, false, overlap, world, ranks, threads));

@@ -18,24 +18,34 @@ constexpr int kDeepSeekMoeLayers = 58;  // DeepSeek-R1: 61 layers, the first 3 d
 constexpr int kOrigPrompts = 2000, kOrigIsl = 2000, kOrigOsl = 100, kOrigConcurrency = 2000,
               kOrigChunk = 1024, kOrigBatched = 32768;
 
+// --preset prefill: long prompts, few output tokens (prefill-heavy).
+constexpr int kPrefillPromptsPerRank = 4, kPrefillIsl = 8192, kPrefillOsl = 16,
+              kPrefillBatched = 2048, kPrefillChunk = 128;
+
 std::string preset_help() {
-  return fmt::format(
+  const std::string original = fmt::format(
       "original: the DeepSeek-R1 DP{0}/EP{0} test of the system we descend from ({1} prompts, "
       "ISL {2}, OSL {3}, concurrency {4}, chunk {5}, {6} batched tokens per rank) scaled to one "
       "GPU: the --world ranks share one GPU, so prompts, concurrency and batched tokens are "
       "divided by --world ({7}, {7}, {8} at 8 ranks: the GPU carries per step the tokens one "
       "GPU of the original carried); ISL, OSL and chunk are kept; the model's {9} MoE layers "
-      "become --layers. Flags given explicitly win over the preset",
+      "become --layers",
       8, kOrigPrompts, kOrigIsl, kOrigOsl, kOrigConcurrency, kOrigChunk, kOrigBatched,
       (kOrigPrompts + 7) / 8, kOrigBatched / 8, kDeepSeekMoeLayers);
+  return original + fmt::format(
+      ". prefill: a prefill-heavy workload ({} prompts per rank of ISL {}, OSL {}, {} batched "
+      "tokens per rank, chunk {}), to compare a decode backend alone with DECODE+high_throughput. "
+      "Flags given explicitly win over the preset",
+      kPrefillPromptsPerRank, kPrefillIsl, kPrefillOsl, kPrefillBatched, kPrefillChunk);
 }
 
 // Sets the workload flags the user did not give (`given` holds the names of those given);
 // returns the line that says what it did.
 std::string apply_preset(Flags& f, const std::set<std::string>& given) {
   if (f.preset.empty()) return "";
-  if (f.preset != "original") {
-    EPX_THROW(ConfigError, fmt::format("--preset = '{}', expected original", f.preset));
+  if (f.preset != "original" && f.preset != "prefill") {
+    EPX_THROW(ConfigError,
+              fmt::format("--preset = '{}', expected original or prefill", f.preset));
   }
   Workload& w = f.workload;
   check_range("--world", w.world, 1, 32, "in-process ranks on one GPU");
@@ -43,6 +53,19 @@ std::string apply_preset(Flags& f, const std::set<std::string>& given) {
   auto set = [&](const char* flag, int& field, int value) {
     if (!given.count(flag)) field = value;
   };
+  if (f.preset == "prefill") {
+    set("--num-prompts", w.num_prompts, kPrefillPromptsPerRank * w.world);
+    set("--concurrency", w.concurrency, kPrefillPromptsPerRank * w.world);
+    set("--isl", w.isl, kPrefillIsl);
+    set("--osl", w.osl, kPrefillOsl);
+    set("--max-batched-tokens", w.max_batched_tokens, kPrefillBatched);
+    set("--chunk-size", w.chunk_size, kPrefillChunk);
+    return fmt::format(
+        "preset prefill: {} prompts ({} per rank), concurrency {}, ISL {}, OSL {}, {} batched "
+        "tokens per rank, chunk {}: mostly prefill steps ({})",
+        w.num_prompts, kPrefillPromptsPerRank, w.concurrency, w.isl, w.osl, w.max_batched_tokens,
+        w.chunk_size, given.empty() ? "no workload flag given" : "explicit flags win");
+  }
   set("--num-prompts", w.num_prompts, (kOrigPrompts + div - 1) / div);
   set("--concurrency", w.concurrency, (kOrigConcurrency + div - 1) / div);
   set("--max-batched-tokens", w.max_batched_tokens, std::max(1, kOrigBatched / div));
@@ -184,6 +207,42 @@ const char* graph_experts_name(GraphExperts g) {
   return g == GraphExperts::kSwitch ? "switch" : "all-rows";
 }
 
+std::string BackendMix::name() const {
+  return prefill ? fmt::format("{}+{}", to_string(decode), to_string(*prefill))
+                 : std::string(to_string(decode));
+}
+
+namespace {
+
+// --backends: comma items, each a backend or decode+prefill; each item once.
+std::vector<BackendMix> parse_backend_mixes(const std::string& text) {
+  std::vector<BackendMix> out;
+  for (const std::string& item : split_list(text, "--backends")) {
+    const size_t plus = item.find('+');
+    BackendMix m;
+    m.decode = parse_backend_flag(item.substr(0, plus), "--backends");
+    if (plus != std::string::npos) {
+      m.prefill = parse_backend_flag(item.substr(plus + 1), "--backends");
+      if (*m.prefill == m.decode) {
+        EPX_THROW(ConfigError, fmt::format("--backends item '{}': expected two different backends "
+                                           "(decode+prefill)",
+                                           item));
+      }
+    }
+    const bool seen = std::any_of(out.begin(), out.end(),
+                                  [&](const BackendMix& o) { return o.name() == m.name(); });
+    if (seen) {
+      EPX_THROW(ConfigError, fmt::format("--backends = '{}' lists {} twice, expected each backend "
+                                         "once",
+                                         text, item));
+    }
+    out.push_back(m);
+  }
+  return out;
+}
+
+}  // namespace
+
 Plan make_plan(Flags f, const std::set<std::string>& given) {
   Plan p;
   p.cuda_graph = f.cuda_graph;
@@ -192,7 +251,23 @@ Plan make_plan(Flags f, const std::set<std::string>& given) {
   validate(p.workload);
   check_model_flags(f);
   p.cfg = make_config(f);
-  p.backends = parse_backend_list(f.backends, "--backends");
+  p.backends = parse_backend_mixes(f.backends);
+  const Workload& w = p.workload;
+  const bool mixed = std::any_of(p.backends.begin(), p.backends.end(),
+                                 [](const BackendMix& m) { return m.prefill.has_value(); });
+  p.prefill_threshold = f.prefill_threshold < 0 ? std::min(w.chunk_size, w.max_batched_tokens)
+                                                : f.prefill_threshold;
+  p.prefill_chunk = f.prefill_chunk == 0 ? w.max_batched_tokens : f.prefill_chunk;
+  if (f.prefill_threshold >= 0 || f.prefill_chunk != 0) {
+    EPX_CHECK(mixed, ConfigError, f.prefill_chunk != 0 ? "--prefill-chunk" : "--prefill-threshold",
+              f.prefill_chunk != 0 ? f.prefill_chunk : f.prefill_threshold,
+              "only with a DECODE+PREFILL entry in --backends");
+  }
+  check_range("--prefill-threshold", p.prefill_threshold, 0, w.max_batched_tokens,
+              "tokens per rank, at most --max-batched-tokens");
+  check_range("--prefill-chunk", p.prefill_chunk, 1, kMaxTokensPerRank,
+              "the prefill backend's max tokens per rank");
+  p.layer_max_tokens = mixed ? std::max(w.chunk_size, p.prefill_chunk) : w.chunk_size;
   p.weights = parse_weights(f.weights);
   p.shape = make_shape(f);
   p.launch = launch_from_env();
@@ -218,8 +293,17 @@ std::vector<CLI::Option*> add_flags(CLI::App* c, Flags& f) {
                     "in further chunks")};
   for (CLI::Option* o : workload_opts) o->capture_default_str();
   c->add_option("--backends", f.backends,
-                "comma list of naive | allgather_reducescatter | low_latency | high_throughput")
+                "comma list of naive | allgather_reducescatter | low_latency | high_throughput, "
+                "or DECODE+PREFILL (e.g. low_latency+high_throughput): steps whose largest rank "
+                "holds more than --prefill-threshold tokens go through PREFILL, in chunks of "
+                "--prefill-chunk, the others through DECODE")
       ->capture_default_str();
+  c->add_option("--prefill-threshold", f.prefill_threshold,
+                "with a DECODE+PREFILL backend: tokens per rank above which a step is a prefill "
+                "step (default: --chunk-size)");
+  c->add_option("--prefill-chunk", f.prefill_chunk,
+                "with a DECODE+PREFILL backend: the prefill backend's max tokens per rank "
+                "(default: --max-batched-tokens, one call per step)");
   c->add_option("--hidden", f.hidden, "hidden size H (multiple of 512)")->capture_default_str();
   c->add_option("--intermediate", f.intermediate, "routed experts' I (multiple of 512)")
       ->capture_default_str();

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -38,6 +39,17 @@ struct Flags {
   std::string graph_split;           // expert | none; empty = expert (rank scope)
   std::string graph_experts;         // auto | switch | all-rows; empty = auto
   bool overlap = false;
+  int prefill_threshold = -1;  // -1: --chunk-size
+  int prefill_chunk = 0;       // 0: --max-batched-tokens
+};
+
+// One entry of --backends: "decode" alone, or "decode+prefill" (steps whose largest rank holds
+// more than --prefill-threshold tokens go through the prefill backend, as engines switch to a
+// high-throughput path for prefill).
+struct BackendMix {
+  Backend decode{};
+  std::optional<Backend> prefill;
+  std::string name() const;  // "low_latency" or "low_latency+high_throughput"
 };
 
 // --weights: one MoeLayer per layer, or one per rank that every layer reuses.
@@ -51,7 +63,12 @@ const char* graph_experts_name(GraphExperts g);  // "switch" | "all-rows"
 // What a run does, validated.
 struct Plan {
   Workload workload;
-  std::vector<Backend> backends;
+  std::vector<BackendMix> backends;
+  int prefill_threshold = 0;  // tokens per rank above which a step uses a mix's prefill backend
+  int prefill_chunk = 0;      // the prefill backend's max_tokens_per_rank
+  // Tokens per rank the MoE layers are built for: the chunk, or with a mix the larger prefill
+  // chunk (a layer serves both All2All objects).
+  int layer_max_tokens = 0;
   MoeShape shape;
   EpConfig cfg;  // one rank's; max_tokens_per_rank = --chunk-size
   int layers = 2;

@@ -184,6 +184,7 @@ std::unique_ptr<MoeLayer> make_layer(const Plan& p, const InProcessWorld& world,
                                      int layer, testing::DeviceMoeWeights& weights) {
   EpConfig ep = p.cfg;
   ep.rank = rank;
+  ep.max_tokens_per_rank = p.layer_max_tokens;  // serves a mix's prefill All2All too
   EPX_CUDA_CHECK(cudaSetDevice(world.device_of(rank)));
   weights = testing::make_device_moe_weights(p.shape, p.seed + uint64_t(layer), rank,
                                              p.workload.world);
@@ -230,7 +231,15 @@ LayerWeights build_layers(const Plan& p, const InProcessWorld& world, Ranks& ran
       EpConfig ep = p.cfg;
       ep.rank = r;
       size_t most = 0;
-      for (Backend b : p.backends) most = std::max(most, buffer_bytes(b, ep));
+      for (const BackendMix& b : p.backends) {
+        size_t bytes = buffer_bytes(b.decode, ep);
+        if (b.prefill) {
+          EpConfig pc = ep;
+          pc.max_tokens_per_rank = p.prefill_chunk;
+          bytes += buffer_bytes(*b.prefill, pc);
+        }
+        most = std::max(most, bytes);
+      }
       reserve += most;
     }
     const size_t room = after > reserve ? after - reserve : 0;

@@ -12,9 +12,9 @@
 namespace epx::cli::serve {
 namespace {
 
-std::string backend_names(const std::vector<Backend>& backends) {
+std::string backend_names(const std::vector<BackendMix>& backends) {
   std::string out;
-  for (Backend b : backends) out += (out.empty() ? "" : ",") + std::string(to_string(b));
+  for (const BackendMix& b : backends) out += (out.empty() ? "" : ",") + b.name();
   return out;
 }
 
@@ -68,8 +68,15 @@ void print_header(const Plan& p, const GpuInfo& gpu, int sm_budget_per_rank,
   std::fflush(stdout);
 }
 
+// A row's name: the backend (or decode+prefill), then how decode steps ran.
+std::string row_name(const BackendResult& br) {
+  return fmt::format("{}{}{}", br.backend.name(), br.cuda_graph ? " (graph)" : "",
+                     br.overlap ? " (overlap)" : "");
+}
+
 void print_table(const std::vector<BackendResult>& results) {
-  constexpr int kName = 41;  // "allgather_reducescatter (graph) (overlap)"
+  int kName = 41;  // "allgather_reducescatter (graph) (overlap)", or the longest row's
+  for (const BackendResult& br : results) kName = std::max(kName, int(row_name(br).size()));
   fmt::print("\n{:<{}} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>10} {:>6} {:>8}\n", "backend", kName,
              "ITL mean", "P25", "P50", "P75", "TTFT mean", "TTFT P50", "out tok/s", "steps",
              "total");
@@ -77,9 +84,7 @@ void print_table(const std::vector<BackendResult>& results) {
              "ms", "ms", "ms", "ms", "ms", "", "", "s");
   bool any_graph = false;
   for (const BackendResult& br : results) {
-    const std::string name =
-        fmt::format("{}{}{}", to_string(br.backend), br.cuda_graph ? " (graph)" : "",
-                    br.overlap ? " (overlap)" : "");
+    const std::string name = row_name(br);
     any_graph |= br.cuda_graph;
     if (br.status != "ok") {
       fmt::print("{:<{}} {}: {}\n", name, kName, br.status, one_line(br.message, 100));
@@ -95,6 +100,18 @@ void print_table(const std::vector<BackendResult>& results) {
       "\nITL = gaps between consecutive output tokens of a request, pooled over requests; "
       "TTFT from submission (t = 0);\npercentiles by linear interpolation between closest "
       "ranks (numpy's default).\n");
+  if (std::any_of(results.begin(), results.end(),
+                  [](const BackendResult& br) { return br.backend.prefill.has_value(); })) {
+    fmt::print(
+        "DECODE+PREFILL rows: steps whose largest rank holds more than --prefill-threshold "
+        "tokens go through the PREFILL backend in chunks of --prefill-chunk; the others through "
+        "DECODE.\n");
+    for (const BackendResult& br : results) {
+      if (br.backend.prefill && br.status == "ok")
+        fmt::print("  {}: {} of {} steps through {}\n", row_name(br), br.prefill_backend_steps,
+                   br.steps, to_string(*br.backend.prefill));
+    }
+  }
   if (std::any_of(results.begin(), results.end(), [](const BackendResult& br) { return br.overlap; })) {
     fmt::print(
         "(overlap) rows: each decode-only step within one chunk runs as two micro-batches (half "
@@ -112,7 +129,7 @@ void print_table(const std::vector<BackendResult>& results) {
     fmt::print(
         "  {}{}: {} of {} steps replayed, capture + instantiation {:.2f} s, host time of one "
         "rank's cudaGraphLaunch calls of a step P50 {:.3f} ms, max {:.3f} ms\n",
-        to_string(br.backend), br.overlap ? " (overlap)" : "", br.graph_steps, br.steps, br.capture_s, 1e3 * br.launch_s.p50,
+        br.backend.name(), br.overlap ? " (overlap)" : "", br.graph_steps, br.steps, br.capture_s, 1e3 * br.launch_s.p50,
         1e3 * br.launch_s.max);
     if (br.piece_s.empty()) continue;
     std::string pieces;
@@ -185,7 +202,11 @@ nlohmann::json make_json(const Plan& p, int sm_budget_per_rank, const GpuInfo& g
       {"graph_experts", p.cuda_graph ? json(graph_experts_name(p.graph_experts)) : json(nullptr)}};
   json records = json::array();
   for (const BackendResult& br : results) {
-    json rec = {{"backend", to_string(br.backend)},
+    json rec = {{"backend", br.backend.name()},
+                {"decode_backend", to_string(br.backend.decode)},
+                {"prefill_backend", br.backend.prefill ? json(to_string(*br.backend.prefill))
+                                                       : json(nullptr)},
+                {"prefill_backend_steps", br.prefill_backend_steps},
                 {"mode", br.cuda_graph ? "cuda_graph" : "eager"},
                 {"overlap", br.overlap},
                 {"status", br.status}};

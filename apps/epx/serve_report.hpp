@@ -16,7 +16,7 @@ namespace epx::cli::serve {
 
 // One backend's run, eager or with decode graphs.
 struct BackendResult {
-  Backend backend{};
+  BackendMix backend{};       // the backend, or decode+prefill backends
   bool cuda_graph = false;    // decode steps replayed as CUDA graphs
   bool overlap = false;       // decode steps as two overlapped micro-batches (--overlap)
   int graph_steps = 0;        // steps run as graph replays
@@ -26,6 +26,7 @@ struct BackendResult {
   LatencyReport latency;
   int steps = 0;
   int prefill_steps = 0;  // steps with prefill tokens
+  int prefill_backend_steps = 0;  // steps that went through backend.prefill
   Summary step_s;
   Summary launch_s;              // cuda_graph: host time of cudaGraphLaunch, every rank's replays
   std::vector<Summary> piece_s;  // split graphs: GPU time of each piece, every rank's replays

@@ -21,8 +21,9 @@ constexpr double kProgressEveryS = 5.0;
 
 // The workload from the first step to the last, each step's wall time measured around
 // `run_all` (which runs `steps` on every rank); fills br's step counts, step times and latencies.
-void run_workload(const Plan& p, bool cuda_graph, bool overlap, std::vector<RankStep>& steps,
-                  const std::function<void()>& run_all, const std::string& tag, BackendResult& br) {
+void run_workload(const Plan& p, bool cuda_graph, bool overlap, bool mixed,
+                  std::vector<RankStep>& steps, const std::function<void()>& run_all,
+                  const std::string& tag, BackendResult& br) {
   const Workload& w = p.workload;
   const std::vector<int>& buckets = p.graph_buckets;
   Scheduler sched(w);
@@ -37,13 +38,18 @@ void run_workload(const Plan& p, bool cuda_graph, bool overlap, std::vector<Rank
     // A decode-only step within one chunk replays every rank's graph of the bucket that holds
     // the largest rank's batch; anything else runs eagerly.
     const int most = *std::max_element(plan.tokens.begin(), plan.tokens.end());
-    const int bucket = cuda_graph && !plan.has_prefill() && plan.num_chunks == 1
-                           ? decode_bucket(buckets, most)
-                           : 0;
-    const bool pair = overlap && !plan.has_prefill() && plan.num_chunks == 1;
+    // A mix's prefill backend takes the steps whose largest rank exceeds the threshold, in its
+    // own chunks; the decode backend the others.
+    const bool prefill = mixed && most > p.prefill_threshold;
+    const int chunks = prefill ? (most + p.prefill_chunk - 1) / p.prefill_chunk : plan.num_chunks;
+    const bool decode_path = !prefill && !plan.has_prefill() && plan.num_chunks == 1;
+    const int bucket = cuda_graph && decode_path ? decode_bucket(buckets, most) : 0;
+    const bool pair = overlap && decode_path;
     for (int r = 0; r < w.world; ++r)
-      steps[size_t(r)] = RankStep{plan.tokens[size_t(r)], plan.num_chunks, first_row, bucket, pair};
+      steps[size_t(r)] =
+          RankStep{plan.tokens[size_t(r)], chunks, first_row, bucket, pair, prefill};
     br.prefill_steps += plan.has_prefill();
+    br.prefill_backend_steps += prefill;
     br.graph_steps += bucket > 0;
     const auto s0 = std::chrono::steady_clock::now();
     run_all();
@@ -77,22 +83,30 @@ void summarize_graph_times(const Ranks& ranks, const WorldGraphs& world_graphs, 
 
 }  // namespace
 
-BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool overlap,
+BackendResult run_backend(const Plan& p, const BackendMix& backend, bool cuda_graph, bool overlap,
                           const InProcessWorld& world, Ranks& ranks, RankThreads& threads) {
   BackendResult br;
   br.backend = backend;
   br.cuda_graph = cuda_graph;
   br.overlap = overlap;
-  const std::string tag = fmt::format("serve-bench [{}{}{}]", to_string(backend),
+  const std::string tag = fmt::format("serve-bench [{}{}{}]", backend.name(),
                                       cuda_graph ? ", cuda graph" : "", overlap ? ", overlap" : "");
   const Workload& w = p.workload;
   const int W = w.world;
   const size_t row_bytes = size_t(p.shape.hidden) * 2;
-  All2AllGroup group;
+  All2AllGroup group, prefill_group;
   try {
     EpConfig cfg = p.cfg;
     if (overlap) cfg.rounds_in_flight = 2;  // micro-batch b is dispatched before a is combined
-    group = make_all2all_group(backend, cfg, world, p.launch.launch);
+    // high_throughput alone sizes its receive areas per call (a host read), which a decode graph
+    // cannot hold: with --cuda-graph it keeps the worst case instead.
+    cfg.worst_case_output = cuda_graph;
+    group = make_all2all_group(backend.decode, cfg, world, p.launch.launch);
+    if (backend.prefill) {
+      EpConfig pc = p.cfg;
+      pc.max_tokens_per_rank = p.prefill_chunk;
+      prefill_group = make_all2all_group(*backend.prefill, pc, world, p.launch.launch);
+    }
   } catch (const UnsupportedError& e) {
     br.status = "unavailable";
     br.message = e.what();
@@ -114,7 +128,9 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool 
       return;
     }
     threads.run([&](int r) {
-      run_step(*ranks[size_t(r)], *group[size_t(r)], p.layers, steps[size_t(r)], row_bytes);
+      run_step(*ranks[size_t(r)], *group[size_t(r)],
+               prefill_group.empty() ? nullptr : prefill_group[size_t(r)].get(), p.layers,
+               steps[size_t(r)], row_bytes);
     });
   };
   try {
@@ -123,7 +139,9 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool 
     const auto t_warm = std::chrono::steady_clock::now();
     const int chunk = w.chunk_size;
     for (const int n : {w.max_batched_tokens, std::min(chunk, w.max_batched_tokens), 1}) {
-      for (auto& s : steps) s = RankStep{n, (n + chunk - 1) / chunk, 0};
+      const bool prefill = backend.prefill && n > p.prefill_threshold;
+      const int c = prefill ? p.prefill_chunk : chunk;
+      for (auto& s : steps) s = RankStep{n, (n + c - 1) / c, 0, 0, false, prefill};
       run_all();
     }
     if (overlap) {  // the decode path the timed steps take
@@ -155,7 +173,7 @@ BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool 
       r->piece_s.clear();
     }
     world_graphs.launch_s.clear();
-    run_workload(p, cuda_graph, overlap, steps, run_all, tag, br);
+    run_workload(p, cuda_graph, overlap, backend.prefill.has_value(), steps, run_all, tag, br);
     summarize_graph_times(ranks, world_graphs, br);
     fmt::print(stderr, "{}: done, {} steps ({} graph replays), {:.1f} s (warm-up {:.1f} s{})\n",
                tag, br.steps, br.graph_steps, br.latency.end_s, br.warmup_s,

@@ -16,7 +16,7 @@ namespace epx::cli::serve {
 // call alone (the ranks' graphs, which hold it, are destroyed before it returns). Errors of the
 // backend are reported in the result (status unavailable or error) and on stderr, not thrown;
 // progress goes to stderr.
-BackendResult run_backend(const Plan& p, Backend backend, bool cuda_graph, bool overlap,
+BackendResult run_backend(const Plan& p, const BackendMix& backend, bool cuda_graph, bool overlap,
                           const InProcessWorld& world, Ranks& ranks, RankThreads& threads);
 
 }  // namespace epx::cli::serve

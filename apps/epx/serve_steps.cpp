@@ -97,8 +97,12 @@ void replay_decode_graph(Rank& rank, All2All& a2a, const RankStep& step, const v
 
 }  // namespace
 
-void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, size_t row_bytes) {
+void run_step(Rank& rank, All2All& decode, All2All* prefill, int num_layers, const RankStep& step,
+              size_t row_bytes) {
   EPX_CUDA_CHECK(cudaSetDevice(rank.device));
+  EPX_CHECK(!step.prefill || prefill != nullptr, InputError, "prefill step", "no prefill All2All",
+            "a DECODE+PREFILL backend");
+  All2All& a2a = step.prefill ? *prefill : decode;
   const void* x = static_cast<const uint8_t*>(rank.x) + step.first_row * row_bytes;
   if (step.graph_bucket > 0) {
     replay_decode_graph(rank, a2a, step, x, row_bytes);

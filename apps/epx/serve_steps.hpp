@@ -24,6 +24,7 @@ struct RankStep {
   size_t first_row = 0;  // rows [first_row, first_row + tokens) of Rank::x
   int graph_bucket = 0;  // > 0: replay the decode graph of this bucket (tokens <= bucket)
   bool pair = false;     // one chunk as two micro-batches (MoeLayer::forward_pair)
+  bool prefill = false;  // through the prefill All2All (a DECODE+PREFILL backend)
 };
 
 // One rank's part of one engine step: every MoE layer on the rank's tokens, then the stream
@@ -31,7 +32,9 @@ struct RankStep {
 // into the graph's input (rows beyond them are dummy tokens: whatever the buffer holds, routed
 // and computed like the others, outputs ignored) and replays the graph of its bucket, recording
 // the host time of its launches (and with split graphs each piece's GPU time) in `rank`.
-void run_step(Rank& rank, All2All& a2a, int num_layers, const RankStep& step, size_t row_bytes);
+// `prefill`: the rank's prefill All2All (a DECODE+PREFILL backend), for steps marked prefill.
+void run_step(Rank& rank, All2All& a2a, All2All* prefill, int num_layers, const RankStep& step,
+              size_t row_bytes);
 
 // Captures this rank's decode graphs per bucket into rank.graphs: every layer's forward of
 // `bucket` tokens of x_graph in one chunk (capture only records: no rank waits for another), or

@@ -117,6 +117,20 @@ struct MoeRoutingOut {
   float* topk_weights = nullptr;  // [N, topk] f32
 };
 
+// Two All2All objects of one rank and the engines' choice between them: a high_throughput one
+// for prefill-sized steps (no caller chunking, memory that does not grow with the tokens) and a
+// low_latency one for decode. A step goes through `prefill` when its largest per-rank token count
+// exceeds `threshold`. Both must fit the layer (MoeLayer::forward); `prefill` may hold more tokens
+// per call than `decode`.
+struct All2AllChoice {
+  All2All* decode = nullptr;
+  All2All* prefill = nullptr;
+  int threshold = 0;
+  All2All& pick(int step_max_tokens) const {
+    return step_max_tokens > threshold ? *prefill : *decode;
+  }
+};
+
 class MoeLayer {
  public:
   // hidden, intermediate and shared_intermediate must be multiples of 512 (fp8
@@ -143,13 +157,15 @@ class MoeLayer {
 
   const MoeShape& shape() const;
 
-  // y[N, H] bf16 = MoE(x[N, H] bf16) on `stream`. N >= 0 (may exceed
-  // max_tokens_per_rank: the tokens go in chunks of max_tokens_per_rank). Every
+  // y[N, H] bf16 = MoE(x[N, H] bf16) on `stream`. N >= 0 (may exceed the All2All's
+  // max_tokens_per_rank: the tokens go in chunks of that many). Every
   // rank must run the same number of chunks: num_chunks = 0 means ceil(N /
   // max_tokens_per_rank) (at least 1), which is only right when all ranks' N
   // give the same count; otherwise pass the maximum over ranks (>= this rank's
   // need, InputError otherwise). `a2a` is this rank's All2All, created with the
-  // `ep` above; the layer uses combine_buffer() for its expert outputs.
+  // `ep` above or with a smaller max_tokens_per_rank (every other field the same: a layer built
+  // for the largest calls serves a decode All2All too); the layer uses its results'
+  // combine buffers for its expert outputs.
   // `routing`, when given, receives the router's output. Synchronises `stream`
   // once per chunk when eager; when `stream` is capturing, records the layer
   // without synchronising (see above). x and y must not overlap. Throws InputError for
@@ -157,6 +173,13 @@ class MoeLayer {
   // All2All throws.
   void forward(const void* x, int num_tokens, void* y, All2All& a2a, cudaStream_t stream,
                int num_chunks = 0, const MoeRoutingOut* routing = nullptr);
+
+  // forward() through choice.pick(step_max_tokens), in ceil(step_max_tokens / its
+  // max_tokens_per_rank) chunks. `step_max_tokens`: the largest num_tokens of any rank in this
+  // step, the same on every rank (a scheduler knows it), so that every rank picks the same
+  // All2All and runs the same number of chunks; InputError when below num_tokens.
+  void forward(const void* x, int num_tokens, void* y, const All2AllChoice& choice,
+               int step_max_tokens, cudaStream_t stream, const MoeRoutingOut* routing = nullptr);
 
   // One micro-batch of forward_pair(): y[num_tokens, H] bf16 = MoE(x[num_tokens, H] bf16).
   struct MicroBatch {

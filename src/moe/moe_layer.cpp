@@ -146,6 +146,7 @@ struct MoeLayer::Impl {
   // Captured expert stage (forward() on a capturing stream).
   cudaStream_t side = nullptr;         // captures the SWITCH bodies; runs nothing
   int capture_tokens = 0;              // set_capture_token_bound (0 = max_tokens_per_rank)
+  int a2a_tokens = 0;                  // max_tokens_per_rank of the All2All of the call under way
   std::function<void(cudaStream_t)> capture_split;  // set_capture_split
   CaptureExperts capture_experts = CaptureExperts::kSwitch;
   void* graph_out = nullptr;           // token-major: one expert's w2 output [rows_pad][H]
@@ -247,7 +248,8 @@ struct MoeLayer::Impl {
   void shared_expert(const void* x, int n, cudaStream_t stream);
   void add_shared(void* y, int n, cudaStream_t stream);
   // InputError unless `a2a` was created with this layer's EpConfig (rank, shape, dtypes).
-  void check_a2a(const All2All& a2a) const;
+  // Throws unless `a2a` fits this layer; its max_tokens_per_rank becomes the chunk size.
+  void check_a2a(const All2All& a2a);
   void experts_token_major(const DispatchResult& d, cudaStream_t stream);
   void experts_expert_major(const DispatchResult& d, cudaStream_t stream);
 
@@ -482,7 +484,7 @@ void MoeLayer::Impl::experts_expert_major(const DispatchResult& d, cudaStream_t 
 void MoeLayer::Impl::add_expert_switches(const int32_t* counts, cudaStream_t stream,
                                          const ExpertBody& body) {
   const int local = ep.num_local_experts();
-  const int bound = capture_tokens > 0 ? capture_tokens : ep.max_tokens_per_rank;
+  const int bound = capture_tokens > 0 ? std::min(capture_tokens, a2a_tokens) : a2a_tokens;
   // Body i (i >= 1) runs at buckets[i - 1] rows; body 0 (no rows) is empty.
   const std::vector<int> buckets =
       moe::padded_row_buckets(moe::max_expert_rows(ep.world_size, bound, ep.capacity()));
@@ -635,14 +637,15 @@ void MoeLayer::set_capture_split(std::function<void(cudaStream_t)> split) {
   impl_->capture_split = std::move(split);
 }
 
-void MoeLayer::Impl::check_a2a(const All2All& a2a) const {
+void MoeLayer::Impl::check_a2a(const All2All& a2a) {
   const EpConfig& c = a2a.config();
   EPX_CHECK(c.rank == ep.rank && c.world_size == ep.world_size && c.hidden == ep.hidden &&
                 c.num_experts == ep.num_experts && c.topk == ep.topk &&
-                c.max_tokens_per_rank == ep.max_tokens_per_rank && c.dtype == ep.dtype &&
+                c.max_tokens_per_rank <= ep.max_tokens_per_rank && c.dtype == ep.dtype &&
                 c.layout == ep.layout && c.scale_layout == ep.scale_layout,
             InputError, "a2a.config()", "rank " + std::to_string(c.rank),
-            "the EpConfig this MoeLayer was created with");
+            "the EpConfig this MoeLayer was created with (max_tokens_per_rank at most its)");
+  a2a_tokens = c.max_tokens_per_rank;
 }
 
 namespace {
@@ -665,7 +668,7 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
   EPX_CHECK(num_tokens >= 0, InputError, "num_tokens", num_tokens, ">= 0");
   EPX_CHECK(num_tokens == 0 || (x != nullptr && y != nullptr), InputError, "x, y", "null",
             "device pointers");
-  const int t = m.ep.max_tokens_per_rank;
+  const int t = m.a2a_tokens;  // chunks of the All2All's max_tokens_per_rank
   const int need = std::max(1, (num_tokens + t - 1) / t);
   const int chunks = num_chunks == 0 ? need : num_chunks;
   EPX_CHECK(chunks >= need, InputError, "num_chunks", num_chunks,
@@ -696,6 +699,18 @@ void MoeLayer::forward(const void* x, int num_tokens, void* y, All2All& a2a, cud
   }
 }
 
+void MoeLayer::forward(const void* x, int num_tokens, void* y, const All2AllChoice& choice,
+                       int step_max_tokens, cudaStream_t stream, const MoeRoutingOut* routing) {
+  EPX_CHECK(choice.decode != nullptr && choice.prefill != nullptr, InputError,
+            "choice.decode, choice.prefill", "null", "this rank's two All2All objects");
+  EPX_CHECK(choice.threshold >= 0, InputError, "choice.threshold", choice.threshold, ">= 0");
+  EPX_CHECK(step_max_tokens >= num_tokens, InputError, "step_max_tokens", step_max_tokens,
+            ">= num_tokens = " + std::to_string(num_tokens) + " (the largest over the ranks)");
+  All2All& a2a = choice.pick(step_max_tokens);
+  const int t = a2a.config().max_tokens_per_rank;
+  forward(x, num_tokens, y, a2a, stream, std::max(1, (step_max_tokens + t - 1) / t), routing);
+}
+
 void MoeLayer::forward_pair(const MicroBatch& a, const MicroBatch& b, All2All& a2a,
                             cudaStream_t stream) {
   Impl& m = *impl_;
@@ -704,13 +719,14 @@ void MoeLayer::forward_pair(const MicroBatch& a, const MicroBatch& b, All2All& a
             a2a.config().rounds_in_flight,
             "2 (the second micro-batch is dispatched before the first is combined)");
   const bool captured = capturing(stream);
-  const int t = captured && m.capture_tokens > 0 ? m.capture_tokens : m.ep.max_tokens_per_rank;
+  const int t = captured && m.capture_tokens > 0 ? std::min(m.capture_tokens, m.a2a_tokens)
+                                                  : m.a2a_tokens;
   for (const MicroBatch* mb : {&a, &b}) {
     const char* name = mb == &a ? "a.num_tokens" : "b.num_tokens";
     EPX_CHECK(mb->num_tokens >= 0 && mb->num_tokens <= t, InputError, name, mb->num_tokens,
               fmt::format("0..{} ({})", t,
-                          t == m.ep.max_tokens_per_rank ? "max_tokens_per_rank: one chunk"
-                                                        : "set_capture_token_bound()"));
+                          t == m.a2a_tokens ? "max_tokens_per_rank: one chunk"
+                                            : "set_capture_token_bound()"));
     EPX_CHECK(mb->num_tokens == 0 || (mb->x != nullptr && mb->y != nullptr), InputError,
               mb == &a ? "a.x, a.y" : "b.x, b.y", "null", "device pointers");
   }

@@ -165,7 +165,15 @@ TEST(ServeCli, ModelFlagsSpeakInFlagNames) {
       {{"--hidden", "1000"}, "--hidden = 1000, expected a multiple of 512 in [512, 65536]"},
       {{"--experts", "131072"}, "--experts = 131072, expected in [1, 65536]"},
       {{"--backends", "naive,naive"}, "--backends = 'naive,naive' lists naive twice"},
-      {{"--backends", "fastest"}, "--backends = \"fastest\", expected one of naive"}};
+      {{"--backends", "fastest"}, "--backends = \"fastest\", expected one of naive"},
+      {{"--backends", "low_latency+low_latency"},
+       "--backends item 'low_latency+low_latency': expected two different backends"},
+      {{"--backends", "naive,low_latency+high_throughput,low_latency+high_throughput"},
+       "lists low_latency+high_throughput twice"},
+      {{"--backends", "low_latency+fastest"}, "--backends = \"fastest\", expected one of naive"},
+      {{"--prefill-chunk", "4096"}, "--prefill-chunk = 4096, expected only with a DECODE+PREFILL"},
+      {{"--backends", "low_latency+high_throughput", "--prefill-threshold", "100000"},
+       "--prefill-threshold = 100000"}};
   expect_serve_bench_refuses(cases);
 }
 

@@ -562,6 +562,9 @@ struct LayerCase {
   OutputLayout layout;
   DispatchDtype dtype;
   MoeScoring scoring;
+  // > 0: the layer picks between `backend` (decode, 16 tokens per rank) and a high_throughput
+  // All2All of this many tokens per rank (All2AllChoice, threshold 16): the step goes through it.
+  int prefill_tokens = 0;
 };
 
 class MoeLayerCase : public ::testing::TestWithParam<LayerCase> {};
@@ -581,11 +584,9 @@ MoeShape layer_shape(const LayerCase& c) {
 }
 
 // Rank 0 has 40 tokens (3 chunks of 16), rank 1 has 5 (padded to 3 chunks, two
-// of 0 tokens). y is compared with moe_forward_routed under the GPU's own
-// routing: ||d|| / ||ref|| < 8e-2.
-TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
-  MOE_REQUIRE_GPU();
-  const LayerCase c = GetParam();
+// of 0 tokens); with a prefill All2All, one call of each through it. y is compared with
+// moe_forward_routed under the GPU's own routing: ||d|| / ||ref|| < 8e-2.
+void check_layer_with_gpu_routing(const LayerCase& c) {
   constexpr int kWorld = 2;
   const int tokens[kWorld] = {40, 5};
   const MoeShape shape = layer_shape(c);
@@ -600,6 +601,12 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  std::vector<std::unique_ptr<All2All>> prefill;
+  if (c.prefill_tokens > 0) {
+    EpConfig pc = cfg;
+    pc.max_tokens_per_rank = c.prefill_tokens;
+    prefill = make_all2all_group(Backend::kHighThroughput, pc, world);
+  }
   // The layers run on these weights (each rank's share uploaded), the reference too.
   const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
   const int chunks = 3;
@@ -628,7 +635,10 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
         cudaStream_t stream = nullptr;
         try {
           rank_weights = testing::upload_moe_weights(shape, weights, r, kWorld);
-          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), a2a[size_t(r)]->config(),
+          // With a prefill All2All the layer is built for its larger calls.
+          const EpConfig& layer_cfg =
+              prefill.empty() ? a2a[size_t(r)]->config() : prefill[size_t(r)]->config();
+          layer = std::make_unique<MoeLayer>(shape, rank_weights.view(), layer_cfg,
                                              world.sm_budget(r));
           d_x = buf.upload(x[size_t(r)]);
           d_y = buf.alloc<uint16_t>(size_t(n) * shape.hidden);
@@ -641,8 +651,15 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
           throw;
         }
         constructed.arrive_and_wait();
-        layer->forward(d_x, n, d_y, *a2a[size_t(r)], stream, chunks, &routing);
-        a2a[size_t(r)]->synchronize(stream);
+        if (prefill.empty()) {
+          layer->forward(d_x, n, d_y, *a2a[size_t(r)], stream, chunks, &routing);
+          a2a[size_t(r)]->synchronize(stream);
+        } else {
+          const All2AllChoice choice{a2a[size_t(r)].get(), prefill[size_t(r)].get(), 16};
+          const int step_max = std::max(tokens[0], tokens[1]);
+          layer->forward(d_x, n, d_y, choice, step_max, stream, &routing);
+          choice.pick(step_max).synchronize(stream);
+        }
         EPX_CUDA_CHECK(cudaStreamDestroy(stream));
         y[size_t(r)] = download(d_y, size_t(n) * shape.hidden);
         ids[size_t(r)] = download(routing.topk_ids, size_t(n) * shape.topk);
@@ -656,7 +673,7 @@ TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
   // Every rank's error, not only the first (a hang shows up as one rank's timeout and another's
   // stall).
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(errors[size_t(r)], "") << "rank " << r;
-  if (HasFailure()) return;
+  if (::testing::Test::HasFailure()) return;
 
   for (int r = 0; r < kWorld; ++r) {
     rm::RouterOutput routing{.num_tokens = tokens[r],
@@ -701,6 +718,34 @@ const LayerCase kLayerCases[] = {
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, MoeLayerCase, ::testing::ValuesIn(kLayerCases),
+                         [](const ::testing::TestParamInfo<LayerCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+TEST_P(MoeLayerCase, MatchesReferenceWithGpuRouting) {
+  MOE_REQUIRE_GPU();
+  check_layer_with_gpu_routing(GetParam());
+}
+
+// high_throughput under the layer: alone (chunks of 16, receive areas sized per call), and as
+// the prefill All2All of a low_latency decode one (one call of up to 64 tokens per rank).
+class MoeLayerPrefill : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(MoeLayerPrefill, MatchesReferenceWithGpuRouting) {
+  MOE_REQUIRE_GPU();
+  check_layer_with_gpu_routing(GetParam());
+}
+
+const LayerCase kPrefillCases[] = {
+    {"ht_token_fp8", Backend::kHighThroughput, OutputLayout::kTokenMajor,
+     DispatchDtype::kBF16ToFP8, MoeScoring::kSigmoidGrouped},
+    {"ll_decode_ht_prefill_fp8", Backend::kLowLatency, OutputLayout::kTokenMajor,
+     DispatchDtype::kBF16ToFP8, MoeScoring::kSigmoidGrouped, 64},
+    {"ll_decode_ht_prefill_bf16_softmax", Backend::kLowLatency, OutputLayout::kTokenMajor,
+     DispatchDtype::kBF16, MoeScoring::kSoftmax, 64},
+};
+
+INSTANTIATE_TEST_SUITE_P(HighThroughput, MoeLayerPrefill, ::testing::ValuesIn(kPrefillCases),
                          [](const ::testing::TestParamInfo<LayerCase>& i) {
                            return std::string(i.param.name);
                          });
@@ -867,6 +912,12 @@ TEST_P(MoeLayerGraph, ReplaysMatchEagerAndReference) {
   cfg.timeout_ms = 20000;
   InProcessWorld world(kWorld);
   std::vector<std::unique_ptr<All2All>> a2a = make_all2all_group(c.backend, cfg, world);
+  std::vector<std::unique_ptr<All2All>> prefill;
+  if (c.prefill_tokens > 0) {
+    EpConfig pc = cfg;
+    pc.max_tokens_per_rank = c.prefill_tokens;
+    prefill = make_all2all_group(Backend::kHighThroughput, pc, world);
+  }
   // The layers run on these weights (each rank's share uploaded), the reference too.
   const rm::MoeWeights weights = rm::make_moe_weights(shape, kSeed);
 
