@@ -7,7 +7,8 @@
 # EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
 # the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
 # own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0;
-# needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part).
+# needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
+# sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
@@ -66,6 +67,23 @@ run check_t128_rounds2_expert $E --tokens 128 --layout expert --rounds-in-flight
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
+# high_throughput: rows and partials through fixed rings, ordered rows, receive areas sized per
+# call (a host read: each rank from its own thread, or one launch per GPU) or for the worst case
+# (graph replays); odd shapes, empty and full ranks, and the prefill sizes.
+H="$E --backend high_throughput"
+for d in bf16-to-fp8 bf16 fp8; do
+  run "ht_t1024_${d}" $H --tokens 1024 --dtype $d --iters 2
+done
+run ht_mixed_tokens $H --tokens 0,1,7,128,4096,3,0,1024 --max-tokens 4096 --iters 2
+run ht_w3_odd_fp8_col $H --world 3 --hidden 2176 --experts 24 --topk 5 --tokens 333,0,17 \
+  --dtype fp8 --scale-layout column --iters 2
+run ht_w1 $H --world 1 --experts 8 --topk 2 --tokens 100 --iters 2
+run ht_t4096_one_launch $H --tokens 4096 --one-launch --iters 2
+run ht_worst_case_graph $H --worst-case-output --tokens 1024 --graph 50 --iters 1
+run ht_worst_case_mixed $H --worst-case-output --tokens 512 --graph 20 --mixed --iters 1
+[ -z "$quick" ] && run ht_t8192_one_launch $H --tokens 8192 --one-launch --iters 1
+[ -z "$quick" ] && run ht_w16_t2048 $H --world 16 --tokens 2048 --iters 1
+
 # The MoE layer (`epx check --moe`): W ranks against the same layer on one rank with every expert
 # local, and against the CPU reference (small shape), chunked, with a rank that has no tokens.
 MS="--world 4 --hidden 1024 --intermediate 512 --shared-intermediate 512 --experts 32 --topk 4"
@@ -76,6 +94,7 @@ for b in low_latency allgather_reducescatter naive; do
     run "moe_${b}_${l}" $E --moe --backend $b --layout $l $MS
   done
 done
+run moe_high_throughput_token $E --moe --backend high_throughput $MS
 [ -z "$quick" ] && run moe_r1_w8_t128 $E --moe --world 8 --tokens 128
 
 # One process per rank (IpcWorld through `epx launch`), all sharing this machine's GPU: processes
@@ -93,6 +112,9 @@ done
 run ipc_example_n2_cuda_ipc $L -n 2 -- "$build/example_ipc_ranks" cuda-ipc
 run ipc_n2_t128_mixed $L -n 2 -- $EI --world 2 --tokens 128 --graph 10 --mixed --iters 1
 run ipc_n2_t128_naive $L -n 2 -- $EI --world 2 --tokens 128 --backend naive --iters 1
+run ipc_n2_t1024_ht $L -n 2 -- $EI --world 2 --tokens 1024 --backend high_throughput --iters 2
+run ipc_n4_ht_worst_case_graph $L -n 4 -- $EI --world 4 --tokens 256 --backend high_throughput \
+  --worst-case-output --graph 10 --iters 1
 
 # `epx bench` over IpcWorld: every backend verified, then timed on each rank's own stream; rank 0
 # prints the table (time-sliced on one GPU: the run proves the path, not the speed).
@@ -264,6 +286,12 @@ run serve_small_overlap $build/epx serve-bench --world 8 --experts 64 --hidden 2
   --intermediate 512 --shared-intermediate 512 --num-prompts 32 --isl 256 --osl 32 \
   --chunk-size 64 --max-batched-tokens 256 --cuda-graph --overlap --backends low_latency,naive \
   --json "$logs/serve_small_overlap.json"
+# Prefill steps through high_throughput (DECODE+PREFILL), beside each backend alone; long prompts.
+run serve_small_prefill_mix $build/epx serve-bench --world 8 --experts 64 --hidden 2048 \
+  --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 2048 --osl 8 \
+  --chunk-size 64 --max-batched-tokens 512 --cuda-graph \
+  --backends low_latency,high_throughput,low_latency+high_throughput \
+  --json "$logs/serve_small_prefill_mix.json"
 # 32 ranks: decode graphs without conditional nodes (--graph-experts auto picks all-rows there).
 run serve_small_graph_w32 $build/epx serve-bench --world 32 --experts 64 --hidden 2048 \
   --intermediate 512 --shared-intermediate 512 --num-prompts 16 --isl 128 --osl 8 \
@@ -332,6 +360,27 @@ if want deepep; then
   done
 fi
 fi  # python
+
+if want sanitize; then
+# compute-sanitizer over `epx check` of every backend (small shapes, one launch per GPU: the
+# tools serialise kernels, and ranks spinning on each other's kernels need them concurrent):
+# memcheck (out-of-bounds and misaligned accesses, leaks) and racecheck (shared-memory races).
+CS=${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer
+if [ -x "$CS" ]; then
+  SS="--world 4 --hidden 2048 --experts 16 --topk 4 --tokens 64,0,7,33 --max-tokens 64"
+  SS="$SS --one-launch --iters 1 --timeout-ms 300000"
+  for tool in memcheck racecheck; do
+    for b in low_latency high_throughput allgather_reducescatter naive; do
+      run "sanitize_${tool}_${b}" $CS --tool $tool --error-exitcode 9 $build/epx check \
+        --backend $b $SS
+    done
+    run "sanitize_${tool}_low_latency_expert" $CS --tool $tool --error-exitcode 9 \
+      $build/epx check --backend low_latency --layout expert --dtype fp8 $SS
+  done
+else
+  echo "sanitize: $CS not found: the compute-sanitizer runs did not happen"
+fi
+fi  # sanitize
 
 [ -n "${OUT:-}" ] && [[ "$logs" != "$OUT"* ]] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$logs" .
 echo "gpu-total: $passed passed, $failed failed"
