@@ -26,6 +26,17 @@
 // tokens are sent nowhere) still completes on every rank and nobody waits in vain. After a
 // timeout the kernels of this rank return at once, so graph replays cannot hang either.
 //
+// Backend high_throughput (prefill-sized calls; rows and partials flow through rings of fixed size,
+// so its memory does not grow with max_tokens_per_rank): token-major rows only, always ordered by
+// (source rank, source index), one round in flight, no send/receive halves (ConfigError), no
+// masking. Its dispatch exchanges counts first; unless cfg.worst_case_output, it then reads the
+// round's row count M back on the host (dispatch synchronises `stream` once and waits there for
+// every peer's counts: call each rank from its own thread or process, or use dispatch_group) and
+// sizes the received rows' areas to it, moving them when a round needs more rows, so that
+// DispatchResult::capacity and combine_buffer() follow the round (take them from each result; a
+// capturing stream is refused with a StateError). With cfg.worst_case_output the areas hold
+// world_size * max_tokens_per_rank rows from creation and nothing is read back (capturable).
+//
 // Kernels are loaded when the object is created: with CUDA's lazy module loading, the first
 // launch of any kernel waits for the kernels already running, which deadlocks with ranks that
 // spin on each other. Load your own expert kernels before the first dispatch too (or run with
@@ -68,7 +79,9 @@ struct DispatchInput {
 // Expert-major: expert e's rows [0, expert_counts[e]) of [E/W][capacity] are valid, in the
 // order of the token-major rows; token-major staging fields are still filled (recv_count rows).
 struct DispatchResult {
-  int capacity = 0;                 // rows of the token-major area; rows per expert (expert-major)
+  int capacity = 0;                 // rows of the token-major area (world_size * max_tokens_per_rank;
+                                    // high_throughput sized per call: at least M); rows per
+                                    // expert (expert-major)
   void* combine_buffer = nullptr;   // this round's combine_buffer() (see All2All::combine_buffer)
   const int32_t* recv_count = nullptr;      // device scalar M
   const void* recv_x = nullptr;             // [capacity, H] bf16 or fp8
@@ -101,6 +114,7 @@ class All2All {
   // avoid a copy (each round in flight has its own; DispatchResult::combine_buffer is its round's):
   //   token-major: partials [capacity, H] bf16, row j = sum over local k of w_k * expert_k(row j);
   //   expert-major: expert outputs [E/W, capacity, H] bf16, row-aligned with expert_x.
+  // (high_throughput without worst_case_output: null before the first dispatch.)
   virtual void* combine_buffer() = 0;
 
   // Enqueues combine of the oldest due round: y[N, H] bf16 (N = that dispatch's num_tokens; when
