@@ -67,6 +67,10 @@ def test_signatures_are_deepeps():
         ("num_experts", empty)]
     assert params(deep_ep.Buffer.clean_low_latency_buffer)[1:] == [
         ("num_max_dispatch_tokens_per_rank", empty), ("hidden", empty), ("num_experts", empty)]
+    assert params(deep_ep.Buffer.low_latency_update_mask_buffer)[1:] == [
+        ("rank_to_mask", empty), ("mask", False)]
+    assert params(deep_ep.Buffer.low_latency_query_mask_buffer)[1:] == [("mask_status", empty)]
+    assert params(deep_ep.Buffer.low_latency_clean_mask_buffer)[1:] == []
     for name in ("destroy", "is_sm90_compiled", "set_num_sms", "capture", "get_comm_stream",
                  "get_local_buffer_tensor", "get_dispatch_config", "get_combine_config",
                  "get_dispatch_layout", "dispatch", "combine", "internode_dispatch",
@@ -93,8 +97,6 @@ def test_size_hint_is_epx_sizing():
 
 
 def test_constructor_refusals():
-    with pytest.raises(NotImplementedError, match="shrink mode, rank masking"):
-        deep_ep.Buffer(FakeGroup(), low_latency_mode=True, enable_shrink=True)
     with pytest.raises(NotImplementedError, match="allow_nvlink_for_low_latency_mode=False"):
         deep_ep.Buffer(FakeGroup(), low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
     with pytest.raises(ValueError, match="group = None and comm = None"):
@@ -119,12 +121,17 @@ def test_normal_mode_and_masking_raise_naming_the_mode():
         deep_ep.Config(20, 6, 256, 6, 128)
     with pytest.raises(NotImplementedError, match="ElasticBuffer"):
         deep_ep.ElasticBuffer(None)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_update_mask_buffer(1, True)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_query_mask_buffer(None)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_clean_mask_buffer()
+    # The mask calls are low-latency calls: on a normal-mode Buffer they name the flag first,
+    # shrink mode or not (a normal-mode Buffer records enable_shrink and makes nothing).
+    shrinking = deep_ep.Buffer(FakeGroup(1, 4), enable_shrink=True)
+    assert shrinking.enable_shrink and not shrinking.low_latency_mode
+    for buf in (b, shrinking):
+        for call in (lambda: buf.low_latency_update_mask_buffer(1, True),
+                     lambda: buf.low_latency_query_mask_buffer(None),
+                     lambda: buf.low_latency_clean_mask_buffer(),
+                     lambda: buf.prepare_low_latency_shape(128, 7168, 32, 8)):
+            with pytest.raises(epx.ConfigError, match="low_latency_mode = False"):
+                call()
     with pytest.raises(NotImplementedError, match="get_local_buffer_tensor"):
         b.get_local_buffer_tensor(None)
     # Low-latency calls on a normal-mode Buffer name the flag.
@@ -250,3 +257,4 @@ def test_runner_assemble_only(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "test_low_latency.py --num-processes 2 --num-tokens 128" in out.stdout
     assert (tmp_path / "pkg" / "deep_ep" / "__init__.py").exists()
+
