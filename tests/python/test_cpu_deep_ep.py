@@ -258,3 +258,58 @@ def test_runner_assemble_only(tmp_path):
     assert "test_low_latency.py --num-processes 2 --num-tokens 128" in out.stdout
     assert (tmp_path / "pkg" / "deep_ep" / "__init__.py").exists()
 
+
+def test_runner_shrink_flag(tmp_path):
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    runner = str(COMPAT / "run_deepep_low_latency.py")
+    out = subprocess.run([sys.executable, runner, str(checkout), "--shrink", "--assemble-only",
+                          str(tmp_path / "pkg")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "test_low_latency.py --num-processes 8 --num-tokens 128 --hidden 7168 --num-topk 8 " \
+           "--num-experts 32 --shrink-test" in out.stdout, out.stdout
+    assert f"{deepep_shim.SHAPES_ENV}=128,7168,32,8" in out.stdout, out.stdout
+    # Given arguments keep theirs; --shrink adds the test's flag, the shape follows them (and
+    # the test's own defaults where absent).
+    out = subprocess.run([sys.executable, runner, str(checkout), "--shrink", "--assemble-only",
+                          str(tmp_path / "pkg2"), "--", "--num-processes", "6", "--hidden",
+                          "2048"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "test_low_latency.py --num-processes 6 --hidden 2048 --shrink-test" in out.stdout
+    assert f"{deepep_shim.SHAPES_ENV}=128,2048,288,8" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, runner, str(checkout), "--assemble-only",
+                          str(tmp_path / "pkg3")], capture_output=True, text=True)
+    assert out.returncode == 0 and deepep_shim.SHAPES_ENV not in out.stdout, out.stdout
+
+
+def test_preparing_buffer_makes_the_shapes_in_its_constructor(tmp_path):
+    made = []
+
+    class Base:
+        """the base's doc"""
+
+        def __init__(self, group, low_latency_mode=False, **kwargs):
+            self.low_latency_mode = low_latency_mode
+
+        def prepare_low_latency_shape(self, *args, **kwargs):
+            made.append((args, kwargs))
+
+    Prepared = deepep_shim.preparing_buffer(Base, "64,2048,16,4")
+    assert issubclass(Prepared, Base) and Prepared.__name__ == "Base"
+    Prepared(None)  # normal mode: no shapes
+    assert made == []
+    Prepared(None, low_latency_mode=True)
+    assert made == [((64, 2048, 16, 4), {"use_fp8": False}), ((64, 2048, 16, 4), {"use_fp8": True})]
+    for bad in ("64,2048,16", "64,2048,16,x", ""):
+        with pytest.raises(ValueError, match=deepep_shim.SHAPES_ENV):
+            deepep_shim.preparing_buffer(Base, bad)
+    # The assembled package uses it when the variable is set.
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    deepep_shim.assemble(checkout, tmp_path / "out")
+    code = ("import deep_ep, epx.deep_ep;"
+            "assert deep_ep.Buffer is not epx.deep_ep.Buffer;"
+            "assert issubclass(deep_ep.Buffer, epx.deep_ep.Buffer);"
+            "print('ok')")
+    env = {"PYTHONPATH": f"{tmp_path / 'out'}:{':'.join(sys.path)}",
+           deepep_shim.SHAPES_ENV: "128,7168,32,8"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
