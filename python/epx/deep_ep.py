@@ -55,8 +55,9 @@ low_latency_query_mask_buffer, clean_low_latency_buffer (a barrier of the live r
 the absent ones) and low_latency_clean_mask_buffer do what DeepEP's do. How it differs:
 - Every shape must be made while every rank is present: making a shape's epx objects is
   collective over all ranks, so a shape first dispatched after a rank failed cannot be made
-  (StateError, instead of a wait for the gone rank). ``prepare_low_latency_shape(T, H, E, K,
-  use_fp8, round_scale)`` (epx's own) makes a shape right after the Buffer.
+  (StateError once a rank is masked; before any object has noticed, the making waits in the
+  group's all-gather). ``prepare_low_latency_shape(T, H, E, K, use_fp8, round_scale)`` (epx's
+  own) makes a shape right after the Buffer.
 - The mask is per epx object, not one per Buffer: a Buffer has ``rounds_in_flight`` + 1 objects
   per shape and one for clean_low_latency_buffer, and each object that has not masked a failed
   rank yet waits the full timeout for it once before masking it. A rank counts as masked when
