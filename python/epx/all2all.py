@@ -410,6 +410,42 @@ class All2All:
         self._impl.combine(expert_out.data_ptr(), out.data_ptr(), T.current_stream(self.device))
         return out
 
+    # ---- masking (EpConfig.mask_failed_ranks) --------------------------------------------------
+
+    @property
+    def masked_ranks(self) -> int:
+        """The ranks this rank gave up waiting for, as a bit mask (bit r: rank r), since creation
+        or clear_mask(); 0 without mask_failed_ranks.
+
+        A peer is masked when a wait for it outlives timeout_ms: the call that waited completes
+        without it, and later calls skip it. A masked rank's rows of the round it was masked in
+        may be missing or partly written (nothing waits for them); from then on no token is sent
+        to its experts (the pairs are counted in dropped_pairs) and its partials are left out of
+        every combine, so y sums the live ranks' experts only. Read from mapped host memory:
+        never synchronises, and what a kernel still running masks shows up as it happens
+        (synchronize() first for the state after the calls enqueued so far)."""
+        return int(self._impl.masked_ranks)
+
+    def masked_rank_list(self) -> List[int]:
+        """masked_ranks as a sorted list of rank indices (same read, same contract)."""
+        bits = self.masked_ranks
+        return [r for r in range(self.config.world_size) if (bits >> r) & 1]
+
+    @property
+    def dropped_pairs(self) -> int:
+        """(token, expert) pairs this rank's dispatches dropped because the expert's rank was
+        masked when the dispatch started, since creation or clear_mask(). Read from mapped host
+        memory: never synchronises (a dispatch still running adds its count when it ends)."""
+        return int(self._impl.dropped_pairs)
+
+    def clear_mask(self) -> None:
+        """Unmasks every rank for the calls enqueued on torch.cuda.current_stream() after this
+        one, and zeroes dropped_pairs; masked_ranks and dropped_pairs read 0 at once (a kernel
+        enqueued before and still running may mask again). For a peer that is back on the same
+        memory and in step with this rank's calls, or a test: a peer that is still gone is
+        masked again by the next call that waits for it, after timeout_ms."""
+        self._impl.clear_mask(T.current_stream(self.device))
+
     # ---- errors and teardown -------------------------------------------------------------------
 
     def poll(self) -> None:

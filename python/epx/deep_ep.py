@@ -46,12 +46,42 @@ How DeepEP's low-latency mode maps onto epx:
   (layout_range, the power-of-two cast, the statistics). With epx's send and receive halves the
   receive kernel moves into the hook.
 
+Shrink mode (``Buffer(..., enable_shrink=True)``, DeepEP's rank masking) is epx's
+EpConfig.mask_failed_ranks: a rank that does not arrive within EPX_TIMEOUT_MS (default 10 s) is
+masked instead of failing the call. The call completes without it; later dispatches send nothing
+to its experts and receive nothing from it, and combines leave its experts' outputs out of the
+sum (y = the live experts' weighted outputs, which is what DeepEP's shrink test expects).
+low_latency_query_mask_buffer, clean_low_latency_buffer (a barrier of the live ranks that masks
+the absent ones) and low_latency_clean_mask_buffer do what DeepEP's do. How it differs:
+- Every shape must be made while every rank is present: making a shape's epx objects is
+  collective over all ranks, so a shape first dispatched after a rank failed cannot be made
+  (StateError once a rank is masked; before any object has noticed, the making waits in the
+  group's all-gather). ``prepare_low_latency_shape(T, H, E, K, use_fp8, round_scale)`` (epx's
+  own) makes a shape right after the Buffer.
+- The mask is per epx object, not one per Buffer: a Buffer has ``rounds_in_flight`` + 1 objects
+  per shape and one for clean_low_latency_buffer, and each object that has not masked a failed
+  rank yet waits the full timeout for it once before masking it. A rank counts as masked when
+  any object masked it.
+- epx's masks live in mapped host memory: the mask calls first wait for the work already enqueued
+  on torch's current stream (DeepEP's are kernels on that stream), so they cannot be captured in
+  a CUDA graph.
+- epx masks a rank only when a wait for it expires, and unmasks only every rank at once, so
+  low_latency_update_mask_buffer(r, mask=True) works only for a rank every object has masked
+  already (nothing to do), and (r, mask=False) only when r is the only masked rank or not masked
+  (NotImplementedError otherwise, naming the ranks).
+- epx masks only with unordered rows: the Buffer orders each expert's rows by (source rank,
+  source index) itself, in torch, into tensors of its own (one copy of the received rows in the
+  receive half, and one of the expert outputs back in combine), so recv_x and src_info are
+  new tensors per dispatch rather than views of epx memory.
+- The rows a masked rank sent in the round it was masked in may be missing or partly written
+  (nothing waits for them); destroy() stays collective (every rank, masked ones too, calls it).
+
 Not provided (NotImplementedError naming what and why): DeepEP's normal (high-throughput) mode
-(get_dispatch_layout, dispatch, combine, internode_*, Config, ElasticBuffer), rank masking
-(enable_shrink and the low_latency_*_mask_buffer calls), LogFMT combine, the per-rank wait-time
-statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic without NVLink
-(allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape than the last
-``rounds_in_flight`` ones; router weights given at dispatch and different ones at combine.
+(get_dispatch_layout, dispatch, combine, internode_*, Config, ElasticBuffer), LogFMT combine, the
+per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
+without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
+than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
+combine; the mask updates above that epx cannot express.
 
 Differences worth knowing: the returned tensors are views of epx memory, valid until the
 dispatch after next of the same shape (DeepEP's "no more than 2 results at a time");
@@ -118,14 +148,6 @@ def _normal_mode(name: str):
         f"Buffer.{name} (DeepEP's normal, high-throughput mode)",
         "epx.deep_ep implements the low-latency mode (low_latency_dispatch / "
         "low_latency_combine); epx has no high-throughput (prefill) backend to serve it yet",
-    )
-
-
-def _rank_masking(name: str):
-    return _unsupported(
-        f"{name} (shrink mode, rank masking)",
-        "epx cannot mask a failed rank yet: a rank that stops makes its peers' waits time out "
-        "(epx.TimeoutError) instead",
     )
 
 
@@ -223,19 +245,39 @@ class _Shape(NamedTuple):
     wire: str
 
 
-def _data_config(shape: _Shape, world_size: int, rank: int = 0) -> EpConfig:
+def _data_config(shape: _Shape, world_size: int, rank: int = 0,
+                 shrink: bool = False) -> EpConfig:
+    # Masking needs unordered rows (epx's rule): in shrink mode the Buffer orders them itself.
     return with_env_timeout(EpConfig(
         rank=rank, world_size=world_size, hidden=shape.hidden, num_experts=shape.num_experts,
         topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
-        layout="expert", scale_layout="column", deterministic=True))
+        layout="expert", scale_layout="column", deterministic=not shrink,
+        mask_failed_ranks=shrink))
 
 
-def _carrier_config(shape: _Shape, world_size: int, rank: int = 0) -> EpConfig:
+def _carrier_config(shape: _Shape, world_size: int, rank: int = 0,
+                    shrink: bool = False) -> EpConfig:
     # The same wire dtype as the rows: the same kernels run (one name per op in a profile).
     return with_env_timeout(EpConfig(
         rank=rank, world_size=world_size, hidden=_CARRIER_HIDDEN, num_experts=shape.num_experts,
         topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
-        layout="token"))
+        layout="token", mask_failed_ranks=shrink))
+
+
+def _barrier_config(world_size: int, rank: int = 0) -> EpConfig:
+    """The smallest masking All2All: a dispatch of no tokens waits for every live peer's
+    signal, so it is a barrier that masks the ranks that do not come (shrink mode's
+    clean_low_latency_buffer)."""
+    return with_env_timeout(EpConfig(
+        rank=rank, world_size=world_size, hidden=_epx.FP8_BLOCK_SIZE, num_experts=world_size,
+        topk=1, max_tokens_per_rank=1, dtype="bf16", layout="token", mask_failed_ranks=True))
+
+
+def _shape_of(hidden: int, num_experts: int, max_tokens: int, topk: int, use_fp8: bool,
+              round_scale: bool) -> _Shape:
+    """The shape of a low_latency_dispatch with these arguments."""
+    wire = "bf16-to-fp8" if use_fp8 and not round_scale else "bf16"
+    return _Shape(hidden, num_experts, max_tokens, topk, wire)
 
 
 class _Slot:
@@ -247,18 +289,24 @@ class _Slot:
         self.out = None  # DispatchOutput of the last dispatch
         self.weights = None  # router weights given at that dispatch (None: unit weights)
         self.weights_version = -1
+        # Shrink mode: [E/W * W*T] int64, for each epx row (flattened over the experts), the
+        # row of the order the caller sees that holds it; set by the dispatch's receive half.
+        self.caller_row_of = None
 
 
 class _ShapeState:
-    """The epx objects and the device constants of one shape."""
+    """The epx objects and the device constants of one shape. In shrink mode every object masks
+    failed ranks, and all of them are made here (making one is collective: it cannot wait for
+    a rank that is gone)."""
 
-    def __init__(self, shape: _Shape, world, rounds: int):
+    def __init__(self, shape: _Shape, world, rounds: int, shrink: bool = False):
         torch = T.torch()
         self.shape = shape
+        self.shrink = shrink
         self.slots: List[_Slot] = []
         for _ in range(rounds):  # collective, every rank in the same order
-            self.slots.append(_Slot(All2All.create(_data_config(shape, world.size), world,
-                                                   _BACKEND)))
+            self.slots.append(_Slot(All2All.create(_data_config(shape, world.size, shrink=shrink),
+                                                   world, _BACKEND)))
         self.next = 0
         self.carrier: Optional[All2All] = None
         c = self.slots[0].a2a.config
@@ -271,14 +319,18 @@ class _ShapeState:
         self.ranks = torch.arange(c.world_size, device=dev, dtype=torch.int32)
         self.unit_weights = torch.ones((shape.max_tokens, shape.topk), dtype=torch.float32,
                                        device=dev)
+        if shrink:
+            self.expert_base = (torch.arange(c.num_local_experts, device=dev, dtype=torch.int64)
+                                * c.capacity).unsqueeze(1)  # [E/W, 1]: first flat row of each
+            self.carrier_for(world)
 
     def carrier_for(self, world) -> All2All:
         """The All2All that carries combine-time router weights (made on first use: collective,
         every rank reaches it at the same combine)."""
         if self.carrier is None:
             torch = T.torch()
-            self.carrier = All2All.create(_carrier_config(self.shape, world.size), world,
-                                          _BACKEND)
+            self.carrier = All2All.create(
+                _carrier_config(self.shape, world.size, shrink=self.shrink), world, _BACKEND)
             self.carrier_x = torch.zeros((self.shape.max_tokens, _CARRIER_HIDDEN),
                                          dtype=torch.bfloat16, device=self.device)
         return self.carrier
@@ -373,9 +425,11 @@ class Buffer:
         dispatch of that shape. `allow_mnnvl` changes nothing (one node). epx's own, keyword
         only: `rounds_in_flight` (1 or 2): epx objects per shape, used in turn; 2 (DeepEP's two
         buffers) lets a dispatch follow a dispatch before the first one's combine, 1 halves the
-        memory. Collective over the group (the IpcWorld's handshake)."""
-        if enable_shrink:
-            raise _rank_masking("Buffer(enable_shrink=True)")
+        memory. Collective over the group (the IpcWorld's handshake).
+
+        `enable_shrink`: every epx object masks a rank whose wait outlives EPX_TIMEOUT_MS
+        instead of failing (see the module docstring); make each shape with
+        prepare_low_latency_shape() here, while every rank is present."""
         if not allow_nvlink_for_low_latency_mode:
             raise _unsupported(
                 "Buffer(allow_nvlink_for_low_latency_mode=False)",
@@ -400,9 +454,22 @@ class Buffer:
         self.rounds_in_flight = rounds_in_flight
         self._shapes: dict = {}
         self._world = None
+        self._barrier: Optional[All2All] = None  # shrink mode: clean_low_latency_buffer's
         self._destroyed = False
         if low_latency_mode:
             self._world = self._make_world(group, comm)
+            if enable_shrink:
+                self._barrier = All2All.create(_barrier_config(self._world.size), self._world,
+                                               _BACKEND)
+                self._barrier_inputs = self._barrier_tensors()
+
+    def _barrier_tensors(self):
+        """A dispatch of no tokens on the barrier object: (x, topk_ids, topk_weights)."""
+        torch = T.torch()
+        dev = self._barrier.device
+        return (torch.empty((0, _epx.FP8_BLOCK_SIZE), dtype=torch.bfloat16, device=dev),
+                torch.empty((0, 1), dtype=torch.int32, device=dev),
+                torch.empty((0, 1), dtype=torch.float32, device=dev))
 
     @staticmethod
     def _make_world(group, comm):
@@ -478,17 +545,23 @@ class Buffer:
                                   "(as DeepEP: only a Buffer made to be destroyed explicitly)")
         if self._destroyed:
             return
-        for state in self._shapes.values():
-            for a2a in state.objects():
-                a2a.synchronize()
+        for a2a in self._objects():
+            a2a.synchronize()
         if self._world is not None:
             self._world.barrier()  # nobody frees memory a peer may still read
-        for state in self._shapes.values():
-            for a2a in state.objects():
-                a2a.close()
+        for a2a in self._objects():
+            a2a.close()
         self._shapes.clear()
+        self._barrier = None
         self._world = None
         self._destroyed = True
+
+    def _objects(self) -> List[All2All]:
+        """Every epx object of this Buffer, in the order they were made."""
+        objects = [] if self._barrier is None else [self._barrier]
+        for state in self._shapes.values():
+            objects.extend(state.objects())
+        return objects
 
     # ---- normal mode ----------------------------------------------------------------------------
 
@@ -507,16 +580,96 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         raise _normal_mode("internode_combine")
 
-    # ---- rank masking ---------------------------------------------------------------------------
+    # ---- rank masking (shrink mode) -------------------------------------------------------------
 
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise _rank_masking("Buffer.low_latency_update_mask_buffer")
+    def _check_shrink(self, what: str) -> None:
+        self._check_usable(what)
+        if not self.enable_shrink:
+            raise _epx.ConfigError(f"Buffer.{what}: enable_shrink = False, expected True (make "
+                                   "the Buffer with enable_shrink=True, as DeepEP)")
 
-    def low_latency_query_mask_buffer(self, mask_status):
-        raise _rank_masking("Buffer.low_latency_query_mask_buffer")
+    def _settled_masks(self, what: str) -> List[int]:
+        """Each epx object's masked ranks once this rank's calls enqueued so far have run.
 
-    def low_latency_clean_mask_buffer(self):
-        raise _rank_masking("Buffer.low_latency_clean_mask_buffer")
+        epx keeps its masks in mapped host memory, read by the host: to see what the calls
+        already enqueued on torch's current stream do, wait for them (DeepEP's mask calls are
+        kernels on that stream instead). Not while the stream is being captured."""
+        torch = T.torch()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise _epx.StateError(f"Buffer.{what} during CUDA-graph capture, expected an eager "
+                                  "call (epx's rank masks are read by the host after the "
+                                  "stream's work has run)")
+        objects = self._objects()
+        for a2a in objects:
+            a2a.synchronize()
+        return [a2a.masked_ranks for a2a in objects]
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Writes into `mask_status` ([num_ranks] int32, or any contiguous int32 tensor of
+        num_ranks elements, on this rank's GPU) 1 for each rank this rank has masked and 0 for
+        the others, as DeepEP. A rank counts as masked once any of this Buffer's epx objects
+        masked it. Waits for the calls already enqueued on torch's current stream (see the
+        module docstring), then fills the tensor on that stream."""
+        self._check_shrink("low_latency_query_mask_buffer")
+        torch = T.torch()
+        T.check("mask_status", mask_status, dtype=torch.int32, shape=None,
+                device=self._barrier.device, what="one int32 per rank")
+        if mask_status.numel() != self.group_size:
+            raise _epx.InputError(f"mask_status.numel() = {mask_status.numel()}, expected the "
+                                  f"group's size {self.group_size}")
+        bits = 0
+        for m in self._settled_masks("low_latency_query_mask_buffer"):
+            bits |= m
+        flags = [(bits >> r) & 1 for r in range(self.group_size)]
+        mask_status.view(-1).copy_(torch.tensor(flags, dtype=torch.int32,
+                                                device=mask_status.device))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (mask=True) or unmasks (mask=False) one rank, as far as epx can: it masks a rank
+        only when a wait for it expires, and unmasks only every rank at once. So:
+        - mask=False: done when `rank_to_mask` is masked nowhere (nothing to do) or it is the
+          only masked rank (every object's mask is cleared on torch's current stream);
+        - mask=True: done when every epx object of this Buffer has masked it already (nothing to
+          do);
+        anything else raises NotImplementedError naming the ranks involved. Waits for the calls
+        already enqueued on torch's current stream first (see low_latency_query_mask_buffer)."""
+        what = "low_latency_update_mask_buffer"
+        self._check_shrink(what)
+        if not 0 <= rank_to_mask < self.group_size:
+            raise _epx.InputError(f"rank_to_mask = {rank_to_mask}, expected in [0, "
+                                  f"{self.group_size})")
+        masks = self._settled_masks(what)
+        bit = 1 << rank_to_mask
+        if mask:
+            if all(m & bit for m in masks):
+                return
+            raise _unsupported(
+                f"Buffer.{what}(rank_to_mask={rank_to_mask}, mask=True) of a rank that not every "
+                "epx object has masked",
+                "epx masks a rank only when a wait for it expires, never on request")
+        union = 0
+        for m in masks:
+            union |= m
+        if union & bit == 0:
+            return
+        others = union & ~bit
+        if others:
+            names = [r for r in range(self.group_size) if (others >> r) & 1]
+            raise _unsupported(
+                f"Buffer.{what}(rank_to_mask={rank_to_mask}, mask=False) while ranks {names} "
+                "stay masked",
+                "epx unmasks every rank at once (All2All.clear_mask); "
+                "low_latency_clean_mask_buffer() unmasks them all")
+        for a2a in self._objects():
+            a2a.clear_mask()
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank, for the calls enqueued on torch's current stream after this one
+        (each epx object's clear_mask), as DeepEP. A rank that is still gone is masked again,
+        by each object that waits for it, after that object's timeout."""
+        self._check_shrink("low_latency_clean_mask_buffer")
+        for a2a in self._objects():
+            a2a.clear_mask()
 
     # ---- low-latency mode -----------------------------------------------------------------------
 
@@ -530,15 +683,44 @@ class Buffer:
     def _state(self, shape: _Shape) -> _ShapeState:
         state = self._shapes.get(shape)
         if state is None:
-            state = _ShapeState(shape, self._world, self.rounds_in_flight)
+            if self.enable_shrink:
+                gone = 0
+                for a2a in self._objects():
+                    gone |= a2a.masked_ranks
+                if gone:
+                    names = [r for r in range(self.group_size) if (gone >> r) & 1]
+                    raise _epx.StateError(
+                        f"Buffer: a first dispatch of {shape} while ranks {names} are masked, "
+                        "expected every shape made before a rank fails (making a shape's epx "
+                        "objects is collective over every rank: call "
+                        "prepare_low_latency_shape() right after the Buffer)")
+            state = _ShapeState(shape, self._world, self.rounds_in_flight, self.enable_shrink)
             self._shapes[shape] = state
         return state
+
+    def prepare_low_latency_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                  num_experts: int, num_topk: int, use_fp8: bool = True,
+                                  round_scale: bool = False) -> None:
+        """epx's own: makes the epx objects of the low-latency dispatches with these arguments
+        now instead of at the first such dispatch (collective: every rank calls it, in the same
+        order). Shrink mode needs it for every shape before any rank may fail; elsewhere it only
+        moves the set-up cost out of the first dispatch. use_ue8m0 does not change the shape."""
+        self._check_usable("prepare_low_latency_shape")
+        if num_experts % self.group_size != 0:
+            raise _epx.InputError(f"num_experts = {num_experts}, expected a multiple of the "
+                                  f"group's size {self.group_size}")
+        self._state(_shape_of(hidden, num_experts, num_max_dispatch_tokens_per_rank, num_topk,
+                              use_fp8, round_scale))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Nothing to clean: epx keeps its round state on the device and needs no zeroed
-        regions between calls (DeepEP needs them after its normal mode)."""
+        regions between calls (DeepEP needs them after its normal mode). In shrink mode it is a
+        barrier of the live ranks on torch's current stream, as DeepEP's: a rank that does not
+        come within the timeout is masked."""
         self._check_usable("clean_low_latency_buffer")
+        if self._barrier is not None:
+            self._barrier.dispatch(*self._barrier_inputs)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int,
@@ -585,8 +767,8 @@ class Buffer:
             raise _epx.InputError(f"x.shape[1] = {hidden}, expected a multiple of "
                                   f"{_epx.FP8_BLOCK_SIZE * _UE8M0_GROUPS} with use_ue8m0")
         topk = topk_idx.shape[1]
-        wire = "bf16-to-fp8" if use_fp8 and not round_scale else "bf16"
-        shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, wire)
+        shape = _shape_of(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, use_fp8,
+                          round_scale)
         if num_experts % self.group_size != 0:
             raise _epx.InputError(f"num_experts = {num_experts}, expected a multiple of the "
                                   f"group's size {self.group_size}")
@@ -611,15 +793,24 @@ class Buffer:
         slot.weights = topk_weights
         slot.weights_version = topk_weights._version if topk_weights is not None else -1
 
-        # The outputs exist now; the receive half completes them.
+        # The outputs exist now; the receive half completes them. In shrink mode epx's rows
+        # are in arrival order: they are ordered into tensors of the Buffer's own there.
         cap = state.capacity
+        G = hidden // _epx.FP8_BLOCK_SIZE
+        ordered = not state.shrink
         layout_range = torch.empty((L, self.group_size), dtype=torch.int64, device=x.device)
+        rows_x = out.expert_x if ordered else torch.empty_like(out.expert_x)
+        src_info = out.expert_src_idx if ordered else torch.empty_like(out.expert_src_idx)
+        rows_scales = None
+        if use_fp8 and not round_scale:
+            rows_scales = out.expert_scales if ordered else torch.empty(
+                (L, G, cap), dtype=torch.float32, device=x.device).transpose(1, 2)
+        slot.caller_row_of = None
         if not use_fp8:
-            recv_x = out.expert_x
+            recv_x = rows_x
         elif not round_scale:
-            recv_x = (out.expert_x, out.expert_scales)
+            recv_x = (rows_x, rows_scales)
         else:
-            G = hidden // _epx.FP8_BLOCK_SIZE
             q = torch.empty((L, cap, hidden), dtype=T.fp8_dtype(), device=x.device)
             if use_ue8m0:
                 s = torch.empty((L, G // _UE8M0_GROUPS, cap), dtype=torch.int32,
@@ -630,9 +821,11 @@ class Buffer:
 
         def recv() -> None:
             # (With epx's dispatch halves, the receive kernel goes first here.)
+            if not ordered:
+                self._order_rows(state, slot, out, rows_x, rows_scales, src_info)
             self._fill_layout_range(state, out, layout_range)
             if use_fp8 and round_scale:
-                q_now, s_now = _pow2_cast(out.expert_x, use_ue8m0)
+                q_now, s_now = _pow2_cast(rows_x, use_ue8m0)
                 recv_x[0].copy_(q_now)
                 recv_x[1].copy_(s_now)
             if cumulative_local_expert_recv_stats is not None:
@@ -643,17 +836,44 @@ class Buffer:
             hook = _Hook(recv)
         else:
             recv()
-        handle = _Handle((out.expert_src_idx, layout_range, num_max_dispatch_tokens_per_rank,
+        handle = _Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank,
                           hidden, num_experts), self, state, slot_index, slot.serial, n)
         event = EventOverlap(EventHandle() if async_finish else None,
                              (x, topk_idx, recv_x, out.expert_counts, layout_range)
                              if async_finish else None)
         return recv_x, out.expert_counts, handle, event, hook
 
+    def _order_rows(self, state: _ShapeState, slot: _Slot, out, rows_x, rows_scales,
+                    src_info) -> None:
+        """Shrink mode: epx's expert rows, in arrival order, into rows_x, rows_scales (fp8 wire)
+        and src_info ordered per expert by (source rank, source index), the layout DeepEP's
+        layout_range describes; slot.caller_row_of records, for each epx row, the row of that
+        order which holds it (combine takes the expert outputs back through it). Rows past an
+        expert's count stay past it."""
+        torch = T.torch()
+        L, cap = state.num_local, state.capacity
+        W, Tm = state.world_size, state.shape.max_tokens
+        valid = state.rows.unsqueeze(0) < out.expert_counts.unsqueeze(1)  # [L, cap]
+        key = torch.where(valid, out.expert_src_rank.long() * Tm + out.expert_src_idx.long(),
+                          torch.full((L, cap), W * Tm, dtype=torch.int64, device=state.device))
+        order = key.argsort(dim=1)  # [L, cap]: ordered row j of expert e is epx's row order[e, j]
+        flat = (order + state.expert_base).view(-1)
+        src, dst = out.expert_x, rows_x
+        if src.dtype == T.fp8_dtype():  # gathered as bytes: fp8 indexing is not everywhere
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        H = src.shape[-1]
+        torch.index_select(src.view(L * cap, H), 0, flat, out=dst.view(L * cap, H))
+        if rows_scales is not None:  # [L, cap, G], the row index fastest: gather in [L, G, cap]
+            G = rows_scales.shape[-1]
+            torch.gather(out.expert_scales.transpose(1, 2), 2,
+                         order.unsqueeze(1).expand(L, G, cap), out=rows_scales.transpose(1, 2))
+        torch.gather(out.expert_src_idx, 1, order, out=src_info)
+        slot.caller_row_of = (order.argsort(dim=1) + state.expert_base).view(-1)
+
     def _fill_layout_range(self, state: _ShapeState, out, layout_range) -> None:
         """layout_range[e][r] = (first row of source rank r's run in expert e) << 32 | (its
-        length). Rows are ordered by source rank, so the first row is the number of valid rows
-        from lower ranks."""
+        length). Rows are ordered by source rank (by epx, or in shrink mode by _order_rows), so
+        the first row is the number of valid rows from lower ranks."""
         torch = T.torch()
         W = state.world_size
         valid = state.rows.unsqueeze(0) < out.expert_counts.unsqueeze(1)  # [L, cap]
@@ -666,7 +886,8 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle):
         """Where the expert outputs of `handle`'s round can be written to save combine a copy
-        (then combine with zero_copy=True): [E/W, W*T, H] bf16, epx's combine buffer."""
+        (then combine with zero_copy=True): [E/W, W*T, H] bf16, epx's combine buffer, rows
+        aligned with recv_x (in shrink mode combine puts them back into epx's order, a copy)."""
         slot = self._slot_of(handle, "get_next_low_latency_combine_buffer")
         return slot.a2a.combine_buffer()
 
@@ -729,11 +950,18 @@ class Buffer:
                     "dispatch)")
 
         # Send half: the weights reach the experts' ranks, then epx's combine (whole, today).
+        given = buf if zero_copy else x
+        if state.shrink:  # the caller's rows are in _order_rows' order: back to epx's
+            if slot.caller_row_of is None:
+                raise _epx.StateError("Buffer.low_latency_combine: the dispatch's receive hook "
+                                      "has not run, expected hook() before the combine")
+            rows = given.reshape(-1, given.shape[-1]).index_select(0, slot.caller_row_of)
+            given = rows.view(buf.shape)
         if slot.weights is not None:
-            expert_out = buf if zero_copy else x
+            expert_out = given
         else:
             row_weights = self._row_weights(state, slot.out, topk_idx, topk_weights)
-            torch.mul(buf if zero_copy else x, row_weights.unsqueeze(-1), out=buf)
+            torch.mul(given, row_weights.unsqueeze(-1), out=buf)
             expert_out = buf
         combined = a2a.combine(expert_out, out=out)
 

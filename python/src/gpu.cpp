@@ -272,6 +272,17 @@ void bind_gpu(nb::module_& m) {
           },
           nb::arg("y"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>())
       .def("combine_buffer_ptr", [](All2All& a) { return uintptr_t(a.combine_buffer()); })
+      .def_prop_ro("masked_ranks", &All2All::masked_ranks,
+                   "Bit r set: this rank gave up waiting for rank r (EpConfig::mask_failed_ranks). "
+                   "Read from mapped host memory; never synchronises.")
+      .def_prop_ro("dropped_pairs", &All2All::dropped_pairs,
+                   "(token, expert) pairs this rank's dispatches dropped because their expert's "
+                   "rank was masked. Read from mapped host memory; never synchronises.")
+      .def(
+          "clear_mask", [](All2All& a, uintptr_t stream) { a.clear_mask(as_stream(stream)); },
+          nb::arg("stream"),
+          "Unmasks every rank for the calls enqueued on `stream` after this one; zeroes "
+          "dropped_pairs.")
       .def("poll", &All2All::poll)
       .def(
           "synchronize", [](All2All& a, uintptr_t stream) { a.synchronize(as_stream(stream)); },

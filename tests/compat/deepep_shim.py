@@ -12,6 +12,12 @@ are in this project):
   collectives gloo lacks are staged through the CPU (``all_gather_into_tensor``, and
   ``all_reduce`` of CUDA tensors). Only torch.distributed functions of the test's processes are
   replaced; the epx side is unchanged (its bootstrap only needs the group's object all-gather).
+- ``preparing_buffer(Buffer, spec)`` (used by that package when EPX_DEEP_EP_SHAPES="T,H,E,K" is
+  set, for DeepEP's --shrink-test): a Buffer whose constructor also makes the low-latency shapes
+  of T tokens, hidden H, E experts and top-K, on both wires (DeepEP's test dispatches with
+  use_fp8 off and on), while every rank is there. epx's shrink mode needs every shape made before
+  a rank stops calling (making a shape is collective), and DeepEP's test makes its first dispatch
+  after a rank has stopped; its own Buffer needs no shapes up front.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 from pathlib import Path
 
 ONE_GPU_ENV = "EPX_DEEP_EP_ONE_GPU"
+SHAPES_ENV = "EPX_DEEP_EP_SHAPES"
 
 _INIT = '''\
 """deep_ep as DeepEP's tests import it, assembled by epx's {runner}: epx.deep_ep under DeepEP's
@@ -44,6 +51,12 @@ if _os.environ.get("{env}") == "1":
     import deepep_shim as _shim
 
     _shim.install_one_gpu()
+
+if _os.environ.get("{shapes_env}"):
+    _sys.path.insert(0, {compat_dir!r})
+    import deepep_shim as _shim
+
+    Buffer = _shim.preparing_buffer(Buffer, _os.environ["{shapes_env}"])
 '''
 
 _EXTENSION = '''\
@@ -80,13 +93,45 @@ def assemble(checkout: Path, where: Path) -> Path:
     runner = "tests/compat/run_deepep_low_latency.py"
     compat_dir = str(Path(__file__).resolve().parent)
     (pkg / "__init__.py").write_text(_INIT.format(runner=runner, checkout=checkout,
-                                                  env=ONE_GPU_ENV, compat_dir=compat_dir))
+                                                  env=ONE_GPU_ENV, shapes_env=SHAPES_ENV,
+                                                  compat_dir=compat_dir))
     (pkg / "_C.py").write_text(_EXTENSION.format(runner=runner))
     utils = pkg / "utils"
     if utils.is_symlink() or utils.exists():
         utils.unlink()
     utils.symlink_to(checkout / "deep_ep" / "utils", target_is_directory=True)
     return pkg
+
+
+def parse_shapes(spec: str):
+    """"T,H,E,K" -> (T, H, E, K) as ints; ValueError naming the variable otherwise."""
+    parts = spec.split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 4:
+        raise ValueError(f"{SHAPES_ENV} = {spec!r}, expected four integers "
+                         "'num_tokens,hidden,num_experts,num_topk'")
+    return values
+
+
+def preparing_buffer(base, spec: str):
+    """A subclass of `base` (epx.deep_ep.Buffer) whose low-latency instances make the shapes of
+    `spec` ("T,H,E,K") on both wires in their constructor (see the module docstring)."""
+    tokens, hidden, experts, topk = parse_shapes(spec)
+
+    class Buffer(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.low_latency_mode:
+                for use_fp8 in (False, True):  # collective: every rank, in this order
+                    self.prepare_low_latency_shape(tokens, hidden, experts, topk,
+                                                   use_fp8=use_fp8)
+
+    Buffer.__qualname__ = Buffer.__name__ = base.__name__
+    Buffer.__doc__ = base.__doc__
+    return Buffer
 
 
 class _Done:

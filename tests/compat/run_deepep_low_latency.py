@@ -3,7 +3,7 @@
 unmodified) against epx.deep_ep.
 
     PYTHONPATH=<build>/python python3 tests/compat/run_deepep_low_latency.py <deepep-checkout> \\
-        [--mode auto|one-gpu|gpu-per-rank] [--test PATH] [-- <the test's arguments>]
+        [--mode auto|one-gpu|gpu-per-rank] [--test PATH] [--shrink] [-- <the test's arguments>]
 
 The test's arguments default to ``--num-processes 2 --num-tokens 128 --hidden 7168 --num-topk 8
 --num-experts 32``. A ``deep_ep`` package is assembled in a temporary folder (deepep_shim.py:
@@ -14,6 +14,15 @@ Modes: ``one-gpu`` (auto when there are fewer GPUs than processes) puts every pr
 through a gloo group; ``gpu-per-rank`` leaves DeepEP's init_dist alone (NCCL, GPU i for rank i).
 ``--assemble-only DIR`` writes the package into DIR and prints how to run DeepEP's test with no
 runner at all (``PYTHONPATH=DIR:...`` python3 tests/legacy/test_low_latency.py ...).
+
+Shrink mode (DeepEP's ``--shrink-test``: ranks 1, 3 and 5 stop calling, at their first dispatch,
+combine and clean, and the others must mask them): ``--shrink`` adds ``--shrink-test`` to the
+test's arguments, whose defaults become 8 processes (the test needs at least 6). With
+``--shrink-test`` among the test's arguments (from ``--shrink`` or given after ``--``), the runner
+sets EPX_DEEP_EP_SHAPES to the test's shape, so that every Buffer makes its shapes while every
+rank is there (deepep_shim.preparing_buffer: epx's shrink mode needs that), and EPX_TIMEOUT_MS
+defaults to 20 s: every epx object that waits for a stopped rank waits that long once (about a
+dozen times in the test), and the test runs no CPU GEMMs in this mode.
 
 The last line is ``deepep_low_latency: 1 passed, 0 failed`` (or ``0 passed, 1 failed``); the
 exit status is 0 when the test passed.
@@ -44,6 +53,9 @@ DEFAULT_TEST_ARGS = ["--num-processes", "2", "--num-tokens", "128", "--hidden", 
 # A time-sliced GPU shared by every rank, and a test that runs CPU GEMMs between its hooks: the
 # kernels' waits get a wider bound than epx's default 10 s unless EPX_TIMEOUT_MS says otherwise.
 ONE_GPU_TIMEOUT_MS = "120000"
+SHRINK_TEST_ARGS = ["--num-processes", "8"] + DEFAULT_TEST_ARGS[2:] + ["--shrink-test"]
+# Long enough for the ranks' host checks between calls, short enough for a dozen expiries.
+SHRINK_TIMEOUT_MS = "20000"
 
 
 def _free_port() -> int:
@@ -57,6 +69,17 @@ def _num_processes(test_args) -> int:
     parser.add_argument("--num-processes", type=int, default=8)  # the test's own default
     known, _ = parser.parse_known_args(test_args)
     return known.num_processes
+
+
+def _shape_spec(test_args) -> str:
+    """"T,H,E,K" of the test's arguments (the test's own defaults where absent)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--num-tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-experts", type=int, default=288)
+    parser.add_argument("--num-topk", type=int, default=8)
+    known, _ = parser.parse_known_args(test_args)
+    return f"{known.num_tokens},{known.hidden},{known.num_experts},{known.num_topk}"
 
 
 def _gpu_count() -> int:
@@ -82,8 +105,14 @@ def main(argv=None) -> int:
                         help="the test file (default <checkout>/tests/legacy/test_low_latency.py)")
     parser.add_argument("--assemble-only", type=Path, default=None, metavar="DIR",
                         help="write the deep_ep package into DIR and exit")
+    parser.add_argument("--shrink", action="store_true",
+                        help="run the test's --shrink-test (rank masking; 8 processes by default)")
     args = parser.parse_args(argv)
-    test_args = DEFAULT_TEST_ARGS if not test_args else test_args
+    if not test_args:
+        test_args = SHRINK_TEST_ARGS if args.shrink else DEFAULT_TEST_ARGS
+    elif args.shrink and "--shrink-test" not in test_args:
+        test_args = test_args + ["--shrink-test"]
+    shrink = "--shrink-test" in test_args
     checkout = args.checkout.resolve()
     test = (args.test or checkout / "tests" / "legacy" / "test_low_latency.py").resolve()
 
@@ -94,6 +123,8 @@ def main(argv=None) -> int:
         print(f"run DeepEP's test with it (one GPU per rank): PYTHONPATH={where}:$PYTHONPATH "
               f"python3 {test} {' '.join(test_args)}")
         print(f"(all ranks on one GPU: also set {deepep_shim.ONE_GPU_ENV}=1)")
+        if shrink:
+            print(f"(shrink test: also set {deepep_shim.SHAPES_ENV}={_shape_spec(test_args)})")
         return 0
 
     processes = _num_processes(test_args)
@@ -108,6 +139,9 @@ def main(argv=None) -> int:
         [str(where)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if shrink:
+        os.environ[deepep_shim.SHAPES_ENV] = _shape_spec(test_args)
+        os.environ.setdefault("EPX_TIMEOUT_MS", SHRINK_TIMEOUT_MS)
     if mode == "one-gpu":
         os.environ[deepep_shim.ONE_GPU_ENV] = "1"
         os.environ.setdefault("EPX_TIMEOUT_MS", ONE_GPU_TIMEOUT_MS)

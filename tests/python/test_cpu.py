@@ -180,3 +180,44 @@ def test_vllm_plugin_is_off_by_default(monkeypatch):
 
     monkeypatch.delenv("EPX_VLLM", raising=False)
     epx.vllm.register()  # a no-op, even without vLLM installed
+
+
+class _MaskingCore:
+    """What epx.All2All reads of the extension's object, with a mask set as a kernel would."""
+
+    def __init__(self, masked, dropped):
+        self.config = epx.EpConfig(hidden=1024, num_experts=16, topk=4, max_tokens_per_rank=8,
+                                   world_size=8, mask_failed_ranks=True)
+        self.backend = "low_latency"
+        self.device = 0
+        self.masked_ranks, self.dropped_pairs = masked, dropped
+        self.cleared_on = []
+
+    def combine_buffer(self):
+        return None
+
+    def clear_mask(self, stream):
+        self.cleared_on.append(stream)
+        self.masked_ranks = self.dropped_pairs = 0
+
+
+def test_masking_accessors_without_gpu(monkeypatch):
+    import epx._torch
+    import epx.all2all as a2a_module
+
+    if epx.has_cuda:  # the extension's All2All carries them (read-only: the kernels set them)
+        for name in ("masked_ranks", "dropped_pairs"):
+            assert isinstance(getattr(epx._epx.All2All, name), property), name
+        assert callable(epx._epx.All2All.clear_mask)
+    monkeypatch.setattr(epx._torch, "has_torch", lambda: False)  # no custom ops, no tensors
+    core = _MaskingCore(masked=(1 << 7) | (1 << 2), dropped=5)
+    a = a2a_module.All2All(core)
+    assert a.config.mask_failed_ranks
+    assert (a.masked_ranks, a.dropped_pairs) == (0x84, 5)
+    assert isinstance(a.masked_ranks, int) and a.masked_rank_list() == [2, 7]
+    monkeypatch.setattr(epx._torch, "current_stream", lambda device: 1234)
+    monkeypatch.setattr(epx._torch, "cuda_device", lambda index: f"cuda:{index}")
+    a.clear_mask()
+    assert core.cleared_on == [1234]  # torch's current stream of the object's GPU
+    assert (a.masked_ranks, a.dropped_pairs, a.masked_rank_list()) == (0, 0, [])
+    a.close()

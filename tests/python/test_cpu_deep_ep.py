@@ -67,6 +67,10 @@ def test_signatures_are_deepeps():
         ("num_experts", empty)]
     assert params(deep_ep.Buffer.clean_low_latency_buffer)[1:] == [
         ("num_max_dispatch_tokens_per_rank", empty), ("hidden", empty), ("num_experts", empty)]
+    assert params(deep_ep.Buffer.low_latency_update_mask_buffer)[1:] == [
+        ("rank_to_mask", empty), ("mask", False)]
+    assert params(deep_ep.Buffer.low_latency_query_mask_buffer)[1:] == [("mask_status", empty)]
+    assert params(deep_ep.Buffer.low_latency_clean_mask_buffer)[1:] == []
     for name in ("destroy", "is_sm90_compiled", "set_num_sms", "capture", "get_comm_stream",
                  "get_local_buffer_tensor", "get_dispatch_config", "get_combine_config",
                  "get_dispatch_layout", "dispatch", "combine", "internode_dispatch",
@@ -93,8 +97,6 @@ def test_size_hint_is_epx_sizing():
 
 
 def test_constructor_refusals():
-    with pytest.raises(NotImplementedError, match="shrink mode, rank masking"):
-        deep_ep.Buffer(FakeGroup(), low_latency_mode=True, enable_shrink=True)
     with pytest.raises(NotImplementedError, match="allow_nvlink_for_low_latency_mode=False"):
         deep_ep.Buffer(FakeGroup(), low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
     with pytest.raises(ValueError, match="group = None and comm = None"):
@@ -119,12 +121,17 @@ def test_normal_mode_and_masking_raise_naming_the_mode():
         deep_ep.Config(20, 6, 256, 6, 128)
     with pytest.raises(NotImplementedError, match="ElasticBuffer"):
         deep_ep.ElasticBuffer(None)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_update_mask_buffer(1, True)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_query_mask_buffer(None)
-    with pytest.raises(NotImplementedError, match="rank masking"):
-        b.low_latency_clean_mask_buffer()
+    # The mask calls are low-latency calls: on a normal-mode Buffer they name the flag first,
+    # shrink mode or not (a normal-mode Buffer records enable_shrink and makes nothing).
+    shrinking = deep_ep.Buffer(FakeGroup(1, 4), enable_shrink=True)
+    assert shrinking.enable_shrink and not shrinking.low_latency_mode
+    for buf in (b, shrinking):
+        for call in (lambda: buf.low_latency_update_mask_buffer(1, True),
+                     lambda: buf.low_latency_query_mask_buffer(None),
+                     lambda: buf.low_latency_clean_mask_buffer(),
+                     lambda: buf.prepare_low_latency_shape(128, 7168, 32, 8)):
+            with pytest.raises(epx.ConfigError, match="low_latency_mode = False"):
+                call()
     with pytest.raises(NotImplementedError, match="get_local_buffer_tensor"):
         b.get_local_buffer_tensor(None)
     # Low-latency calls on a normal-mode Buffer name the flag.
@@ -250,3 +257,59 @@ def test_runner_assemble_only(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "test_low_latency.py --num-processes 2 --num-tokens 128" in out.stdout
     assert (tmp_path / "pkg" / "deep_ep" / "__init__.py").exists()
+
+
+def test_runner_shrink_flag(tmp_path):
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    runner = str(COMPAT / "run_deepep_low_latency.py")
+    out = subprocess.run([sys.executable, runner, str(checkout), "--shrink", "--assemble-only",
+                          str(tmp_path / "pkg")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "test_low_latency.py --num-processes 8 --num-tokens 128 --hidden 7168 --num-topk 8 " \
+           "--num-experts 32 --shrink-test" in out.stdout, out.stdout
+    assert f"{deepep_shim.SHAPES_ENV}=128,7168,32,8" in out.stdout, out.stdout
+    # Given arguments keep theirs; --shrink adds the test's flag, the shape follows them (and
+    # the test's own defaults where absent).
+    out = subprocess.run([sys.executable, runner, str(checkout), "--shrink", "--assemble-only",
+                          str(tmp_path / "pkg2"), "--", "--num-processes", "6", "--hidden",
+                          "2048"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "test_low_latency.py --num-processes 6 --hidden 2048 --shrink-test" in out.stdout
+    assert f"{deepep_shim.SHAPES_ENV}=128,2048,288,8" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, runner, str(checkout), "--assemble-only",
+                          str(tmp_path / "pkg3")], capture_output=True, text=True)
+    assert out.returncode == 0 and deepep_shim.SHAPES_ENV not in out.stdout, out.stdout
+
+
+def test_preparing_buffer_makes_the_shapes_in_its_constructor(tmp_path):
+    made = []
+
+    class Base:
+        """the base's doc"""
+
+        def __init__(self, group, low_latency_mode=False, **kwargs):
+            self.low_latency_mode = low_latency_mode
+
+        def prepare_low_latency_shape(self, *args, **kwargs):
+            made.append((args, kwargs))
+
+    Prepared = deepep_shim.preparing_buffer(Base, "64,2048,16,4")
+    assert issubclass(Prepared, Base) and Prepared.__name__ == "Base"
+    Prepared(None)  # normal mode: no shapes
+    assert made == []
+    Prepared(None, low_latency_mode=True)
+    assert made == [((64, 2048, 16, 4), {"use_fp8": False}), ((64, 2048, 16, 4), {"use_fp8": True})]
+    for bad in ("64,2048,16", "64,2048,16,x", ""):
+        with pytest.raises(ValueError, match=deepep_shim.SHAPES_ENV):
+            deepep_shim.preparing_buffer(Base, bad)
+    # The assembled package uses it when the variable is set.
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    deepep_shim.assemble(checkout, tmp_path / "out")
+    code = ("import deep_ep, epx.deep_ep;"
+            "assert deep_ep.Buffer is not epx.deep_ep.Buffer;"
+            "assert issubclass(deep_ep.Buffer, epx.deep_ep.Buffer);"
+            "print('ok')")
+    env = {"PYTHONPATH": f"{tmp_path / 'out'}:{':'.join(sys.path)}",
+           deepep_shim.SHAPES_ENV: "128,7168,32,8"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

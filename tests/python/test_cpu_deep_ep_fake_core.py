@@ -1,29 +1,65 @@
-"""epx.deep_ep's own logic on the CPU, over a stand-in for epx's core: the GPU test's scenario
-(test_gpu_deep_ep.run_scenario) on two ranks run as threads, where each All2All is a plain torch
-model of the contract epx's expert-major and token-major dispatch and combine keep (DESIGN §4):
-expert rows ordered by (source rank, source index) when deterministic, token-major rows in any
-order otherwise, garbage past the counts, combine folding the weights carried at dispatch.
+"""epx.deep_ep's own logic on the CPU, over a stand-in for epx's core: the GPU tests' scenarios
+(test_gpu_deep_ep.run_scenario, test_gpu_deep_ep_shrink.run_shrink_scenario) on ranks run as
+threads, where each All2All is a plain torch model of the contract epx's expert-major and
+token-major dispatch and combine keep (DESIGN §4): expert rows ordered by (source rank, source
+index) when deterministic, token-major rows in any order otherwise, garbage past the counts,
+combine folding the weights carried at dispatch; and of masking (mask_failed_ranks): a peer that
+has not posted a call's data within timeout_ms is masked, later calls neither wait for it nor
+send to it (dropped pairs counted) nor add its partials.
 Needs torch (skipped without it); no GPU."""
 
 import threading
+import time
 import traceback
 
 import pytest
 
+import epx
 import ref
 import test_gpu_deep_ep as scenario
+import test_gpu_deep_ep_shrink as shrink_scenario
 
 torch = pytest.importorskip("torch")
 
+# Without masking a peer that never posts is a hang: the fake gives up after this long.
+HANG_S = 60
+
 
 class Fabric:
-    """What the ranks share: each object's inputs and outputs, and a barrier."""
+    """What the ranks share: each object's posted data (key -> value) under one condition, and
+    a barrier of every rank for the worlds' own barrier."""
 
     def __init__(self, world_size):
         self.world_size = world_size
-        self.barrier = threading.Barrier(world_size, timeout=60)
+        self.barrier = threading.Barrier(world_size, timeout=HANG_S)
         self.objects = {}
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.aborted = False
+
+    def post(self, shared, key, value):
+        with self.cond:
+            shared[key] = value
+            self.cond.notify_all()
+
+    def await_peers(self, shared, keys, timeout_s):
+        """Waits until every key of `keys` (peer -> key) is posted or `timeout_s` passes;
+        returns the peers whose key was not posted."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                if self.aborted:
+                    raise RuntimeError("another rank failed")
+                missing = {q for q, k in keys.items() if k not in shared}
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    return missing
+                self.cond.wait(left)
+
+    def abort(self):
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+        self.barrier.abort()
 
 
 class FakeWorld:
@@ -38,7 +74,7 @@ class FakeWorld:
 class FakeConfig:
     def __init__(self, c, world_size, rank):
         for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "layout",
-                  "deterministic"):
+                  "deterministic", "mask_failed_ranks", "timeout_ms"):
             setattr(self, f, getattr(c, f))
         self.world_size, self.rank = world_size, rank
         self.capacity = world_size * c.max_tokens_per_rank
@@ -54,19 +90,24 @@ def garbage(*shape):
 
 
 class FakeAll2All:
-    """One rank's object; the ranks' objects of one creation share a dict in the fabric."""
+    """One rank's object; the ranks' objects of one creation share a dict in the fabric, where
+    each call posts its data under (what, call number, rank)."""
 
     def __init__(self, cfg, world):
         self.world = world
         self.config = FakeConfig(cfg, world.size, world.rank)
         self.device = torch.device("cpu")
-        with world.fabric.lock:
+        with world.fabric.cond:
             self.shared = world.fabric.objects.setdefault(world.made, {})
         world.made += 1
         c = self.config
         self.buffer = torch.zeros(c.num_local_experts, c.capacity, c.hidden, dtype=torch.bfloat16)
         self.slots = {}
         self.num_tokens = 0
+        self.dispatches = 0
+        self.combines = 0
+        self.masked_ranks = 0
+        self.dropped_pairs = 0
 
     @classmethod
     def create(cls, cfg, world, backend=None):
@@ -75,13 +116,40 @@ class FakeAll2All:
     def combine_buffer(self):
         return self.buffer
 
+    def clear_mask(self):
+        self.masked_ranks = 0
+        self.dropped_pairs = 0
+
+    def _masked(self, q):
+        return (self.masked_ranks >> q) & 1
+
+    def _exchange(self, what, call, value):
+        """Posts this rank's `value` of call `call` and waits for every unmasked peer's; with
+        masking, a peer that does not post within timeout_ms is masked. Returns the posts of
+        the unmasked ranks (this one included), by rank."""
+        c, fabric = self.config, self.world.fabric
+        fabric.post(self.shared, (what, call, c.rank), value)
+        peers = {q: (what, call, q) for q in range(c.world_size)
+                 if q != c.rank and not self._masked(q)}
+        timeout_s = c.timeout_ms / 1000 if c.mask_failed_ranks else HANG_S
+        missing = fabric.await_peers(self.shared, peers, timeout_s)
+        if missing and not c.mask_failed_ranks:
+            raise RuntimeError(f"rank {c.rank}: ranks {sorted(missing)} never came ({what})")
+        for q in missing:
+            self.masked_ranks |= 1 << q
+        return {q: self.shared[(what, call, q)] for q in range(c.world_size)
+                if not self._masked(q)}
+
     def dispatch(self, x, ids, weights, x_scales=None):
         c = self.config
-        r, W, L, K = c.rank, c.world_size, c.num_local_experts, c.topk
-        self.shared[("in", r)] = (x.clone(), ids.clone(), weights.clone())
-        self.world.fabric.barrier.wait()
-        rows = [(q, n) for q in range(W) for n in range(self.shared[("in", q)][1].shape[0])
-                if any(r * L <= int(e) < (r + 1) * L for e in self.shared[("in", q)][1][n])]
+        r, L, K = c.rank, c.num_local_experts, c.topk
+        # Pairs whose expert's rank is masked now are not sent (counted).
+        gone = [int(e) >= 0 and self._masked(int(e) // L) for e in ids.flatten()]
+        self.dropped_pairs += sum(gone)
+        self.dispatches += 1
+        posted = self._exchange("in", self.dispatches, (x.clone(), ids.clone(), weights.clone()))
+        rows = [(q, n) for q in sorted(posted) for n in range(posted[q][1].shape[0])
+                if any(r * L <= int(e) < (r + 1) * L for e in posted[q][1][n])]
         if not c.deterministic:
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(len(rows)))
             rows = [rows[i] for i in order.tolist()]
@@ -92,7 +160,7 @@ class FakeAll2All:
         d.recv_topk_weights = torch.rand(cap, K) * 100
         for j, (q, n) in enumerate(rows):
             d.recv_src_rank[j], d.recv_src_idx[j] = q, n
-            d.recv_topk_weights[j] = self.shared[("in", q)][2][n]
+            d.recv_topk_weights[j] = posted[q][2][n]
         if c.layout == "expert":
             fp8 = c.dtype == "bf16-to-fp8"
             H, G = c.hidden, c.hidden // 128
@@ -103,7 +171,7 @@ class FakeAll2All:
             d.expert_counts = torch.zeros(L, dtype=torch.int32)
             self.slots = {}
             for q, n in rows:
-                xq, iq, _ = self.shared[("in", q)]
+                xq, iq, _ = posted[q]
                 for k in range(K):
                     e = int(iq[n, k]) - r * L
                     if not 0 <= e < L:
@@ -119,23 +187,22 @@ class FakeAll2All:
                     d.expert_topk_slot[e, s] = k
                     self.slots[(q, n, k)] = (e, s)
         self.num_tokens = x.shape[0]
-        self.world.fabric.barrier.wait()
+        self.inputs = (ids.clone(), weights.clone())
         return d
 
     def combine(self, expert_out, out=None):
         c = self.config
         r, L = c.rank, c.num_local_experts
-        self.shared[("out", r)] = (expert_out.clone(), dict(self.slots))
-        self.world.fabric.barrier.wait()
-        _, ids, weights = self.shared[("in", r)]
+        self.combines += 1
+        posted = self._exchange("out", self.combines, (expert_out.clone(), dict(self.slots)))
+        ids, weights = self.inputs
         y = torch.zeros(self.num_tokens, c.hidden)
         for n in range(self.num_tokens):
             for k in range(c.topk):
                 e = int(ids[n, k])
-                if e >= 0:
-                    rows, slots = self.shared[("out", e // L)]
+                if e >= 0 and e // L in posted:  # a masked rank's partials are left out
+                    rows, slots = posted[e // L]
                     y[n] += weights[n, k] * rows[slots[(r, n, k)]].float()
-        self.world.fabric.barrier.wait()
         y = y.to(torch.bfloat16)
         if out is None:
             return y
@@ -178,7 +245,7 @@ def test_scenario_over_a_fake_core(monkeypatch):
             outcome[rank] = "ok"
         except BaseException:
             outcome[rank] = traceback.format_exc()
-            fabric.barrier.abort()  # the other rank stops waiting
+            fabric.abort()  # the other rank stops waiting
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(scenario.WORLD)]
     for t in threads:
@@ -187,3 +254,71 @@ def test_scenario_over_a_fake_core(monkeypatch):
         t.join()
     for r in range(scenario.WORLD):
         assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+
+
+def test_shrink_scenario_over_a_fake_core(monkeypatch):
+    """Shrink mode (rank masking): three ranks, rank 2 stops calling after the first round and
+    rank 1 after the second; the fake core masks a peer that does not post within timeout_ms."""
+    import epx.deep_ep as deep_ep
+
+    W = shrink_scenario.WORLD
+    fabric = Fabric(W)
+    monkeypatch.setenv("EPX_TIMEOUT_MS", "400")
+    monkeypatch.setattr(deep_ep, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep.Buffer, "_make_world",
+                        staticmethod(lambda group, comm: FakeWorld(fabric, group.rank())))
+    aligners = {frozenset(range(W)): threading.Barrier(W, timeout=HANG_S),
+                frozenset({0, 1}): threading.Barrier(2, timeout=HANG_S)}
+
+    def align(live):
+        barrier = aligners.get(frozenset(live))
+        if barrier is not None:
+            barrier.wait()
+
+    outcome = {}
+
+    def rank_main(rank):
+        try:
+            buffer = deep_ep.Buffer(FakeGroup(rank, W), low_latency_mode=True,
+                                    explicitly_destroy=True, enable_shrink=True)
+            shrink_scenario.run_shrink_scenario(buffer, rank, torch.device("cpu"), align)
+            buffer.destroy()
+            outcome[rank] = "ok"
+        except BaseException:
+            outcome[rank] = traceback.format_exc()
+            fabric.abort()
+            for barrier in aligners.values():
+                barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(W):
+        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+
+
+def test_mask_calls_need_shrink_mode(monkeypatch):
+    import epx.deep_ep as deep_ep
+
+    monkeypatch.setattr(deep_ep, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep.Buffer, "_make_world",
+                        staticmethod(lambda group, comm: FakeWorld(Fabric(1), 0)))
+    b = deep_ep.Buffer(FakeGroup(0, 1), low_latency_mode=True)
+    status = torch.zeros(1, dtype=torch.int32)
+    for call in (lambda: b.low_latency_query_mask_buffer(status),
+                 lambda: b.low_latency_update_mask_buffer(0, False),
+                 lambda: b.low_latency_clean_mask_buffer()):
+        with pytest.raises(epx.ConfigError, match="enable_shrink = False, expected True"):
+            call()
+    b.clean_low_latency_buffer(16, 256, 4)  # nothing to do without shrink mode
+    b.prepare_low_latency_shape(16, 256, 4, 2, use_fp8=False)
+    assert len(b._shapes) == 1
+    shrinking = deep_ep.Buffer(FakeGroup(0, 1), low_latency_mode=True, enable_shrink=True)
+    with pytest.raises(epx.InputError, match="mask_status.device"):
+        shrinking.low_latency_query_mask_buffer(status.to("meta"))
+    with pytest.raises(epx.InputError, match="mask_status.stride"):
+        shrinking.low_latency_query_mask_buffer(torch.zeros(2, 2, dtype=torch.int32)[:, 0])
+    shrinking.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0]

@@ -384,3 +384,49 @@ def test_fp8_input_needs_scales(gpu):
         a.dispatch(x, ids, w, sc[:, :3].contiguous())
     with pytest.raises(epx.InputError, match="x.dtype"):
         a.dispatch(x.float().bfloat16(), ids, w, sc)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_rank_that_stops_calling_is_masked(gpu, layout):
+    """mask_failed_ranks: rank 1 of 2 never calls. Rank 0's first round masks it once its waits
+    outlive timeout_ms and completes without it; the second skips it from the start and counts
+    the (token, expert) pairs routed to its experts as dropped. Rank 0 receives only its own
+    rows, and y sums only rank 0's experts. clear_mask() unmasks and zeroes the count."""
+    import time
+
+    import torch
+
+    timeout_ms = 300
+    rk = Ranks(small_config(dtype="bf16", layout=layout, mask_failed_ranks=True,
+                            timeout_ms=timeout_ms), 2)
+    rk.warm_up_experts(gpu)
+    a, gone = rk.group
+    assert (a.masked_ranks, a.dropped_pairs, a.masked_rank_list()) == (0, 0, [])
+    L = a.config.num_local_experts
+    inputs = [ref.make_inputs(rk.cfg, r, n, 11, gpu) for r, n in enumerate((40, 0))]
+    x, ids, w, _ = inputs[0]
+    to_gone = int((ids >= L).sum())  # rank 1 holds experts [L, 2L)
+    assert to_gone > 0
+    live_ids = torch.where(ids >= L, torch.full_like(ids, -1), ids)
+    elapsed = []
+    for rnd in range(2):
+        start = time.monotonic()
+        d = a.dispatch(x, ids, w)
+        rk.expert_stage(0, d)
+        y = a.combine(a.combine_buffer())
+        a.synchronize()
+        elapsed.append(time.monotonic() - start)
+        assert a.masked_ranks == 1 << 1, f"round {rnd}: masked_ranks = {a.masked_ranks:#x}"
+        assert a.masked_rank_list() == [1]
+        # Round 0 masked rank 1 while waiting for it: its dispatch had sent before that.
+        assert a.dropped_pairs == (0 if rnd == 0 else to_gone), f"round {rnd}"
+        check_dispatch(rk, inputs, [d])  # rank 1 "had" no tokens: only rank 0's rows
+        torch.testing.assert_close(y.float(), ref.combined(rk.cfg, x, live_ids, w, None),
+                                   rtol=3e-2, atol=3e-2)
+    assert elapsed[0] >= 0.9 * timeout_ms / 1000, elapsed
+    assert elapsed[1] < timeout_ms / 1000, f"round 1 waited for the masked rank: {elapsed}"
+    assert (gone.masked_ranks, gone.dropped_pairs) == (0, 0)  # it never ran a kernel
+    a.clear_mask()
+    assert (a.masked_ranks, a.dropped_pairs, a.masked_rank_list()) == (0, 0, [])
+    a.synchronize()
+    assert (a.masked_ranks, a.dropped_pairs) == (0, 0)
