@@ -22,7 +22,8 @@ from typing import List, NamedTuple, Optional, Sequence
 
 from . import _epx
 from . import _torch as T
-from .config import EpConfig, LaunchConfigs, backend_from_env, launch_configs_from_env
+from .config import (EpConfig, LaunchConfigs, backend_from_env, check_backend_config,
+                     launch_configs_from_env)
 
 
 class ConfigValues(NamedTuple):
@@ -40,6 +41,7 @@ class ConfigValues(NamedTuple):
     deterministic: bool
     rounds_in_flight: int
     mask_failed_ranks: bool
+    worst_case_output: bool
     timeout_ms: int
     capacity: int
     num_local_experts: int
@@ -190,6 +192,7 @@ class All2All:
         and world_size come from the world). `backend` defaults to EPX_BACKEND, else
         'low_latency'; `launch` to EPX_CONFIG_PATH's file, else shapes chosen per world."""
         backend = backend or backend_from_env()
+        check_backend_config(backend, config)
         launch = launch if launch is not None else (launch_configs_from_env() or LaunchConfigs())
         return cls(_epx.make_all2all(backend, config, world, launch), world)
 
@@ -478,6 +481,7 @@ def make_group(
     load lazily out of the gap (or run once before the first round).
     """
     backend = backend or backend_from_env()
+    check_backend_config(backend, config)
     launch = launch if launch is not None else (launch_configs_from_env() or LaunchConfigs())
     return [All2All(impl, world) for impl in _epx.make_all2all_group(backend, config, world, launch)]
 

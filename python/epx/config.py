@@ -19,7 +19,7 @@ LaunchConfig = _epx.LaunchConfig
 LaunchConfigs = _epx.LaunchConfigs
 
 DEFAULT_BACKEND = "low_latency"
-BACKENDS = ("naive", "allgather_reducescatter", "low_latency")
+BACKENDS = ("naive", "allgather_reducescatter", "low_latency", "high_throughput")
 
 
 def ep_config(**fields: Any) -> EpConfig:
@@ -28,7 +28,9 @@ def ep_config(**fields: Any) -> EpConfig:
     Keys: rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype ('bf16',
     'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), layout ('token', 'expert'),
     deterministic, rounds_in_flight (1, or 2: the next round's dispatch before this round's
-    combine), mask_failed_ranks (a peer that times out is masked, not fatal), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    combine), mask_failed_ranks (a peer that times out is masked, not fatal), worst_case_output
+    (high_throughput's receive areas for every row; required for that backend from Python),
+    timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
     """
     cfg = EpConfig(**fields)
     cfg.validate()
@@ -81,6 +83,18 @@ def launch_configs_from_env() -> Optional[LaunchConfigs]:
 def env() -> dict:
     """EPX_BACKEND, EPX_TIMEOUT_MS and EPX_CONFIG_PATH, parsed (None when unset)."""
     return _epx.read_env()
+
+
+def check_backend_config(backend: str, config: EpConfig) -> None:
+    """What a backend needs of a config from Python, before any world is touched: the package's
+    tensors keep one shape (the custom ops describe them from the config alone), so
+    high_throughput must hold its receive areas for the worst case (worst_case_output=True)."""
+    if backend == "high_throughput" and not config.worst_case_output:
+        raise _epx.ConfigError(
+            "worst_case_output = False, expected True for backend high_throughput from Python "
+            "(its tensors keep one shape, world_size x max_tokens_per_rank rows; C++ callers may "
+            "size them per call)"
+        )
 
 
 def backend_from_env(default: str = DEFAULT_BACKEND) -> str:

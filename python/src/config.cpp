@@ -37,7 +37,7 @@ constexpr std::array<IntField, 8> kIntFields{{
 }};
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
-    "layout, deterministic, rounds_in_flight, mask_failed_ranks, timeout_ms";
+    "layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
   for (const IntField& f : kIntFields) {
@@ -56,6 +56,8 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
     c.deterministic = bool_arg("EpConfig", key, v);
   } else if (key == "mask_failed_ranks") {
     c.mask_failed_ranks = bool_arg("EpConfig", key, v);
+  } else if (key == "worst_case_output") {
+    c.worst_case_output = bool_arg("EpConfig", key, v);
   } else {
     EPX_CHECK(false, ConfigError, "EpConfig key", "'" + key + "'",
               std::string("one of ") + kEpConfigKeys);
@@ -66,11 +68,12 @@ std::string ep_repr(const EpConfig& c) {
   return fmt::format(
       "EpConfig(rank={}, world_size={}, hidden={}, num_experts={}, topk={}, "
       "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', layout='{}', deterministic={}, "
-      "rounds_in_flight={}, mask_failed_ranks={}, timeout_ms={})",
+      "rounds_in_flight={}, mask_failed_ranks={}, worst_case_output={}, timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
       to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
       c.deterministic ? "True" : "False", c.rounds_in_flight,
-      c.mask_failed_ranks ? "True" : "False", c.timeout_ms);
+      c.mask_failed_ranks ? "True" : "False", c.worst_case_output ? "True" : "False",
+      c.timeout_ms);
 }
 
 void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {
@@ -78,9 +81,11 @@ void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {
     l.num_blocks = int_arg("LaunchConfig", key, v);
   } else if (key == "warps_per_block") {
     l.warps_per_block = int_arg("LaunchConfig", key, v);
+  } else if (key == "ring_rows") {
+    l.ring_rows = int_arg("LaunchConfig", key, v);
   } else {
     EPX_CHECK(false, ConfigError, "LaunchConfig key", "'" + key + "'",
-              "num_blocks or warps_per_block (the JSON file also takes block_num, "
+              "num_blocks, warps_per_block or ring_rows (the JSON file also takes block_num, "
               "warp_num_per_block)");
   }
 }
@@ -189,6 +194,11 @@ void bind_config(nb::module_& m) {
       "mask_failed_ranks", [](const EpConfig& c) { return c.mask_failed_ranks; },
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "mask_failed_ranks", v); },
       "A peer that does not arrive within timeout_ms is masked instead of failing the call.");
+  ep.def_prop_rw(
+      "worst_case_output", [](const EpConfig& c) { return c.worst_case_output; },
+      [](EpConfig& c, nb::handle v) { set_ep_field(c, "worst_case_output", v); },
+      "high_throughput: receive areas for world_size x max_tokens_per_rank rows (fixed "
+      "shapes, no host read of the row count, capturable); required from Python.");
 
   nb::class_<LaunchConfig>(m, "LaunchConfig",
                            "Launch shape of one op; 0 = chosen per world and shape.")
@@ -199,9 +209,10 @@ void bind_config(nb::module_& m) {
            })
       .def_rw("num_blocks", &LaunchConfig::num_blocks)
       .def_rw("warps_per_block", &LaunchConfig::warps_per_block)
+      .def_rw("ring_rows", &LaunchConfig::ring_rows)
       .def("__repr__", [](const LaunchConfig& l) {
-        return fmt::format("LaunchConfig(num_blocks={}, warps_per_block={})", l.num_blocks,
-                           l.warps_per_block);
+        return fmt::format("LaunchConfig(num_blocks={}, warps_per_block={}, ring_rows={})",
+                           l.num_blocks, l.warps_per_block, l.ring_rows);
       });
   nb::class_<LaunchConfigs>(m, "LaunchConfigs",
                             "Launch shapes of dispatch and combine (DESIGN §6).")

@@ -89,6 +89,18 @@ nb::object contiguous(const void* data, std::vector<size_t> shape, nb::dlpack::d
 
 // Every field of `r` as a view, keyed by its DispatchResult name. Scales are indexed [row, group]
 // in either layout: column-major scales are that view with the row index fastest in memory.
+// The backend of `name` for a Python object. The package's tensors have fixed shapes (the
+// custom ops' fake implementations describe them from the config alone), so high_throughput,
+// whose receive areas otherwise follow each round's row count, must hold the worst case.
+Backend python_backend(const std::string& name, const EpConfig& cfg) {
+  const Backend b = parse_backend(name);
+  EPX_CHECK(b != Backend::kHighThroughput || cfg.worst_case_output, ConfigError,
+            "worst_case_output", "False",
+            "True for backend high_throughput from Python (its tensors keep one shape, "
+            "world_size x max_tokens_per_rank rows; C++ callers may size them per call)");
+  return b;
+}
+
 nb::dict views(nb::handle owner, const All2All& a2a, const DispatchResult& r) {
   const EpConfig& c = a2a.config();
   const size_t cap = size_t(r.capacity), H = size_t(c.hidden), K = size_t(c.topk);
@@ -303,7 +315,7 @@ void bind_gpu(nb::module_& m) {
       "make_all2all_group",
       [](const std::string& backend, const EpConfig& cfg, const InProcessWorld& world,
          const LaunchConfigs& launch) {
-        return make_all2all_group(parse_backend(backend), cfg, world, launch);
+        return make_all2all_group(python_backend(backend, cfg), cfg, world, launch);
       },
       nb::arg("backend"), nb::arg("config"), nb::arg("world"), nb::arg("launch") = LaunchConfigs{},
       "One All2All per rank of an in-process world (rank and world_size set per rank).");
@@ -311,7 +323,7 @@ void bind_gpu(nb::module_& m) {
       "make_all2all",
       [](const std::string& backend, const EpConfig& cfg, IpcWorld& world,
          const LaunchConfigs& launch) {
-        const Backend b = parse_backend(backend);
+        const Backend b = python_backend(backend, cfg);
         nb::gil_scoped_release release;  // collective; a callback bootstrap takes the GIL itself
         return make_all2all(b, cfg, world, launch);
       },
@@ -321,7 +333,7 @@ void bind_gpu(nb::module_& m) {
       "make_all2all",
       [](const std::string& backend, const EpConfig& cfg, NcclWorld& world,
          const LaunchConfigs& launch) {
-        const Backend b = parse_backend(backend);
+        const Backend b = python_backend(backend, cfg);
         nb::gil_scoped_release release;
         return make_all2all(b, cfg, world, launch);
       },

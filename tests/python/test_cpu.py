@@ -111,6 +111,25 @@ def test_buffer_sizes():
     assert bigger > ll
     with pytest.raises(epx.ConfigError, match="backend"):
         epx.buffer_bytes(c, "fastest")
+    # high_throughput: rings of fixed size, whatever the tokens per rank
+    ht = epx.buffer_bytes(c.replace(max_tokens_per_rank=16384), "high_throughput")
+    assert ht <= 256 << 20
+    assert epx.buffer_bytes(c.replace(max_tokens_per_rank=16384, worst_case_output=True),
+                            "high_throughput") > ht + 8 * 16384 * 7168
+
+
+def test_high_throughput_from_python_needs_worst_case_output():
+    c = epx.EpConfig(hidden=1024, num_experts=16, topk=4, max_tokens_per_rank=8)
+    assert not c.worst_case_output and "worst_case_output=False" in repr(c)
+    assert c.replace(worst_case_output=True).worst_case_output
+    assert "high_throughput" in epx.BACKENDS
+    lc = epx.launch_configs(dispatch={"ring_rows": 128})
+    assert lc.dispatch.ring_rows == 128 and lc.combine.ring_rows == 0
+    # refused before any world or GPU is touched
+    with pytest.raises(epx.ConfigError, match="worst_case_output = False, expected True"):
+        epx.make_group(c, world=None, backend="high_throughput")
+    with pytest.raises(epx.ConfigError, match="worst_case_output = False, expected True"):
+        epx.All2All.create(c, world=None, backend="high_throughput")
 
 
 @pytest.mark.parametrize(
