@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 
+#include "backends/common/carve.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/high_throughput/ht_kernels.hpp"
 #include "epx/bootstrap.hpp"
@@ -15,14 +16,6 @@
 namespace epx {
 namespace ht {
 
-namespace {
-constexpr size_t kAlign = 256;
-size_t carve(size_t& cursor, size_t bytes) {
-  const size_t off = cursor;
-  cursor = (cursor + bytes + kAlign - 1) / kAlign * kAlign;
-  return off;
-}
-}  // namespace
 
 HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, int combine_ring) {
   const size_t W = cfg.world_size, C = channels, K = cfg.topk, H = cfg.hidden;

@@ -170,17 +170,11 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     const int t_end = min(t1, t + num_warps);
     if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
     __syncthreads();
-    for (int r = threadIdx.x; r < W; r += blockDim.x) {
-      const int cnt = __popc(bal[r]);
-      if (cnt == 0) continue;
-      const uint64_t need = base[r] + cnt;
-      const bool ok = dev::bounded_wait(
-          w, Phase::kCombineReady, r, int64_t(need),
-          [&] { return dev::ld_acquire_sys(tail + r) >= need; },
-          [&] { return int64_t(dev::ld_acquire_sys(tail + r)); });
-      if (!ok) failed = 1;
-    }
-    __syncthreads();
+    // The batch's partials in every ring it reads.
+    wait_batch(
+        w, Phase::kCombineReady, base, bal, W, &failed,
+        [&](int r, uint64_t need) { return dev::ld_acquire_sys(tail + r) >= need; },
+        [&](int r) { return int64_t(dev::ld_acquire_sys(tail + r)); });
     if (failed) return;
     const int n = t + warp;
     if (n < t_end) {
@@ -216,14 +210,10 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
       }
     }
     __syncthreads();
-    for (int r = threadIdx.x; r < W; r += blockDim.x) {
-      const int cnt = __popc(bal[r]);
-      if (cnt == 0) continue;
-      base[r] += cnt;
-      dev::fence_acq_rel_sys();
-      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s, base[r]);
-    }
-    __syncthreads();
+    // Publish how far this rank has read (the block's loads, then the release).
+    publish_batch(base, bal, W, [&](int r) {
+      return at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s;
+    });
   }
   for (int r = threadIdx.x; r < W; r += blockDim.x) crecv[r] = base[r];
 }

@@ -80,4 +80,39 @@ __device__ __forceinline__ void batch_ballots(const uint64_t* token_mask, int t,
   }
 }
 
+// After a batch: each rank r the batch touched learns, by one release after the block's writes
+// (or reads), that ring position base[r] + (its tokens in the batch) is reached; base advances.
+// The word is `word_at(r)` (in r's memory). Called by the whole block, after a __syncthreads.
+template <typename WordAt>
+__device__ __forceinline__ void publish_batch(uint64_t* base, const uint32_t* bal, int W,
+                                              WordAt word_at) {
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    const int cnt = __popc(bal[r]);
+    if (cnt == 0) continue;
+    base[r] += cnt;
+    dev::fence_acq_rel_sys();
+    dev::st_release_sys(word_at(r), base[r]);
+  }
+  __syncthreads();
+}
+
+// Before a batch: for each rank r the batch touches, waits until `ready(r, need)` holds, where
+// need = base[r] + (its tokens in the batch); a wait that expires is recorded (phase, peer r)
+// and sets *failed. Called by the whole block; returns with the block synchronised.
+template <typename Ready, typename Seen>
+__device__ __forceinline__ void wait_batch(const dev::WaitContext& w, Phase phase,
+                                           const uint64_t* base, const uint32_t* bal, int W,
+                                           int32_t* failed, Ready ready, Seen seen) {
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    const int cnt = __popc(bal[r]);
+    if (cnt == 0) continue;
+    const uint64_t need = base[r] + cnt;
+    if (!dev::bounded_wait(w, phase, r, int64_t(need), [&] { return ready(r, need); },
+                           [&] { return seen(r); })) {
+      *failed = 1;
+    }
+  }
+  __syncthreads();
+}
+
 }  // namespace epx::ht

@@ -247,18 +247,11 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
     const int t_end = min(t1, t + num_warps);
     if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
     __syncthreads();
-    // Room for the batch in every destination's ring.
-    for (int r = threadIdx.x; r < W; r += blockDim.x) {
-      const int cnt = __popc(bal[r]);
-      if (cnt == 0) continue;
-      const uint64_t need = base[r] + cnt;
-      const bool ok = dev::bounded_wait(
-          w, Phase::kRingSpace, r, int64_t(need - ring),
-          [&] { return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring); },
-          [&] { return int64_t(dev::ld_acquire_sys(head + r)); });
-      if (!ok) failed = 1;
-    }
-    __syncthreads();
+    // Room for the batch in every destination's ring (its reader is at most `ring` rows behind).
+    wait_batch(
+        w, Phase::kRingSpace, base, bal, W, &failed,
+        [&](int r, uint64_t need) { return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring); },
+        [&](int r) { return int64_t(dev::ld_acquire_sys(head + r)); });
     if (failed) return;
     if (t + warp < t_end) {
       const uint64_t m = mask_of[warp];
@@ -274,14 +267,9 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
     }
     __syncthreads();
     // Publish: the batch's rows are written (the block's writes, then the release).
-    for (int r = threadIdx.x; r < W; r += blockDim.x) {
-      const int cnt = __popc(bal[r]);
-      if (cnt == 0) continue;
-      base[r] += cnt;
-      dev::fence_acq_rel_sys();
-      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s, base[r]);
-    }
-    __syncthreads();
+    publish_batch(base, bal, W, [&](int r) {
+      return at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s;
+    });
   }
   for (int r = threadIdx.x; r < W; r += blockDim.x) sent[r] = base[r];
 }

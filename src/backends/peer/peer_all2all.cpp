@@ -13,6 +13,7 @@
 #include "core/env.hpp"
 #endif
 
+#include "backends/common/carve.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
@@ -24,14 +25,6 @@
 namespace epx {
 namespace peer {
 
-namespace {
-constexpr size_t kAlign = 256;
-size_t carve(size_t& cursor, size_t bytes) {
-  const size_t off = cursor;
-  cursor = (cursor + bytes + kAlign - 1) / kAlign * kAlign;
-  return off;
-}
-}  // namespace
 
 Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   const size_t W = cfg.world_size, K = cfg.topk, H = cfg.hidden, cap = cfg.capacity();
