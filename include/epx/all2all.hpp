@@ -31,7 +31,8 @@
 // (source rank, source index), one round in flight, no send/receive halves (ConfigError), no
 // masking. Its dispatch exchanges counts first; unless cfg.worst_case_output, it then reads the
 // round's row count M back on the host (dispatch synchronises `stream` once and waits there for
-// every peer's counts: call each rank from its own thread or process, or use dispatch_group) and
+// every peer's counts: call each rank from its own thread or process, or use dispatch_group, one
+// host thread per GPU) and
 // sizes the received rows' areas to it, moving them when a round needs more rows, so that
 // DispatchResult::capacity and combine_buffer() follow the round (take them from each result; a
 // capturing stream is refused with a StateError). With cfg.worst_case_output the areas hold

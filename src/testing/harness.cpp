@@ -336,7 +336,14 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
   // Eager calls.
   for (int it = 0; it < o.iters && rep.ok; ++it) {
     for (int r = 0; r < W; ++r) upload(r, it);
-    if (one_stream) {
+    if (one_stream && host_waits && num_gpus > 1) {
+      // Each GPU's group waits on the host for the other GPUs' counts: one thread per GPU.
+      sync_all();
+      std::vector<std::future<void>> done;
+      for (int g = 0; g < num_gpus; ++g)
+        done.push_back(std::async(std::launch::async, [&, g] { enqueue_gpu(g); }));
+      for (auto& f : done) f.get();
+    } else if (one_stream) {
       sync_all();
       for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);
     } else {

@@ -59,6 +59,12 @@ void RankStatus::poll() {
   }
 }
 
+void RankStatus::poll_fatal() {
+  check_usable();
+  const std::optional<DeviceStatus> recorded = recorded_status(*mirror_);
+  if (recorded && StatusCode(recorded->code) != StatusCode::kInput) poll();
+}
+
 void RankStatus::raise(const DeviceStatus& s) const {
   const std::string where =
       s.call > 0 ? fmt::format("rank {} in {} (call {})", s.rank, to_string(Phase(s.phase)), s.call)

@@ -29,6 +29,9 @@ class RankStatus {
   void check_usable() const;
   // Throws the error the device recorded, once (later calls: check_usable's StateError).
   void poll();
+  // As poll(), but only for errors that end calls (timeouts, peers); bad input stays recorded for
+  // the next poll() (its call still completes on every rank).
+  void poll_fatal();
   // InputError unless `p` is a non-null device pointer on this rank's GPU aligned to `align`.
   void check_ptr(const void* p, const char* name, size_t align) const;
 

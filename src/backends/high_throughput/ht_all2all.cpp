@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <exception>
 
 #include "backends/common/carve.hpp"
 #include "backends/common/rank_status.hpp"
@@ -124,18 +125,36 @@ class HtAll2All final : public All2All {
         status_(cfg, buf_.device()) {
     EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_rows_), sizeof(int32_t),
                                  cudaHostAllocDefault));
-    if (cfg_.worst_case_output) {
+    if (!cfg_.worst_case_output) {
+      // The receive areas' own pool, which keeps what it has mapped: returning memory to the
+      // system (what the default pool does at every synchronisation) must not happen while
+      // peers' kernels spin on this GPU.
+      cudaMemPoolProps props{};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = buf_.device();
+      EPX_CUDA_CHECK(cudaMemPoolCreate(&pool_, &props));
+      uint64_t keep = UINT64_MAX;
+      EPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
+    } else {
       rows_cap_ = cfg_.capacity();
       EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&rows_), rows_bytes(rows_cap_)));
     }
   }
   ~HtAll2All() override {
+    int prev = 0;
+    (void)cudaGetDevice(&prev);
     (void)cudaSetDevice(buf_.device());
-    if (rows_ != nullptr) {
-      (void)cudaDeviceSynchronize();
+    (void)cudaDeviceSynchronize();  // no kernel of this rank reads the areas any more
+    if (rows_ != nullptr && pool_ != nullptr) {
+      (void)cudaFreeAsync(rows_, nullptr);
+      (void)cudaStreamSynchronize(nullptr);
+    } else if (rows_ != nullptr) {
       (void)cudaFree(rows_);
     }
+    if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
     if (host_rows_ != nullptr) (void)cudaFreeHost(host_rows_);
+    (void)cudaSetDevice(prev);
   }
 
   const EpConfig& config() const override { return cfg_; }
@@ -247,7 +266,9 @@ class HtAll2All final : public All2All {
   // stream order (no device-wide synchronisation, which would wait for the peers' kernels that
   // wait for this rank).
   void size_rows(cudaStream_t stream) {
-    status_.poll();  // a timeout in the count exchange surfaces here, before any transfer
+    // A timeout in the count exchange surfaces here, before any transfer. Bad ids do not: the
+    // peers count on this rank's rows and partials, so the round goes on (poll() raises them).
+    status_.poll_fatal();
     const int M = *host_rows_;
     EPX_CHECK(M >= 0 && M <= cfg_.capacity(), PeerError, "received rows", M,
               fmt::format("0..world_size * max_tokens_per_rank = {}", cfg_.capacity()));
@@ -258,7 +279,8 @@ class HtAll2All final : public All2All {
     if (rows_ != nullptr) EPX_CUDA_CHECK(cudaFreeAsync(rows_, stream));
     rows_ = nullptr;
     rows_cap_ = 0;
-    EPX_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&rows_), rows_bytes(want), stream));
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&rows_), rows_bytes(want),
+                                           pool_, stream));
     rows_cap_ = want;
   }
 
@@ -329,6 +351,7 @@ class HtAll2All final : public All2All {
   RankStatus status_;
   int32_t* host_rows_ = nullptr;  // pinned: the round's M, read back (exact output sizes)
   uint8_t* rows_ = nullptr;       // the received rows' areas (rows_layout of rows_cap_ rows)
+  cudaMemPool_t pool_ = nullptr;  // exact sizes: where rows_ comes from
   int rows_cap_ = 0;
   int tokens_ = 0;
   bool ids_int64_ = false;
@@ -387,7 +410,16 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   if (!first.config().worst_case_output) {
     for (HtAll2All* r : rs) r->read_rows_back(stream);
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-    for (HtAll2All* r : rs) r->size_rows(stream);
+    // Every rank sized before any error is raised (a rank's error does not skip another's).
+    std::exception_ptr first;
+    for (HtAll2All* r : rs) {
+      try {
+        r->size_rows(stream);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   }
   for (size_t i = 0; i < rs.size(); ++i) {
     p.ranks[i].rows = rs[i]->rows();

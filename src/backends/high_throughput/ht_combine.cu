@@ -104,7 +104,7 @@ __device__ __forceinline__ void send_partials(const HtCombineParams& p, const Ht
           idle_since = now;
         } else if (dev::aborted(w)) {
           group_rows[g] = -2;
-        } else if (now - idle_since > w.timeout_ns) {
+        } else if (now - idle_since > idle_limit_ns(w.timeout_ns)) {
           dev::record_error(w, StatusCode::kTimeout, Phase::kRingSpace, waiting,
                             int64_t(sent[waiting] - ring + 1),
                             int64_t(dev::ld_acquire_sys(head + waiting)));

@@ -56,6 +56,14 @@ __device__ __forceinline__ SlotParts slot_parts(const HtShape& S) {
   return p;
 }
 
+// How long a block that polls several peers waits without progress before it names one: a little
+// longer than the bounded waits of single peers, so that the rank that really stopped is named by
+// the wait that depends on it alone (a writer waiting for room in its ring) and not a healthy
+// peer held up by it.
+__device__ __forceinline__ uint64_t idle_limit_ns(uint64_t timeout_ns) {
+  return timeout_ns + min(timeout_ns / 4, uint64_t(500) * 1000 * 1000);
+}
+
 // Index of the f32 scale of (row, group) in a [rows][groups] or [groups][rows] scale area.
 __device__ __forceinline__ size_t ht_scale_index(const HtShape& S, int row, int group, int rows) {
   return S.scale_col_major ? size_t(group) * rows + row : size_t(row) * S.groups + group;

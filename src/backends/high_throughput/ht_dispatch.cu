@@ -369,7 +369,7 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
         idle_since = dev::globaltimer_ns();
       } else if (dev::aborted(w)) {
         failed = 1;
-      } else if (dev::globaltimer_ns() - idle_since > w.timeout_ns) {
+      } else if (dev::globaltimer_ns() - idle_since > idle_limit_ns(w.timeout_ns)) {
         dev::record_error(w, StatusCode::kTimeout, Phase::kDispatchData, waiting,
                           int64_t(consumed[waiting] + 1), int64_t(dev::ld_acquire_sys(tail + waiting)));
         failed = 1;
