@@ -16,7 +16,8 @@
 #   FAULT_TIMEOUT_MS   timeout_ms of every run (default 2000)
 #   FAULT_GPU          the GPU every run uses (default 0)
 #   FAULT_LOGS         where each row's output goes (default <build-dir>/fault-logs)
-# Ends with "fault-matrix: N passed, M failed" (exit 0 when M = 0). About 4-5 minutes.
+# Ends with "fault-matrix: N passed, M failed" (exit 0 when M = 0). Expected to take 4-5 minutes
+# (55 rows of a few seconds each; estimated, not yet measured).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 build=build

@@ -8,7 +8,7 @@
 # the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
 # own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0;
 # needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
-# fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: about 5 minutes; its
+# fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its
 # rows count one each, its table goes to $logs/fault_matrix.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
