@@ -113,10 +113,10 @@ TEST(FaultCase, RefusalsNameTheFlagTheValueAndTheBound) {
   EXPECT_HAS(refusal({"--fault", "crash", "--at", "between"}),
              "--fault = 'crash', expected one of never-arrives, killed, stops-calling, "
              "kernel-fault");
-  EXPECT_HAS(refusal({"--fault", "killed", "--at", "after-combine", "--world-kind", "ipc"},
-                     ipc_env(0, 2)),
-             "--at = 'after-combine', expected one of before-dispatch, in-dispatch, between, "
-             "in-combine");
+  EXPECT_HAS(
+      refusal({"--fault", "killed", "--at", "after-combine", "--world-kind", "ipc"}, ipc_env(0, 2)),
+      "--at = 'after-combine', expected one of before-dispatch, in-dispatch, between, "
+      "in-combine");
   EXPECT_HAS(refusal({"--fault", "stops-calling", "--at", "between", "--mode", "replay"}),
              "--mode = 'replay', expected one of eager, graph");
   EXPECT_HAS(refusal({"--fault", "stops-calling", "--at", "between", "--world-kind", "nccl"}),
@@ -138,29 +138,30 @@ TEST(FaultCase, RefusalsNameTheFlagTheValueAndTheBound) {
   EXPECT_HAS(refusal({"--fault", "stops-calling", "--at", "between", "--timeout-ms", "0"}),
              "--timeout-ms = 0, expected in [1, kMaxTimeoutMs = 86400000]");
   // ipc: the world is the launcher's
-  EXPECT_HAS(refusal({"--world-kind", "ipc", "--fault", "killed", "--at", "between"},
-                     ipc_env(0, 1)),
-             "EPX_WORLD_SIZE = 1, expected at least 2 with --world-kind ipc");
-  EXPECT_HAS(refusal({"--world-kind", "ipc", "--world", "4", "--fault", "killed", "--at",
-                      "between"},
-                     ipc_env(0, 2)),
-             "--world = 4, expected EPX_WORLD_SIZE = 2");
-  EXPECT_HAS(refusal({"--world-kind", "ipc", "--fault", "never-arrives", "--mask"},
-                     ipc_env(0, 2)),
+  EXPECT_HAS(
+      refusal({"--world-kind", "ipc", "--fault", "killed", "--at", "between"}, ipc_env(0, 1)),
+      "EPX_WORLD_SIZE = 1, expected at least 2 with --world-kind ipc");
+  EXPECT_HAS(
+      refusal({"--world-kind", "ipc", "--world", "4", "--fault", "killed", "--at", "between"},
+              ipc_env(0, 2)),
+      "--world = 4, expected EPX_WORLD_SIZE = 2");
+  EXPECT_HAS(refusal({"--world-kind", "ipc", "--fault", "never-arrives", "--mask"}, ipc_env(0, 2)),
              "--mask = set with --fault never-arrives --world-kind ipc, expected another fault");
-  EXPECT_HAS(refusal({"--world-kind", "ipc", "--fault", "killed", "--at", "between",
-                      "--faulty-rank", "2"},
-                     ipc_env(0, 2)),
-             "--faulty-rank = 2, expected a rank of the world, in [0, 2)");
+  EXPECT_HAS(
+      refusal({"--world-kind", "ipc", "--fault", "killed", "--at", "between", "--faulty-rank", "2"},
+              ipc_env(0, 2)),
+      "--faulty-rank = 2, expected a rank of the world, in [0, 2)");
 }
 
 TEST(FaultCase, FaultIsRequired) {
   EXPECT_THROW(parse({"--at", "between"}), CLI::RequiredError);
 }
 
-// ---- verdicts --------------------------------------------------------------------------------------
+// ---- verdicts
+// --------------------------------------------------------------------------------------
 
-// The message of RankStatus::raise for a peer that never came (src/backends/common/rank_status.cpp).
+// The message of RankStatus::raise for a peer that never came
+// (src/backends/common/rank_status.cpp).
 const char* kDeviceTimeout =
     "rank 0 in combine/partials-ready (call 8): waited 2000 ms for rank 1 (expected 4, saw 3); "
     "rank 1 did not take part in this call or failed (rank_status.cpp:61)";
@@ -193,7 +194,9 @@ TEST(FaultVerdict, ARealBootstrapTimeoutNamesTheRankAndStartUp) {
   EXPECT_EQ(named_phase(message), "start-up") << message;
 }
 
-FaultCase in_process_case() { return case_of({"--fault", "stops-calling", "--at", "between"}); }
+FaultCase in_process_case() {
+  return case_of({"--fault", "stops-calling", "--at", "between"});
+}
 
 Observation timed_out_survivor() {
   Observation o;
@@ -231,11 +234,15 @@ TEST(FaultVerdict, EveryDeviationFailsWithItsReason) {
   EXPECT_HAS(why([](Observation& o) { o.seconds = -1; }), "no time measured");
   EXPECT_HAS(why([](Observation& o) { o.seen = "StateError"; }),
              "saw StateError, expected TimeoutError or PeerError");
-  EXPECT_HAS(why([](Observation& o) { o.seen = "nothing"; o.error.clear(); }),
+  EXPECT_HAS(why([](Observation& o) {
+               o.seen = "nothing";
+               o.error.clear();
+             }),
              "saw nothing, expected TimeoutError or PeerError");
   EXPECT_HAS(why([](Observation& o) { o.seen = "hang"; }), "saw hang");
-  EXPECT_HAS(why([](Observation& o) { o.error = "rank 0 in combine/partials-ready: waited for rank 2"; }),
-             "the error does not name rank 1");
+  EXPECT_HAS(
+      why([](Observation& o) { o.error = "rank 0 in combine/partials-ready: waited for rank 2"; }),
+      "the error does not name rank 1");
   EXPECT_HAS(why([](Observation& o) { o.error = "rank 1 did something"; }),
              "the error names no phase");
   EXPECT_HAS(why([](Observation& o) { o.error_round = 2; }),
@@ -247,11 +254,15 @@ TEST(FaultVerdict, EveryDeviationFailsWithItsReason) {
   EXPECT_HAS(why([](Observation& o) { o.wrong_output = "round 1: y[3][4] = 0x4000"; }),
              "round 1: y[3][4] = 0x4000");
   // Several reasons at once are all given.
-  EXPECT_HAS(why([](Observation& o) { o.alive = false; o.seconds = 9; }), "; ");
+  EXPECT_HAS(why([](Observation& o) {
+               o.alive = false;
+               o.seconds = 9;
+             }),
+             "; ");
 
   // ipc survivors are not recreated (it needs every process).
-  const FaultCase ipc = case_of({"--world-kind", "ipc", "--fault", "killed", "--at", "between"},
-                                ipc_env(0, 2));
+  const FaultCase ipc =
+      case_of({"--world-kind", "ipc", "--fault", "killed", "--at", "between"}, ipc_env(0, 2));
   Observation o = timed_out_survivor();
   o.recreated = "n/a";
   EXPECT_TRUE(judge(ipc, o).pass) << judge(ipc, o).why;
@@ -260,22 +271,21 @@ TEST(FaultVerdict, EveryDeviationFailsWithItsReason) {
 }
 
 TEST(FaultVerdict, CreationErrorsCountOnlyForARankThatNeverArrives) {
-  const FaultCase never = case_of({"--world-kind", "ipc", "--fault", "never-arrives"},
-                                  ipc_env(0, 2));
+  const FaultCase never =
+      case_of({"--world-kind", "ipc", "--fault", "never-arrives"}, ipc_env(0, 2));
   Observation o = timed_out_survivor();
-  o.error = "bootstrap @x: rank 1 of 2 did not arrive within 2000 ms (EPX_TIMEOUT_MS); arrived: rank 0";
+  o.error =
+      "bootstrap @x: rank 1 of 2 did not arrive within 2000 ms (EPX_TIMEOUT_MS); arrived: rank 0";
   o.error_round = -1;
   o.recreated = "n/a";
   EXPECT_TRUE(judge(never, o).pass) << judge(never, o).why;
-  const FaultCase killed = case_of({"--world-kind", "ipc", "--fault", "killed", "--at",
-                                    "before-dispatch"},
-                                   ipc_env(0, 2));
+  const FaultCase killed = case_of(
+      {"--world-kind", "ipc", "--fault", "killed", "--at", "before-dispatch"}, ipc_env(0, 2));
   EXPECT_HAS(judge(killed, o).why, "the error came in round -1, before the fault round 3");
 }
 
 TEST(FaultVerdict, MaskedSurvivorsMustGoOnAndReportTheRank) {
-  const FaultCase c =
-      case_of({"--fault", "stops-calling", "--at", "before-dispatch", "--mask"});
+  const FaultCase c = case_of({"--fault", "stops-calling", "--at", "before-dispatch", "--mask"});
   Observation o;
   o.seen = "masked";
   o.seconds = 2.1;
@@ -293,16 +303,22 @@ TEST(FaultVerdict, MaskedSurvivorsMustGoOnAndReportTheRank) {
     return v.why;
   };
   EXPECT_HAS(why([](Observation& m) { m.masked = 0x4; }), "masked_ranks = 0x4, expected 0x2");
-  EXPECT_HAS(why([](Observation& m) { m.dropped = 89; }), "dropped_pairs = 89, expected in [90, 120]");
-  EXPECT_HAS(why([](Observation& m) { m.seen = "TimeoutError"; m.error = kDeviceTimeout; }),
+  EXPECT_HAS(why([](Observation& m) { m.dropped = 89; }),
+             "dropped_pairs = 89, expected in [90, 120]");
+  EXPECT_HAS(why([](Observation& m) {
+               m.seen = "TimeoutError";
+               m.error = kDeviceTimeout;
+             }),
              "saw TimeoutError (rank 0 in combine");
-  EXPECT_HAS(why([](Observation& m) { m.seen = "nothing"; }), "expected the survivors to mask rank 1");
+  EXPECT_HAS(why([](Observation& m) { m.seen = "nothing"; }),
+             "expected the survivors to mask rank 1");
   EXPECT_HAS(why([](Observation& m) { m.recreated = "ok"; }), "recreated = ok, expected n/a");
   EXPECT_HAS(why([](Observation& m) { m.seconds = 3.5; }), "took 3.500 s");
 }
 
 TEST(FaultVerdict, TheResultLineHoldsEveryFieldOnOneLine) {
-  const FaultCase c = case_of({"--fault", "stops-calling", "--at", "in-combine", "--mode", "graph"});
+  const FaultCase c =
+      case_of({"--fault", "stops-calling", "--at", "in-combine", "--mode", "graph"});
   Observation o = timed_out_survivor();
   o.rank = 2;
   o.error = "a \"quoted\"\nmessage in dispatch/data-arrival for rank 1";
@@ -327,7 +343,8 @@ TEST(FaultVerdict, TheResultLineHoldsEveryFieldOnOneLine) {
             "case=stops-calling@in-combine faulty=1 mask=0 round=3 detail=\"stopped 'here'\"");
 }
 
-// ---- inputs and outputs ------------------------------------------------------------------------------
+// ---- inputs and outputs
+// ------------------------------------------------------------------------------
 
 TEST(FaultInputs, DistinctExpertsAndExactValues) {
   const FaultCase c = in_process_case();
@@ -393,7 +410,8 @@ TEST(FaultInputs, ExpectedOutputCountsTheLiveRanksATokenReached) {
   EXPECT_HAS(compare_y(c, in, std::vector<uint16_t>(3), 0b111), "y has 3 values");
 }
 
-// ---- the binary ----------------------------------------------------------------------------------
+// ---- the binary
+// ----------------------------------------------------------------------------------
 
 #if defined(EPX_FAULT_RANK_PATH)
 TEST(FaultRankCli, RefusesBadFlagsBeforeTouchingAGpu) {
@@ -403,14 +421,17 @@ TEST(FaultRankCli, RefusesBadFlagsBeforeTouchingAGpu) {
     std::string message;
   };
   const std::vector<Case> cases{
-      {{"--fault", "killed", "--at", "in-dispatch"}, {},
+      {{"--fault", "killed", "--at", "in-dispatch"},
+       {},
        "--fault = 'killed' with --world-kind in-process, expected --world-kind ipc"},
-      {{"--fault", "kernel-fault", "--at", "between"}, {},
+      {{"--fault", "kernel-fault", "--at", "between"},
+       {},
        "--fault = 'kernel-fault' with --world-kind in-process, expected --world-kind ipc"},
       {{"--fault", "hang", "--at", "between"}, {}, "--fault = 'hang', expected one of"},
       {{"--fault", "stops-calling", "--at", "during"}, {}, "--at = 'during', expected one of"},
       {{"--fault", "stops-calling"}, {}, "--at = (none), expected one of"},
-      {{"--world-kind", "ipc", "--fault", "killed", "--at", "between"}, {},
+      {{"--world-kind", "ipc", "--fault", "killed", "--at", "between"},
+       {},
        "EPX_WORLD_SIZE = 1, expected at least 2"},
       {{"--world-kind", "ipc", "--world", "4", "--fault", "killed", "--at", "between"},
        {{"EPX_RANK", "0"}, {"EPX_WORLD_SIZE", "2"}, {"EPX_BOOTSTRAP", "@epx-fault-cli"}},
@@ -435,8 +456,8 @@ TEST(FaultRankCli, RefusesBadFlagsBeforeTouchingAGpu) {
 
 TEST(FaultRankCli, AValidCaseWithoutAGpuSaysSo) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: the case would run";
-  const CommandResult r = run_command({EPX_FAULT_RANK_PATH, "--fault", "stops-calling", "--at",
-                                       "between"});
+  const CommandResult r =
+      run_command({EPX_FAULT_RANK_PATH, "--fault", "stops-calling", "--at", "between"});
   EXPECT_EQ(exit_code(r), 3) << r.out << r.err;
   EXPECT_HAS(r.err, "NVIDIA GPU");
 }

@@ -64,10 +64,18 @@ std::string case_fields(const FaultCase& c) {
 
 }  // namespace
 
-const char* to_string(WorldKind k) { return name_of(k, kWorldKinds); }
-const char* to_string(Mode m) { return name_of(m, kModes); }
-const char* to_string(Fault f) { return name_of(f, kFaults); }
-const char* to_string(Point p) { return p == Point::kNone ? "none" : name_of(p, kPoints); }
+const char* to_string(WorldKind k) {
+  return name_of(k, kWorldKinds);
+}
+const char* to_string(Mode m) {
+  return name_of(m, kModes);
+}
+const char* to_string(Fault f) {
+  return name_of(f, kFaults);
+}
+const char* to_string(Point p) {
+  return p == Point::kNone ? "none" : name_of(p, kPoints);
+}
 
 void add_fault_flags(CLI::App& app, FaultFlags& f) {
   app.add_option("--world-kind", f.world_kind,
@@ -87,12 +95,12 @@ void add_fault_flags(CLI::App& app, FaultFlags& f) {
                  "before-dispatch | in-dispatch | between | in-combine (not with never-arrives)");
   app.add_option("--faulty-rank", f.faulty_rank, "the rank that fails")->capture_default_str();
   app.add_option_function<int>(
-         "--rounds",
-         [&f](const int& v) {
-           f.rounds = v;
-           f.rounds_given = true;
-         },
-         "healthy rounds before the fault round (default 3; not with never-arrives)");
+      "--rounds",
+      [&f](const int& v) {
+        f.rounds = v;
+        f.rounds_given = true;
+      },
+      "healthy rounds before the fault round (default 3; not with never-arrives)");
   app.add_option("--timeout-ms", f.timeout_ms, "EpConfig::timeout_ms and the bootstrap's timeout")
       ->capture_default_str();
   app.add_flag("--mask", f.mask,
@@ -119,7 +127,9 @@ EpConfig FaultCase::config() const {
   return cfg;
 }
 
-std::string FaultCase::expected() const { return mask ? "masked" : "TimeoutError|PeerError"; }
+std::string FaultCase::expected() const {
+  return mask ? "masked" : "TimeoutError|PeerError";
+}
 
 FaultCase make_fault_case(const FaultFlags& f, const BootstrapOptions& ipc_env) {
   FaultCase c;
@@ -185,8 +195,7 @@ FaultCase make_fault_case(const FaultFlags& f, const BootstrapOptions& ipc_env) 
 
 bool names_rank(const std::string& message, int rank) {
   const std::string what = "rank " + std::to_string(rank);
-  for (size_t at = message.find(what); at != std::string::npos;
-       at = message.find(what, at + 1)) {
+  for (size_t at = message.find(what); at != std::string::npos; at = message.find(what, at + 1)) {
     const size_t end = at + what.size();
     if (end == message.size() || !std::isdigit(static_cast<unsigned char>(message[end]))) {
       return true;
@@ -242,7 +251,8 @@ Verdict judge(const FaultCase& c, const Observation& o) {
     if (o.seen != "TimeoutError" && o.seen != "PeerError") {
       fail(fmt::format("saw {}, expected TimeoutError or PeerError", o.seen));
     } else {
-      if (o.error_round < c.fault_round && !(o.error_round == -1 && c.fault == Fault::kNeverArrives)) {
+      if (o.error_round < c.fault_round &&
+          !(o.error_round == -1 && c.fault == Fault::kNeverArrives)) {
         fail(fmt::format("the error came in round {}, before the fault round {}", o.error_round,
                          c.fault_round));
       }
@@ -276,8 +286,8 @@ std::string result_line(const FaultCase& c, const Observation& o, const Verdict&
       "alive={} recreated={} masked={:#x} dropped={} verdict={} why={} error={}",
       o.rank, case_fields(c), c.expected(), o.seen, phase.empty() ? "-" : phase, o.error_round,
       o.seconds < 0 ? std::string("-") : fmt::format("{:.3f}", o.seconds), c.bound_seconds(),
-      o.alive ? 1 : 0, o.recreated.substr(0, o.recreated.find(':')), o.masked, o.dropped, v.pass ? "pass" : "fail",
-      quoted(v.why), quoted(o.error));
+      o.alive ? 1 : 0, o.recreated.substr(0, o.recreated.find(':')), o.masked, o.dropped,
+      v.pass ? "pass" : "fail", quoted(v.why), quoted(o.error));
 }
 
 std::string injected_line(const FaultCase& c, int rank, const std::string& detail) {

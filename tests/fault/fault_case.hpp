@@ -102,12 +102,12 @@ FaultCase make_fault_case(const FaultFlags& f, const BootstrapOptions& ipc_env);
 
 struct Observation {
   int rank = 0;
-  std::string seen = "nothing";  // "TimeoutError", "PeerError", another error's class, "hang"
-  std::string error;             // its message
-  int error_round = -1;          // the round whose calls raised it (-1: creation of the group)
-  double seconds = -1;           // from the start of the fault round to the error (or, with
-                                 // mask, to the end of the fault round)
-  bool alive = false;            // the process and its CUDA context still work afterwards
+  std::string seen = "nothing";   // "TimeoutError", "PeerError", another error's class, "hang"
+  std::string error;              // its message
+  int error_round = -1;           // the round whose calls raised it (-1: creation of the group)
+  double seconds = -1;            // from the start of the fault round to the error (or, with
+                                  // mask, to the end of the round after which it showed)
+  bool alive = false;             // the process and its CUDA context still work afterwards
   std::string recreated = "n/a";  // in-process: "ok" or "failed: why"; ipc: "n/a"
   uint64_t masked = 0;
   uint64_t dropped = 0;

@@ -14,9 +14,9 @@
 namespace epx::fault {
 
 struct RankInputs {
-  std::vector<uint16_t> x;      // [kTokens][kHidden] bf16: +-(1 + j/32) * 2^e, j < 32, |e| <= 2
-  std::vector<int32_t> ids;     // [kTokens][kTopk]: distinct experts of each token, in [0, E)
-  std::vector<float> weights;   // [kTokens][kTopk]: 1/kTopk (the copy expert ignores them)
+  std::vector<uint16_t> x;     // [kTokens][kHidden] bf16: +-(1 + j/32) * 2^e, j < 32, |e| <= 2
+  std::vector<int32_t> ids;    // [kTokens][kTopk]: distinct experts of each token, in [0, E)
+  std::vector<float> weights;  // [kTokens][kTopk]: 1/kTopk (the copy expert ignores them)
 };
 
 // Rank `rank`'s inputs, the same in every round and in every run.

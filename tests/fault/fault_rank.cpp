@@ -136,7 +136,8 @@ bool supervise_killed_rank(const FaultCase& c, int rank, int& exit_code) {
   fmt::print("fault-ended rank={} pid={} status=\"{}\" planned={}\n", rank, long(child),
              describe_status(status), planned ? 1 : 0);
   std::fflush(stdout);
-  exit_code = planned ? 0 : (WIFEXITED(status) && WEXITSTATUS(status) != 0 ? WEXITSTATUS(status) : 1);
+  exit_code =
+      planned ? 0 : (WIFEXITED(status) && WEXITSTATUS(status) != 0 ? WEXITSTATUS(status) : 1);
   return true;
 }
 

@@ -68,14 +68,22 @@ std::string error_class(const std::exception& e) {
   const auto* epx_error = dynamic_cast<const Error*>(&e);
   if (epx_error == nullptr) return "exception";
   switch (epx_error->code()) {
-    case ErrorCode::kConfig: return "ConfigError";
-    case ErrorCode::kInput: return "InputError";
-    case ErrorCode::kTimeout: return "TimeoutError";
-    case ErrorCode::kPeer: return "PeerError";
-    case ErrorCode::kCuda: return "CudaError";
-    case ErrorCode::kState: return "StateError";
-    case ErrorCode::kUnsupported: return "UnsupportedError";
-    default: return "Error";
+    case ErrorCode::kConfig:
+      return "ConfigError";
+    case ErrorCode::kInput:
+      return "InputError";
+    case ErrorCode::kTimeout:
+      return "TimeoutError";
+    case ErrorCode::kPeer:
+      return "PeerError";
+    case ErrorCode::kCuda:
+      return "CudaError";
+    case ErrorCode::kState:
+      return "StateError";
+    case ErrorCode::kUnsupported:
+      return "UnsupportedError";
+    default:
+      return "Error";
   }
 }
 
@@ -164,10 +172,10 @@ class RankRunner {
   // All2All::synchronize, which raises what the device recorded.
   void finish_round() {
     if (wait_stream(stream_, c_.timeout_ms + kHangSlackMs) == cudaErrorNotReady) {
-      throw StreamHang(fmt::format("rank {}: its stream was still busy {} ms after the round's "
-                                   "last call (timeout_ms {} + {} ms): a wait is not bounded",
-                                   rank_, c_.timeout_ms + kHangSlackMs, c_.timeout_ms,
-                                   kHangSlackMs));
+      throw StreamHang(
+          fmt::format("rank {}: its stream was still busy {} ms after the round's "
+                      "last call (timeout_ms {} + {} ms): a wait is not bounded",
+                      rank_, c_.timeout_ms + kHangSlackMs, c_.timeout_ms, kHangSlackMs));
     }
     a2a_->synchronize(stream_);
   }
@@ -222,15 +230,22 @@ class RankRunner {
   cudaGraphExec_t combine_graph_ = nullptr;
 };
 
-uint64_t all_ranks(int world) { return world == 64 ? ~uint64_t(0) : (uint64_t(1) << world) - 1; }
+uint64_t all_ranks(int world) {
+  return world == 64 ? ~uint64_t(0) : (uint64_t(1) << world) - 1;
+}
 
 const char* point_text(Point p) {
   switch (p) {
-    case Point::kBeforeDispatch: return "before its dispatch";
-    case Point::kInDispatch: return "right after enqueueing its dispatch";
-    case Point::kBetween: return "after its dispatch completed, before its combine";
-    case Point::kInCombine: return "right after enqueueing its combine";
-    case Point::kNone: break;
+    case Point::kBeforeDispatch:
+      return "before its dispatch";
+    case Point::kInDispatch:
+      return "right after enqueueing its dispatch";
+    case Point::kBetween:
+      return "after its dispatch completed, before its combine";
+    case Point::kInCombine:
+      return "right after enqueueing its combine";
+    case Point::kNone:
+      break;
   }
   return "from the start";
 }
@@ -281,7 +296,8 @@ bool report(const FaultCase& c, const Observation& o) {
   return v.pass;
 }
 
-// ---- in-process ----------------------------------------------------------------------------------
+// ---- in-process
+// ----------------------------------------------------------------------------------
 
 using Runners = std::vector<std::unique_ptr<RankRunner>>;
 
@@ -330,8 +346,12 @@ std::string recreate_and_run(const FaultCase& c, const InProcessWorld& world, Ru
 
 }  // namespace
 
-void set_stage(const char* s) { g_stage.store(s); }
-const char* stage() { return g_stage.load(); }
+void set_stage(const char* s) {
+  g_stage.store(s);
+}
+const char* stage() {
+  return g_stage.load();
+}
 
 int run_in_process(const FaultCase& c) {
   set_stage("creating the in-process world");
@@ -355,8 +375,8 @@ int run_in_process(const FaultCase& c) {
   bool hung = false;
   auto stop_faulty = [&](int round) {
     faulty_stopped = true;
-    print_line(injected_line(c, F, fmt::format("stopped calling {} of round {}",
-                                               point_text(c.at), round)));
+    print_line(injected_line(
+        c, F, fmt::format("stopped calling {} of round {}", point_text(c.at), round)));
   };
   auto faulty_call = [&](const char* what, auto&& call) {
     try {
@@ -377,7 +397,9 @@ int run_in_process(const FaultCase& c) {
     const auto t0 = Clock::now();
     if (round == c.fault_round) fault_t0 = t0;
     const bool fault_now = round == c.fault_round;
-    auto since = [&] { return round >= c.fault_round ? seconds_since(fault_t0) : seconds_since(t0); };
+    auto since = [&] {
+      return round >= c.fault_round ? seconds_since(fault_t0) : seconds_since(t0);
+    };
     auto survivor_call = [&](int r, auto&& call) {
       Survivor& s = survivors[size_t(r)];
       if (s.failed) return;
@@ -470,7 +492,8 @@ int run_in_process(const FaultCase& c) {
   return pass ? 0 : 1;
 }
 
-// ---- ipc -------------------------------------------------------------------------------------------
+// ---- ipc
+// -------------------------------------------------------------------------------------------
 
 namespace {
 
@@ -499,28 +522,30 @@ int fail_at_point(const FaultCase& c, RankRunner& r, const std::vector<long>& pi
   const std::string where = fmt::format("{} of round {}", point_text(c.at), c.fault_round);
   switch (c.fault) {
     case Fault::kKilled:
-      print_line(injected_line(c, r.rank(), fmt::format("pid {} raises SIGKILL {}",
-                                                       long(::getpid()), where)));
+      print_line(injected_line(c, r.rank(),
+                               fmt::format("pid {} raises SIGKILL {}", long(::getpid()), where)));
       ::raise(SIGKILL);
       return 1;  // not reached
     case Fault::kStopsCalling:
-      print_line(injected_line(c, r.rank(), "stopped calling " + where + "; alive until its "
-                                            "peers end"));
+      print_line(injected_line(c, r.rank(),
+                               "stopped calling " + where +
+                                   "; alive until its "
+                                   "peers end"));
       wait_for_peers(pids, r.rank());
       return 0;
     case Fault::kKernelFault: {
       print_line(injected_line(c, r.rank(), "writes to an illegal address " + where));
       const cudaError_t launched = launch_illegal_write(r.stream());
-      const cudaError_t ended = launched != cudaSuccess
-                                    ? launched
-                                    : wait_stream(r.stream(), c.timeout_ms + kHangSlackMs);
+      const cudaError_t ended =
+          launched != cudaSuccess ? launched : wait_stream(r.stream(), c.timeout_ms + kHangSlackMs);
       print_line(fmt::format("fault-effect rank={} cuda={} (\"{}\")", r.rank(),
                              cudaGetErrorName(ended), cudaGetErrorString(ended)));
       // The context is lost: leave without the destructors, which would call into it.
       std::fflush(nullptr);
       std::_Exit(ended == cudaSuccess || ended == cudaErrorNotReady ? 1 : 0);
     }
-    case Fault::kNeverArrives: break;
+    case Fault::kNeverArrives:
+      break;
   }
   return 1;
 }
@@ -539,8 +564,10 @@ int run_ipc(const FaultCase& c, const BootstrapOptions& env_in) {
   if (faulty && c.fault == Fault::kKernelFault) preload_illegal_write();
   if (faulty && c.fault == Fault::kNeverArrives) {
     const int sleep_ms = c.timeout_ms + 1000;
-    print_line(injected_line(c, rank, fmt::format("never joins the world; sleeps {} ms, then "
-                                                  "exits 0", sleep_ms)));
+    print_line(injected_line(c, rank,
+                             fmt::format("never joins the world; sleeps {} ms, then "
+                                         "exits 0",
+                                         sleep_ms)));
     std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
     return 0;
   }
@@ -556,7 +583,8 @@ int run_ipc(const FaultCase& c, const BootstrapOptions& env_in) {
     auto boot = std::make_unique<UnixSocketBootstrap>(env);
     pids = boot->pids();
     world = std::make_unique<IpcWorld>(std::move(boot), device);
-    runner = std::make_unique<RankRunner>(c, rank, make_all2all(Backend::kLowLatency, c.config(), *world));
+    runner = std::make_unique<RankRunner>(c, rank,
+                                          make_all2all(Backend::kLowLatency, c.config(), *world));
     if (c.mode == Mode::kGraph) runner->capture();
   } catch (const std::exception& e) {
     if (faulty) {
@@ -577,8 +605,8 @@ int run_ipc(const FaultCase& c, const BootstrapOptions& env_in) {
       try {
         return fail_at_point(c, *runner, pids);
       } catch (const std::exception& e) {
-        print_line(fmt::format("fault-setup rank={} error=\"{}: {}\"", rank, error_class(e),
-                               e.what()));
+        print_line(
+            fmt::format("fault-setup rank={} error=\"{}: {}\"", rank, error_class(e), e.what()));
         return 1;
       }
     }
