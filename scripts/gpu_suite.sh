@@ -8,7 +8,9 @@
 # the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
 # own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0;
 # needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
-# sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend).
+# sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend),
+# fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its
+# rows count one each, its table goes to $logs/fault_matrix.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
@@ -21,6 +23,8 @@ parts=${EPX_SUITE_PARTS:-core,python}
 [[ ",$parts," == *",core,"* ]] && parts="$parts,gtest,cli"
 want() { [[ ",$parts," == *",$1,"* ]]; }
 if { want gtest || want cli; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
+  scripts/setup.sh "$build" || exit 1
+elif want fault && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_fault_rank" ]; }; then
   scripts/setup.sh "$build" || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -381,6 +385,23 @@ else
   echo "sanitize: $CS not found: the compute-sanitizer runs did not happen"
 fi
 fi  # sanitize
+if want fault; then
+# The reliability fault matrix: each row one fault case (a rank that never arrives, is killed,
+# stops calling or faults its context, at each point of a round), counted by the script's own
+# summary line; the table of the run stays in $logs/fault_matrix.md.
+echo "=== fault matrix: scripts/fault_matrix.sh $build"
+FAULT_LOGS=$logs/fault-matrix FAULT_TABLE=$logs/fault_matrix.md \
+  timeout "${EPX_FAULT_MATRIX_TIMEOUT_S:-540}" scripts/fault_matrix.sh "$build" >"$logs/fault_matrix.log" 2>&1
+line=$(grep -E "^fault-matrix: [0-9]+ passed, [0-9]+ failed" "$logs/fault_matrix.log" | tail -n 1)
+if [ -z "$line" ]; then
+  failed=$((failed+1)); echo "    FAILED: the fault matrix did not finish"; tail -n 15 "$logs/fault_matrix.log" | sed 's/^/      /'
+else
+  p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+  passed=$((passed+p)); failed=$((failed+f))
+  echo "    $line"
+  grep -E "^\| .*\| FAIL" "$logs/fault_matrix.log" | head -20 | sed 's/^/      /'
+fi
+fi  # fault
 
 [ -n "${OUT:-}" ] && [[ "$logs" != "$OUT"* ]] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$logs" .
 echo "gpu-total: $passed passed, $failed failed"
