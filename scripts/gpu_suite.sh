@@ -6,8 +6,8 @@
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
 # EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
 # the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
-# own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0;
-# needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
+# own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0,
+# and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
 # sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend),
 # fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its
 # rows count one each, its table goes to $logs/fault_matrix.md).
@@ -362,6 +362,13 @@ if want deepep; then
     run "deepep_n${n}_e${e}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
         "${EPX_DEEPEP_DIR:?EPX_DEEPEP_DIR: a DeepEP checkout}" -- --num-processes $n $DS --num-experts $e
   done
+  # Shrink mode (the test's --shrink-test: 8 processes, ranks 1, 3 and 5 stop calling): every
+  # survivor's object waits EPX_TIMEOUT_MS (20 s in the runner) once per stopped rank it meets,
+  # about a dozen times, on a time-sliced GPU: more than 240 s (measured on an H200).
+  if [ "${EPX_DEEPEP_SHRINK:-1}" = 1 ]; then
+    EPX_RUN_TIMEOUT_S=${EPX_DEEPEP_SHRINK_TIMEOUT_S:-560} run deepep_shrink_n8 env PYTHONPATH="$py" \
+      python3 tests/compat/run_deepep_low_latency.py "$EPX_DEEPEP_DIR" --shrink
+  fi
 fi
 fi  # python
 
