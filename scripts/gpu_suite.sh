@@ -7,7 +7,8 @@
 # EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
 # the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
 # own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0,
-# and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP checkout with deep_ep/utils and tests, and the python part),
+# and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP
+# checkout with deep_ep/utils and tests, and the python part),
 # sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend),
 # fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its
 # rows count one each, its table goes to $logs/fault_matrix.md).
