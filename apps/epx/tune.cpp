@@ -1,8 +1,11 @@
-// `epx tune`: sweeps the launch shape (num_blocks x warps_per_block) of dispatch, then of
-// combine with the best dispatch, checks every candidate against the CPU reference before
-// timing it (graph mode, DESIGN §8), and writes the best as a DESIGN §6 launch file.
+// `epx tune`: sweeps the launch shape (num_blocks x warps_per_block, and ring_rows for
+// high_throughput) of dispatch, then of combine with the best dispatch, checks every candidate
+// against the CPU reference before timing it (graph mode, DESIGN §8; eager where the backend
+// cannot be captured), and writes the best as a DESIGN §6 launch file.
 //
 // This file: the flags and the plan they make (tune.hpp has the rest).
+#include <fmt/format.h>
+
 #include <memory>
 #include <string>
 
@@ -21,6 +24,7 @@ struct TuneFlags {
   std::string output = "epx_tuned.json";
   std::string blocks;  // empty = the series above, up to the SM budget
   std::string warps = "4,8,16,32";
+  std::string ring_rows;  // empty = the backend's choice
 };
 
 tune::Plan validate(const TuneFlags& f) {
@@ -35,6 +39,14 @@ tune::Plan validate(const TuneFlags& f) {
   p.output = f.output;
   if (!f.blocks.empty()) p.blocks = parse_int_list(f.blocks, "--blocks", 1, kMaxBlocks);
   p.warps = parse_int_list(f.warps, "--warps", 1, kMaxWarpsPerBlock);
+  if (!f.ring_rows.empty()) {
+    if (p.backend != Backend::kHighThroughput) {
+      EPX_THROW(ConfigError, fmt::format("--ring-rows = '{}' with --backend {}: only "
+                                         "high_throughput has rings",
+                                         f.ring_rows, to_string(p.backend)));
+    }
+    p.ring_rows = parse_int_list(f.ring_rows, "--ring-rows", 1, kMaxRingRows);
+  }
   return p;
 }
 
@@ -48,7 +60,8 @@ void add_tune(CLI::App& app, int& exit_code) {
       "dispatch), check each candidate against the CPU reference, time it as a CUDA "
       "graph, and write the fastest as an EPX_CONFIG_PATH launch file");
   add_sweep_flags(c, f->sweep);
-  c->add_option("--backend", f->backend, "naive | allgather_reducescatter | low_latency | high_throughput")
+  c->add_option("--backend", f->backend,
+                "naive | allgather_reducescatter | low_latency | high_throughput")
       ->capture_default_str();
   c->add_option("--iters", f->iters, "timed rounds per candidate and token count (at least 10)")
       ->capture_default_str();
@@ -60,6 +73,9 @@ void add_tune(CLI::App& app, int& exit_code) {
                 "budget of one rank, and the budget itself)");
   c->add_option("--warps", f->warps, "warps_per_block candidates, comma list")
       ->capture_default_str();
+  c->add_option("--ring-rows", f->ring_rows,
+                "high_throughput: ring_rows candidates, comma list (default: the backend's "
+                "choice; at least 2 x warps_per_block)");
   c->callback([f, &exit_code] {
     const tune::Plan plan = validate(*f);
 #if EPX_HAVE_CUDA

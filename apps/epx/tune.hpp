@@ -25,6 +25,7 @@ struct Plan {
   std::string output;
   std::vector<int> blocks;  // empty = derived from the SM budget
   std::vector<int> warps;
+  std::vector<int> ring_rows;  // high_throughput; empty = the backend's choice
 };
 
 // The sum of `v` (a candidate's medians over the token counts).
@@ -51,7 +52,8 @@ struct Candidate {
   }
 };
 
-// "16x8" (num_blocks x warps_per_block), or "default" for the backend's own choice.
+// "16x8" (num_blocks x warps_per_block), "16x8r64" with ring_rows, or "default" for the
+// backend's own choice.
 std::string shape_name(const LaunchConfig& lc);
 // Index of the candidate of `phase` with the lowest summed median of `op`; -1 if none passed.
 int best_of(const std::vector<Candidate>& cands, const std::string& phase, int op);

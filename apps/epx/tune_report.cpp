@@ -6,8 +6,10 @@
 namespace epx::cli::tune {
 
 std::string shape_name(const LaunchConfig& lc) {
-  if (lc.num_blocks == 0 && lc.warps_per_block == 0) return "default";
-  return fmt::format("{}x{}", lc.num_blocks, lc.warps_per_block);
+  if (lc.num_blocks == 0 && lc.warps_per_block == 0 && lc.ring_rows == 0) return "default";
+  std::string s = fmt::format("{}x{}", lc.num_blocks, lc.warps_per_block);
+  if (lc.ring_rows != 0) s += fmt::format("r{}", lc.ring_rows);
+  return s;
 }
 
 std::vector<std::string> format_us(const std::vector<double>& v) {

@@ -17,6 +17,14 @@
 namespace epx::cli::tune {
 namespace {
 
+// Graph replays (DESIGN §8), except for high_throughput sized per call: its dispatch reads the
+// row count back on the host, which a capturing stream refuses.
+TimingMode timing_mode(const Plan& p) {
+  return p.backend == Backend::kHighThroughput && !p.shape.cfg.worst_case_output
+             ? TimingMode::kEager
+             : TimingMode::kGraph;
+}
+
 class Tuner {
  public:
   Tuner(const Plan& p, const InProcessWorld& world, ForkJoin& fj,
@@ -39,9 +47,8 @@ class Tuner {
           break;
         }
         Group group = make_all2all_group(p_.backend, cfg, world_, c.launch);
-        const RoundSamples s =
-            time_rounds(group, *inputs_[i], fj_, TimingMode::kGraph, LaunchMode::kOnePerGpu,
-                        p_.warmup, p_.iters);
+        const RoundSamples s = time_rounds(group, *inputs_[i], fj_, timing_mode(p_),
+                                           LaunchMode::kOnePerGpu, p_.warmup, p_.iters);
         c.median_us[0].push_back(summarize(s.dispatch_us).median_us);
         c.median_us[1].push_back(summarize(s.combine_us).median_us);
       } catch (const UnsupportedError&) {
@@ -117,12 +124,24 @@ bool run(const Plan& p) {
       "rank), H {}, E {}, K {}, dtype {}, layout {}, routing {}, tokens/rank {}\n",
       to_string(p.backend), W, gpu.name, gpu.sm_count, budget, base.hidden, base.num_experts,
       base.topk, to_string(base.dtype), to_string(base.layout), p.shape.routing_name, tokens);
+  const bool ht = p.backend == Backend::kHighThroughput;
+  // high_throughput: ring sizes too (0 = the backend's choice); its combine keeps the dispatch's
+  // num_blocks (the channels), so only warps and rings are swept for it.
+  const std::vector<int> rings = p.ring_rows.empty() ? std::vector<int>{0} : p.ring_rows;
+  const std::string ring_list = p.ring_rows.empty()
+                                    ? std::string(ht ? " x ring_rows {default}" : "")
+                                    : fmt::format(" x ring_rows {{{}}}", fmt::join(rings, ", "));
   fmt::print(
-      "  num_blocks {{{}}} x warps_per_block {{{}}}: {} candidates per op, each checked "
-      "against the CPU reference, then timed as a CUDA graph ({} rounds after {} "
-      "warm-up, median); commit {}\n",
-      fmt::join(blocks, ", "), fmt::join(p.warps, ", "), blocks.size() * p.warps.size(), p.iters,
-      p.warmup, git_commit());
+      "  num_blocks {{{}}} x warps_per_block {{{}}}{}: {} candidates for dispatch, each "
+      "checked against the CPU reference, then timed {} ({} rounds after {} warm-up, "
+      "median); commit {}\n",
+      fmt::join(blocks, ", "), fmt::join(p.warps, ", "), ring_list,
+      blocks.size() * p.warps.size() * rings.size(),
+      timing_mode(p) == TimingMode::kGraph
+          ? "as a CUDA graph"
+          : "eagerly (high_throughput reads its row count back on the host; "
+            "--worst-case-output times graphs)",
+      p.iters, p.warmup, git_commit());
   if (read_env().config_path) {
     fmt::print(
         "  note: EPX_CONFIG_PATH is not applied while tuning: every candidate is set "
@@ -143,13 +162,15 @@ bool run(const Plan& p) {
   cands.push_back({"default", LaunchConfigs{}});
   tuner.evaluate(cands.back(), "[default]");
 
-  const size_t per_op = blocks.size() * p.warps.size();
+  size_t per_op = blocks.size() * p.warps.size() * rings.size();
   size_t n = 0;
   for (int b : blocks) {
     for (int w : p.warps) {
-      Candidate c{"dispatch", LaunchConfigs{{b, w}, {}}};
-      tuner.evaluate(c, fmt::format("[dispatch {}/{}]", ++n, per_op));
-      cands.push_back(std::move(c));
+      for (int rr : rings) {
+        Candidate c{"dispatch", LaunchConfigs{{b, w, rr}, {}}};
+        tuner.evaluate(c, fmt::format("[dispatch {}/{}]", ++n, per_op));
+        cands.push_back(std::move(c));
+      }
     }
   }
   const int best_d = best_of(cands, "dispatch", 0);
@@ -162,11 +183,15 @@ bool run(const Plan& p) {
   const LaunchConfig dispatch = cands[best_d].launch.dispatch;
 
   n = 0;
-  for (int b : blocks) {
+  const std::vector<int> combine_blocks = ht ? std::vector<int>{dispatch.num_blocks} : blocks;
+  per_op = combine_blocks.size() * p.warps.size() * rings.size();
+  for (int b : combine_blocks) {
     for (int w : p.warps) {
-      Candidate c{"combine", LaunchConfigs{dispatch, {b, w}}};
-      tuner.evaluate(c, fmt::format("[combine {}/{}]", ++n, per_op));
-      cands.push_back(std::move(c));
+      for (int rr : rings) {
+        Candidate c{"combine", LaunchConfigs{dispatch, {b, w, rr}}};
+        tuner.evaluate(c, fmt::format("[combine {}/{}]", ++n, per_op));
+        cands.push_back(std::move(c));
+      }
     }
   }
   const int best_c = best_of(cands, "combine", 1);
@@ -178,9 +203,10 @@ bool run(const Plan& p) {
   }
   const LaunchConfigs chosen{dispatch, cands[best_c].launch.combine};
 
-  fmt::print("\nchoice:\n  dispatch {} (num_blocks x warps_per_block): {}\n  combine  {}: {}\n",
-             shape_name(chosen.dispatch), reason(cands, "dispatch", 0, best_d, tokens),
-             shape_name(chosen.combine), reason(cands, "combine", 1, best_c, tokens));
+  fmt::print("\nchoice:\n  dispatch {} (num_blocks x warps_per_block{}): {}\n  combine  {}: {}\n",
+             shape_name(chosen.dispatch), ht ? ", r = ring_rows" : "",
+             reason(cands, "dispatch", 0, best_d, tokens), shape_name(chosen.combine),
+             reason(cands, "combine", 1, best_c, tokens));
   const std::string text = to_json(chosen);
   std::ofstream out(p.output);
   out << text;

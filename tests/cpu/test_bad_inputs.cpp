@@ -586,6 +586,10 @@ void Catalogue::build() {
       {"--blocks = '8,8' lists 8 twice", "each value once"});
   cli("cli.tune.output_empty", {"tune", "--output", ""}, {"--output = ''", "a file name"});
   cli("cli.tune.iters_below_10", {"tune", "--iters", "5"}, {"--iters = 5", "[10, 100000]"});
+  cli("cli.tune.ring_rows_without_rings", {"tune", "--ring-rows", "8"},
+      {"--ring-rows = '8' with --backend low_latency", "only high_throughput has rings"});
+  cli("cli.tune.ring_rows_zero", {"tune", "--backend", "high_throughput", "--ring-rows", "0,8"},
+      {"--ring-rows = 0", "[1, 16384]"});
   cli("cli.serve_bench.topk_zero", {"serve-bench", "--topk", "0"},
       {"--topk = 0", "[1, min(kMaxTopk = 32, --experts = 256)] = [1, 32]"});
   cli("cli.serve_bench.hidden_not_multiple_of_512", {"serve-bench", "--hidden", "1000"},

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu_group.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
+#include "gpu_group.hpp"
 #include "testing/harness.hpp"
 
 namespace epx {
@@ -33,16 +33,36 @@ using R = ref::RoutingKind;
 const HtCase kCases[] = {
     {"w1_h2048_e8_k1_bf16", 1, 2048, 8, 1, {7}, D::kBF16, R::kUniform},
     {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, {0, 128}, D::kBF16ToFP8, R::kUniform},
-    {"w3_h2048_e24_k4_fp8_col", 3, 2048, 24, 4, {7, 0, 1024}, D::kFP8, R::kSkewed,
+    {"w3_h2048_e24_k4_fp8_col",
+     3,
+     2048,
+     24,
+     4,
+     {7, 0, 1024},
+     D::kFP8,
+     R::kSkewed,
      ScaleLayout::kColumnMajor},
-    {"w4_h4096_e32_k4_bf16_masked_ids64", 4, 4096, 32, 4, {0, 1, 7, 1024}, D::kBF16, R::kMasked,
-     ScaleLayout::kRowMajor, true},
-    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, {1024, 128, 0, 7}, D::kBF16ToFP8,
+    {"w4_h4096_e32_k4_bf16_masked_ids64",
+     4,
+     4096,
+     32,
+     4,
+     {0, 1, 7, 1024},
+     D::kBF16,
+     R::kMasked,
+     ScaleLayout::kRowMajor,
+     true},
+    {"w4_h7168_e64_k8_q_oneexpert",
+     4,
+     7168,
+     64,
+     8,
+     {1024, 128, 0, 7},
+     D::kBF16ToFP8,
      R::kOneExpert},
     {"w8_r1_1024_q", 8, 7168, 256, 8, {1024}, D::kBF16ToFP8, R::kUniform},
     {"w8_r1_mixed_fp8", 8, 7168, 256, 8, {0, 1, 7, 128, 4096, 0, 1024, 7}, D::kFP8, R::kSkewed},
-    {"w8_h2048_e8_k1_bf16", 8, 2048, 8, 1, {4096, 0, 1, 7, 128, 1, 0, 7}, D::kBF16,
-     R::kUniform},
+    {"w8_h2048_e8_k1_bf16", 8, 2048, 8, 1, {4096, 0, 1, 7, 128, 1, 0, 7}, D::kBF16, R::kUniform},
 };
 
 testing::CheckOptions options_for(const HtCase& c, bool worst_case) {
@@ -150,10 +170,8 @@ TEST(HighThroughput, AMissingRankTimesOutNamingIt) {
   for (int n = 0; n < N; ++n)
     for (int k = 0; k < c.topk; ++k) ids[size_t(n) * c.topk + k] = (n + 4 * k) % c.num_experts;
   std::vector<float> w(ids.size(), 0.25f);
-  DispatchInput in{.num_tokens = N,
-                   .x = g.upload(x),
-                   .topk_ids = g.upload(ids),
-                   .topk_weights = g.upload(w)};
+  DispatchInput in{
+      .num_tokens = N, .x = g.upload(x), .topk_ids = g.upload(ids), .topk_weights = g.upload(w)};
   (void)g.a2a[0]->dispatch(in, g.streams[0]);
   try {
     g.a2a[0]->synchronize(g.streams[0]);
@@ -195,6 +213,9 @@ TEST(HighThroughput, RefusesWhatItCannotDo) {
   apart.dispatch.num_blocks = 4;
   apart.combine.num_blocks = 2;
   refuses(c, apart, "combine.num_blocks");
+  LaunchConfigs follows;  // combine left to choose takes the dispatch's channels
+  follows.dispatch.num_blocks = 4;
+  EXPECT_NO_THROW((void)make_all2all_group(Backend::kHighThroughput, c, world, follows));
   gpu_test::Group g(c, 2, Backend::kHighThroughput);
   EXPECT_THROW(g.a2a[0]->dispatch_send({}, g.streams[0]), ConfigError);
 }

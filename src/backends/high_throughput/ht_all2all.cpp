@@ -17,7 +17,6 @@
 namespace epx {
 namespace ht {
 
-
 HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, int combine_ring) {
   const size_t W = cfg.world_size, C = channels, K = cfg.topk, H = cfg.hidden;
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
@@ -74,7 +73,9 @@ HtShapeChoice resolve(LaunchConfigs lc, int budget, int rank, int sharing) {
                         sharing));
   const int by_default = std::min(budget, kDefaultMaxBlocks) / 2 * 2;
   for (auto [op, name] : {std::pair{&lc.dispatch, "dispatch"}, std::pair{&lc.combine, "combine"}}) {
-    if (op->num_blocks == 0) op->num_blocks = by_default;
+    // Combine returns the rows of the dispatch's channels: by default it has as many.
+    if (op->num_blocks == 0)
+      op->num_blocks = op == &lc.combine ? lc.dispatch.num_blocks : by_default;
     if (op->warps_per_block == 0) op->warps_per_block = kDefaultWarps;
     if (op->ring_rows == 0) op->ring_rows = std::max(kMinDefaultRingRows, 2 * op->warps_per_block);
     EPX_CHECK(op->num_blocks >= 2 && op->num_blocks <= budget && op->num_blocks % 2 == 0,
@@ -89,10 +90,10 @@ HtShapeChoice resolve(LaunchConfigs lc, int budget, int rank, int sharing) {
               fmt::format("{}.warps_per_block", name), op->warps_per_block,
               "1.." + std::to_string(kMaxWarpsPerBlock));
     // A batch (one token per warp) must fit in a ring with room for the next one.
-    EPX_CHECK(op->ring_rows >= 2 * op->warps_per_block && op->ring_rows <= kMaxRingRows,
-              ConfigError, fmt::format("{}.ring_rows", name), op->ring_rows,
-              fmt::format("in [2 x warps_per_block = {}, {}]", 2 * op->warps_per_block,
-                          kMaxRingRows));
+    EPX_CHECK(
+        op->ring_rows >= 2 * op->warps_per_block && op->ring_rows <= kMaxRingRows, ConfigError,
+        fmt::format("{}.ring_rows", name), op->ring_rows,
+        fmt::format("in [2 x warps_per_block = {}, {}]", 2 * op->warps_per_block, kMaxRingRows));
   }
   EPX_CHECK(lc.combine.num_blocks == lc.dispatch.num_blocks, ConfigError, "combine.num_blocks",
             lc.combine.num_blocks,
@@ -258,7 +259,8 @@ class HtAll2All final : public All2All {
 
   // Exact output sizes: the round's M into pinned host memory (the caller synchronises).
   void read_rows_back(cudaStream_t stream) {
-    EPX_CUDA_CHECK(cudaMemcpyAsync(host_rows_, buf_.local() + layout_.state + offsetof(HtState, recv_count),
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_rows_,
+                                   buf_.local() + layout_.state + offsetof(HtState, recv_count),
                                    sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   }
 
@@ -279,25 +281,26 @@ class HtAll2All final : public All2All {
     if (rows_ != nullptr) EPX_CUDA_CHECK(cudaFreeAsync(rows_, stream));
     rows_ = nullptr;
     rows_cap_ = 0;
-    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&rows_), rows_bytes(want),
-                                           pool_, stream));
+    EPX_CUDA_CHECK(
+        cudaMallocFromPoolAsync(reinterpret_cast<void**>(&rows_), rows_bytes(want), pool_, stream));
     rows_cap_ = want;
   }
 
   HtCommon common(int num_ranks) const {
-    return HtCommon{.peers = buf_.device_handle().peers,
-                    .layout = layout_,
-                    .shape = HtShape{.world = cfg_.world_size,
-                                     .hidden = cfg_.hidden,
-                                     .num_experts = cfg_.num_experts,
-                                     .num_local = cfg_.num_local_experts(),
-                                     .topk = cfg_.topk,
-                                     .groups = cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0,
-                                     .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
-                                     .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
-                                     .ids_int64 = ids_int64_},
-                    .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
-                    .num_ranks = num_ranks};
+    return HtCommon{
+        .peers = buf_.device_handle().peers,
+        .layout = layout_,
+        .shape = HtShape{.world = cfg_.world_size,
+                         .hidden = cfg_.hidden,
+                         .num_experts = cfg_.num_experts,
+                         .num_local = cfg_.num_local_experts(),
+                         .topk = cfg_.topk,
+                         .groups = cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0,
+                         .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
+                         .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
+                         .ids_int64 = ids_int64_},
+        .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
+        .num_ranks = num_ranks};
   }
 
   DispatchResult result() const {
@@ -308,7 +311,8 @@ class HtAll2All final : public All2All {
     r.recv_count = reinterpret_cast<const int32_t*>(buf_.local() + layout_.state +
                                                     offsetof(HtState, recv_count));
     r.recv_x = rows_ + RL.recv_x;
-    r.recv_scales = cfg_.wire_fp8() ? reinterpret_cast<const float*>(rows_ + RL.recv_scales) : nullptr;
+    r.recv_scales =
+        cfg_.wire_fp8() ? reinterpret_cast<const float*>(rows_ + RL.recv_scales) : nullptr;
     r.recv_src_rank = reinterpret_cast<const int32_t*>(rows_ + RL.recv_src_rank);
     r.recv_src_idx = reinterpret_cast<const int32_t*>(rows_ + RL.recv_src_idx);
     r.recv_topk_ids = reinterpret_cast<const int32_t*>(rows_ + RL.recv_topk_ids);
@@ -333,15 +337,15 @@ class HtAll2All final : public All2All {
                                        call));
   }
   HtRowsLayout layout_of_rows() const {
-    return rows_layout(rows_cap_, cfg_.wire_row_bytes(), cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0,
-                       cfg_.topk, cfg_.hidden);
+    return rows_layout(rows_cap_, cfg_.wire_row_bytes(),
+                       cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0, cfg_.topk, cfg_.hidden);
   }
   size_t rows_bytes(int rows) const {
-    return rows == 0 ? 0
-                     : rows_layout(rows, cfg_.wire_row_bytes(),
-                                   cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0, cfg_.topk,
-                                   cfg_.hidden)
-                           .total;
+    return rows == 0
+               ? 0
+               : rows_layout(rows, cfg_.wire_row_bytes(),
+                             cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0, cfg_.topk, cfg_.hidden)
+                     .total;
   }
 
   EpConfig cfg_;
@@ -359,7 +363,8 @@ class HtAll2All final : public All2All {
   std::shared_ptr<const void> launch_group_;
 };
 
-std::vector<HtAll2All*> group_ranks(std::span<All2All* const> ranks, size_t num_args, const char* op) {
+std::vector<HtAll2All*> group_ranks(std::span<All2All* const> ranks, size_t num_args,
+                                    const char* op) {
   EPX_CHECK(!ranks.empty() && ranks.size() <= size_t(kMaxLaunchRanks), InputError,
             fmt::format("{} ranks", op), ranks.size(),
             fmt::format("1..{} ranks of one GPU", kMaxLaunchRanks));
@@ -387,7 +392,9 @@ std::vector<HtAll2All*> group_ranks(std::span<All2All* const> ranks, size_t num_
 
 }  // namespace
 
-bool is_rank(const All2All* a) { return dynamic_cast<const HtAll2All*>(a) != nullptr; }
+bool is_rank(const All2All* a) {
+  return dynamic_cast<const HtAll2All*>(a) != nullptr;
+}
 
 std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
                                            std::span<const DispatchInput> inputs,
@@ -404,7 +411,8 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   }
   HtAll2All& first = *rs[0];
   p.common = first.common(int32_t(rs.size()));
-  const int channels = first.layout().channels, warps = first.launch_configs().dispatch.warps_per_block;
+  const int channels = first.layout().channels,
+            warps = first.launch_configs().dispatch.warps_per_block;
   EPX_CUDA_CHECK(cudaSetDevice(first.device()));
   launch_ht_count(p, channels, warps, stream);
   if (!first.config().worst_case_output) {
@@ -476,9 +484,10 @@ std::unique_ptr<All2All> make_process_rank(const EpConfig& base, World& world,
   cfg.rank = world.rank();
   validate_for(cfg);
   const HtShapeChoice shape = resolve(launch, world.sm_budget(), cfg.rank, world.ranks_on_device());
-  check_fingerprints(world.bootstrap(), fingerprint(cfg, Backend::kHighThroughput) + geometry(shape));
-  const HtLayout L = make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows,
-                                    shape.lc.combine.ring_rows);
+  check_fingerprints(world.bootstrap(),
+                     fingerprint(cfg, Backend::kHighThroughput) + geometry(shape));
+  const HtLayout L =
+      make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows, shape.lc.combine.ring_rows);
   preload(world.device());
   SymmetricBuffer buf = create_buffer(world, L.total);
   return std::make_unique<HtAll2All>(cfg, std::move(buf), shape);
@@ -496,8 +505,8 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
   int budget = world.sm_budget(0);
   for (int r = 1; r < world.size(); ++r) budget = std::min(budget, world.sm_budget(r));
   const HtShapeChoice shape = resolve(launch, budget, 0, world.size());
-  const HtLayout L = make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows,
-                                    shape.lc.combine.ring_rows);
+  const HtLayout L =
+      make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows, shape.lc.combine.ring_rows);
   for (int r = 0; r < world.size(); ++r) preload(world.device_of(r));
   auto bufs = SymmetricBuffer::create_in_process(world, L.total);
   const auto group = std::make_shared<const int>(0);
@@ -524,7 +533,8 @@ std::unique_ptr<All2All> make_nccl_rank(const EpConfig& cfg, NcclWorld& world,
 
 size_t buffer_bytes(const EpConfig& cfg) {
   const HtShapeChoice s = resolve({}, kDefaultMaxBlocks, cfg.rank, 1);
-  const size_t rings = make_ht_layout(cfg, s.channels, s.lc.dispatch.ring_rows, s.lc.combine.ring_rows).total;
+  const size_t rings =
+      make_ht_layout(cfg, s.channels, s.lc.dispatch.ring_rows, s.lc.combine.ring_rows).total;
   if (!cfg.worst_case_output) return rings;
   return rings + rows_layout(cfg.capacity(), cfg.wire_row_bytes(),
                              cfg.wire_fp8() ? cfg.num_scale_groups() : 0, cfg.topk, cfg.hidden)
