@@ -201,6 +201,35 @@ def test_vllm_plugin_is_off_by_default(monkeypatch):
     epx.vllm.register()  # a no-op, even without vLLM installed
 
 
+def test_vllm_adapter_is_vllms_prepare_finalize():
+    # Where vLLM installs (it needs no GPU to import): the adapter's class derives from vLLM's
+    # own modular-kernel base, implements every abstract method with vLLM's parameter names, and
+    # the function the plugin wraps exists.
+    import inspect
+
+    mk = pytest.importorskip("vllm.model_executor.layers.fused_moe.modular_kernel",
+                             reason="vLLM is not installed")
+    au = pytest.importorskip("vllm.model_executor.layers.fused_moe.all2all_utils")
+    import epx.vllm as ev
+
+    cls, base = ev._class("EpxPrepareAndFinalize", ev._PrepareFinalizeMethods,
+                          "FusedMoEPrepareAndFinalizeModular")
+    assert base is not None and issubclass(cls, base)
+    assert not getattr(cls, "__abstractmethods__", frozenset())
+    abstract = set()
+    for k in base.__mro__:
+        abstract |= set(getattr(k, "__abstractmethods__", ()))
+    for name in abstract:
+        ours = inspect.getattr_static(ev._PrepareFinalizeMethods, name)
+        theirs = inspect.getattr_static(base, name)
+        if isinstance(theirs, property):
+            assert isinstance(ours, property), name
+            continue
+        assert list(inspect.signature(ours).parameters) == \
+            list(inspect.signature(theirs).parameters), name
+    assert callable(au.maybe_make_prepare_finalize)
+
+
 class _MaskingCore:
     """What epx.All2All reads of the extension's object, with a mask set as a kernel would."""
 
