@@ -383,13 +383,6 @@ __device__ __forceinline__ void send_metadata(const DispatchCall& c, const Dispa
   }
 }
 
-// A row's 16-byte steps of one warp (kWarpSize lanes x one vector each).
-template <DispatchDtype kDtype>
-__device__ __forceinline__ int payload_steps(int hidden) {
-  constexpr int kPer = kElemsPerVec<kDtype>;
-  return (hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
-}
-
 // Payload: one warp per (token, column range), so that every warp has loads in flight even when
 // the block owns fewer tokens than it has warps.
 template <DispatchDtype kDtype>
@@ -398,7 +391,8 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int32_t* send_slot = at<int32_t>(c.local(), c.p.common.layout.send_slot);
-  const int steps = payload_steps<kDtype>(c.p.common.shape.hidden);
+  constexpr int kPer = kElemsPerVec<kDtype>;
+  const int steps = (c.p.common.shape.hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
   const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
   const int per_part = (steps + parts - 1) / parts;
   const int items = (c.t1 - c.t0) * parts;
@@ -409,36 +403,6 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
     if (dmask == 0) continue;
     const int step0 = part * per_part;
     send_payload<kDtype>(c, sh.peers, n, slots, dmask, lane, step0, min(per_part, steps - step0));
-  }
-}
-
-// The block's input rows (and fp8 scales) are asked into L2 before routing, placing and the
-// metadata, so that HBM reads them while those run and the payload loop finds them in L2: the
-// payload runs near the copy rate, and its reads would otherwise wait for it (a hint: no
-// ordering or result depends on it).
-template <DispatchDtype kDtype>
-__device__ __forceinline__ void prefetch_rows(const DispatchCall& c) {
-#if EPX_MEASUREMENT
-  if (c.p.common.shape.ablate & kAblatePrefetch) return;
-#endif
-  constexpr int kLine = 128;
-  const int H = c.p.common.shape.hidden;
-  // Only the tokens of the payload loop's first two passes (every warp an item each): more
-  // would not stay in L2 with every rank's blocks asking at once (large token counts).
-  const int parts = (payload_steps<kDtype>(H) + kMaxSteps - 1) / kMaxSteps;
-  const int tokens = min(c.t1 - c.t0, max(1, 2 * int(blockDim.x / kWarpSize) / parts));
-  const size_t row = size_t(H) * (kDtype == DispatchDtype::kFP8 ? 1 : 2);
-  const char* x = static_cast<const char*>(c.me.x);
-  const size_t begin = size_t(c.t0) * row, end = size_t(c.t0 + tokens) * row;
-  for (size_t o = begin + size_t(threadIdx.x) * kLine; o < end; o += size_t(blockDim.x) * kLine)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(x + o));
-  if constexpr (kDtype == DispatchDtype::kFP8) {
-    const int S = H / kFp8BlockSize;
-    const char* sc = reinterpret_cast<const char*>(c.me.x_scales);
-    const size_t sb = size_t(c.t0) * S * sizeof(float);
-    const size_t se = size_t(c.t0 + tokens) * S * sizeof(float);
-    for (size_t o = sb + size_t(threadIdx.x) * kLine; o < se; o += size_t(blockDim.x) * kLine)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(sc + o));
   }
 }
 
@@ -665,7 +629,6 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   __syncthreads();
 
   if (half != Half::kReceive) {
-    prefetch_rows<kDtype>(c);
     route(c, sh);
     EPX_PHASE_MARK(p.common, DispatchPhase::kRouted, clock0);
     if (p.common.shape.ordered) {

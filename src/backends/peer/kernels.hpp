@@ -42,9 +42,8 @@ struct Shape {
 // attribute time. Results are wrong by design; never set outside measurements.
 inline constexpr int32_t kAblatePayload = 1;  // dispatch writes metadata but no rows
 inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 0)
-inline constexpr int32_t kAblatePrefetch = 4;  // dispatch does not prefetch its rows into L2
 
-// Parses EPX_ABLATE (a comma list of payload, pull, prefetch); ConfigError names the bad item.
+// Parses EPX_ABLATE ("", "payload", "pull", "payload,pull"); ConfigError names the bad item.
 int32_t ablate_from_env();
 
 // EPX_PHASE_CLOCK=1: each block's thread 0 adds, at the end of each phase of an op, the time

@@ -638,11 +638,9 @@ int32_t ablate_from_env() {
       bits |= kAblatePayload;
     } else if (item == "pull") {
       bits |= kAblatePull;
-    } else if (item == "prefetch") {
-      bits |= kAblatePrefetch;
     } else {
       EPX_THROW(ConfigError, fmt::format("EPX_ABLATE = '{}': '{}' is not a stage; expected a comma "
-                                         "list of payload, pull, prefetch (measuring aid only)",
+                                         "list of payload, pull (measuring aid only)",
                                          env, item));
     }
   }
