@@ -43,6 +43,38 @@ __device__ __forceinline__ void copy_partial(const uint8_t* src, uint8_t* dst, i
   }
 }
 
+// Token n's row of y: vector v (8 bf16) of the partials at `at(r, v)` of every rank r in `m`,
+// summed in rank order in f32 (kBatch ranks' loads in flight before their adds) and rounded
+// once; 0 for a token sent nowhere. One lane.
+template <typename At>
+__device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfloat16* y_row) {
+  constexpr int kBatch = 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  while (m != 0) {
+    int4 raw[kBatch];
+    int got = 0;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (m != 0) {
+        const int r = lowest_rank(m);
+        m &= m - 1;
+        raw[i] = ld_ring(at_of(r, v));
+        got = i + 1;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (i < got) {
+        float f[8];
+        dev::bf16x8_to_float(raw[i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
+      }
+    }
+  }
+  dev::store_bf16x8(y_row + size_t(v) * 8, acc);
+}
+
 __device__ __forceinline__ void send_partials(const HtCombineParams& p, const HtCombineRank& me,
                                               const dev::WaitContext& w, int c) {
   __shared__ uint64_t sent[kMaxRanks];        // ring position written so far, towards owner s
@@ -165,7 +197,6 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const int vecs = H / 8;
-  constexpr int kBatch = 8;  // ranks whose loads are in flight before their adds
   for (int t = t0; t < t1; t += num_warps) {
     const int t_end = min(t1, t + num_warps);
     if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
@@ -179,36 +210,12 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     const int n = t + warp;
     if (n < t_end) {
       const uint64_t m = mask_of[warp];
-      for (int v = lane; v < vecs; v += kWarpSize) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        uint64_t mm = m;
-        while (mm != 0) {
-          int4 raw[kBatch];
-          int got = 0;
-#pragma unroll
-          for (int i = 0; i < kBatch; ++i) {
-            if (mm != 0) {
-              const int r = lowest_rank(mm);
-              mm &= mm - 1;
-              const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
-              raw[i] = ld_ring(rings +
-                               ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
-                               size_t(v) * 16);
-              got = i + 1;
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kBatch; ++i) {
-            if (i < got) {
-              float f[8];
-              dev::bf16x8_to_float(raw[i], f);
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
-            }
-          }
-        }
-        dev::store_bf16x8(y + size_t(n) * H + size_t(v) * 8, acc);
-      }
+      auto at_of = [&](int r, int v) {
+        const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
+        return rings + ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
+               size_t(v) * 16;
+      };
+      for (int v = lane; v < vecs; v += kWarpSize) sum_vector(m, v, at_of, y + size_t(n) * H);
     }
     __syncthreads();
     // Publish how far this rank has read (the block's loads, then the release).
@@ -235,9 +242,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int N = at<HtState>(me.local, L.state)->num_tokens;
-  const int c0 = channel_begin(N, C, c), c1 = channel_begin(N, C, c + 1);
-  const int mid = c0 + (c1 - c0) / 2;
-  const int t0 = b % 2 == 0 ? c0 : mid, t1 = b % 2 == 0 ? mid : c1;
+  const auto [t0, t1] = half_channel(N, C, b);
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
@@ -257,37 +262,13 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(me.y);
   const int vecs = H / 8;
-  constexpr int kBatch = 8;  // ranks whose loads are in flight before their adds
   for (int n = t0 + warp; n < t1; n += num_warps) {
-    const uint64_t m = token_mask[n];
     const int32_t* pos = row_pos + size_t(n) * W;
-    for (int v = lane; v < vecs; v += kWarpSize) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      uint64_t mm = m;
-      while (mm != 0) {
-        int4 raw[kBatch];
-        int got = 0;
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          if (mm != 0) {
-            const int r = lowest_rank(mm);
-            mm &= mm - 1;
-            raw[i] = ld_ring(part[r] + (size_t(seg_base[r] + pos[r]) * H + size_t(v) * 8) * 2);
-            got = i + 1;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          if (i < got) {
-            float f[8];
-            dev::bf16x8_to_float(raw[i], f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
-          }
-        }
-      }
-      dev::store_bf16x8(y + size_t(n) * H + size_t(v) * 8, acc);
-    }
+    auto at_of = [&](int r, int v) {
+      return part[r] + (size_t(seg_base[r] + pos[r]) * H + size_t(v) * 8) * 2;
+    };
+    for (int v = lane; v < vecs; v += kWarpSize)
+      sum_vector(token_mask[n], v, at_of, y + size_t(n) * H);
   }
   if (dev::last_block(at<int32_t>(me.local, L.tickets) + 1, nb)) {
     for (int r = threadIdx.x; r < W; r += blockDim.x) {

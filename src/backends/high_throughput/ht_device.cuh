@@ -27,6 +27,16 @@ __device__ __forceinline__ int channel_begin(int N, int channels, int c) {
   return int(int64_t(N) * c / channels);
 }
 
+// Direct mode: block b of a rank's 2C serves half b % 2 of channel b / 2's tokens [first, second).
+struct TokenRange {
+  int first, second;
+};
+__device__ __forceinline__ TokenRange half_channel(int N, int channels, int b) {
+  const int c0 = channel_begin(N, channels, b / 2), c1 = channel_begin(N, channels, b / 2 + 1);
+  const int mid = c0 + (c1 - c0) / 2;
+  return b % 2 == 0 ? TokenRange{c0, mid} : TokenRange{mid, c1};
+}
+
 // Which rank of a launch this block serves, and its block among that rank's nb.
 struct HtBlock {
   int slot;

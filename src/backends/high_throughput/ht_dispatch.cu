@@ -15,6 +15,12 @@
 //   per destination and batch). The receiving block polls the tails of its channel's W rings,
 //   copies whatever has arrived into the receive area at its segment's place, and publishes how
 //   far it has read. Every wait is bounded (no progress within the timeout records which peer).
+// direct mode (an in-process group: every rank addresses every rank's memory): the count kernel
+//   also places each token in its (source, channel) segment at each destination (row_pos, in
+//   token order); the transfer kernel's blocks (all 2C sending, half a channel each) wait until
+//   each destination has published its receive area of the round, write each token's row and
+//   metadata straight into it, and the rank's last block tells every destination (arrived); block
+//   0 returns once every rank's rows are here. No rings.
 
 #include <cuda_bf16.h>
 
@@ -508,15 +514,13 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   const HtLayout& L = cm.layout;
   const int W = S.world, C = L.channels, s = me.rank, c = b / 2;
   const int N = me.num_tokens;
-  const int c0 = channel_begin(N, C, c), c1 = channel_begin(N, C, c + 1);
-  const int mid = c0 + (c1 - c0) / 2;
-  const int t0 = b % 2 == 0 ? c0 : mid, t1 = b % 2 == 0 ? mid : c1;
+  const auto [t0, t1] = half_channel(N, C, b);
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     HtPublished* pub = at<HtPublished>(cm.peers[r], L.published);
     uint64_t ptr = 0;
-    if (!read_published(w, Phase::kDispatchCounts, r, &pub->area_epoch, &pub->area, epoch, &ptr)) {
+    if (!read_published(w, Phase::kDispatchData, r, &pub->area_epoch, &pub->area, epoch, &ptr)) {
       failed = 1;
       continue;
     }
@@ -535,6 +539,10 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
     if (m == 0) continue;
     write_token<kDtype>(p, me, n, m, AreaSink{S, area, rl, seg_base, row_pos + size_t(n) * W, s});
   }
+  // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
+  // the last block's release then makes all of them visible to the receivers.
+  __syncthreads();
+  if (threadIdx.x == 0) dev::fence_acq_rel_sys();
   if (dev::last_block(at<int32_t>(me.local, L.tickets), nb)) {
     for (int r = threadIdx.x; r < W; r += blockDim.x) {
       dev::fence_acq_rel_sys();

@@ -7,7 +7,9 @@
 // object was created (never reset): the writer publishes how far it has written (tail, in the
 // reader's memory), the reader how far it has read (head, in the writer's memory). The counts of
 // a round travel first, so that every receiver knows where each (source, channel) segment of its
-// rows begins: rows are ordered by (source rank, source index) on every call.
+// rows begins: rows are ordered by (source rank, source index) on every call. In direct mode
+// (an in-process group) there are no rings: each rank publishes where its receive area and its
+// partials are, and the peers write and read them in place.
 
 #include <cstddef>
 #include <cstdint>
@@ -71,7 +73,7 @@ struct HtLayout {
   size_t crecv;          // uint64 [C][W]
   size_t expert_counts;  // int32 [E/W]
   size_t row_pos;        // direct: int32 [max_tokens][W]: token n's row within its segment at r
-  size_t tickets;        // direct: uint32 [2]: blocks of this rank done (dispatch, combine), ever
+  size_t tickets;        // direct: int32 [2]: last-block tickets of dispatch and combine
   size_t total;
 };
 
