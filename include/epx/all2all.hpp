@@ -26,8 +26,11 @@
 // tokens are sent nowhere) still completes on every rank and nobody waits in vain. After a
 // timeout the kernels of this rank return at once, so graph replays cannot hang either.
 //
-// Backend high_throughput (prefill-sized calls; rows and partials flow through rings of fixed size,
-// so its memory does not grow with max_tokens_per_rank): token-major rows only, always ordered by
+// Backend high_throughput (prefill-sized calls; between processes rows and partials flow through
+// rings of fixed size, so its memory does not grow with max_tokens_per_rank; in an in-process
+// group they go straight between the ranks' receive areas at the offsets of the count exchange,
+// unless the launch shapes set ring_rows; the caller's expert_out must then be readable from the
+// peers' GPUs, as cudaMalloc memory is with peer access): token-major rows only, always ordered by
 // (source rank, source index), one round in flight, no send/receive halves (ConfigError), no
 // masking. Its dispatch exchanges counts first; unless cfg.worst_case_output, it then reads the
 // round's row count M back on the host (dispatch synchronises `stream` once and waits there for
@@ -62,10 +65,10 @@ class NcclWorld;
 enum class IdType { kInt32, kInt64 };
 
 struct DispatchInput {
-  int num_tokens = 0;                  // N <= max_tokens_per_rank; 0 is legal
-  const void* x = nullptr;             // [N, H] bf16 (kBF16, kBF16ToFP8) or fp8 e4m3 (kFP8)
-  const float* x_scales = nullptr;     // [N, H/128] f32, row-major; kFP8 only
-  const void* topk_ids = nullptr;      // [N, K] int32 or int64; -1 = no expert
+  int num_tokens = 0;               // N <= max_tokens_per_rank; 0 is legal
+  const void* x = nullptr;          // [N, H] bf16 (kBF16, kBF16ToFP8) or fp8 e4m3 (kFP8)
+  const float* x_scales = nullptr;  // [N, H/128] f32, row-major; kFP8 only
+  const void* topk_ids = nullptr;   // [N, K] int32 or int64; -1 = no expert
   IdType ids_type = IdType::kInt32;
   const float* topk_weights = nullptr;  // [N, K]
 };
@@ -80,25 +83,25 @@ struct DispatchInput {
 // Expert-major: expert e's rows [0, expert_counts[e]) of [E/W][capacity] are valid, in the
 // order of the token-major rows; token-major staging fields are still filled (recv_count rows).
 struct DispatchResult {
-  int capacity = 0;                 // rows of the token-major area (world_size * max_tokens_per_rank;
-                                    // high_throughput sized per call: at least M); rows per
-                                    // expert (expert-major)
-  void* combine_buffer = nullptr;   // this round's combine_buffer() (see All2All::combine_buffer)
-  const int32_t* recv_count = nullptr;      // device scalar M
-  const void* recv_x = nullptr;             // [capacity, H] bf16 or fp8
-  const float* recv_scales = nullptr;       // fp8: [capacity, H/128] or [H/128, capacity]
-  const int32_t* recv_src_rank = nullptr;   // [capacity]
-  const int32_t* recv_src_idx = nullptr;    // [capacity]
-  const int32_t* recv_topk_ids = nullptr;   // [capacity, K] (the token's full row)
+  int capacity = 0;  // rows of the token-major area (world_size * max_tokens_per_rank;
+                     // high_throughput sized per call: at least M); rows per
+                     // expert (expert-major)
+  void* combine_buffer = nullptr;  // this round's combine_buffer() (see All2All::combine_buffer)
+  const int32_t* recv_count = nullptr;       // device scalar M
+  const void* recv_x = nullptr;              // [capacity, H] bf16 or fp8
+  const float* recv_scales = nullptr;        // fp8: [capacity, H/128] or [H/128, capacity]
+  const int32_t* recv_src_rank = nullptr;    // [capacity]
+  const int32_t* recv_src_idx = nullptr;     // [capacity]
+  const int32_t* recv_topk_ids = nullptr;    // [capacity, K] (the token's full row)
   const float* recv_topk_weights = nullptr;  // [capacity, K]
-  const int32_t* expert_counts = nullptr;   // [E/W] rows using each local expert
+  const int32_t* expert_counts = nullptr;    // [E/W] rows using each local expert
   // expert-major only
-  const void* expert_x = nullptr;            // [E/W, capacity, H]
-  const float* expert_scales = nullptr;      // fp8: [E/W, capacity, H/128] or [E/W, H/128, capacity]
-  const int32_t* expert_src_rank = nullptr;  // [E/W, capacity]
-  const int32_t* expert_src_idx = nullptr;   // [E/W, capacity]
+  const void* expert_x = nullptr;        // [E/W, capacity, H]
+  const float* expert_scales = nullptr;  // fp8: [E/W, capacity, H/128] or [E/W, H/128, capacity]
+  const int32_t* expert_src_rank = nullptr;   // [E/W, capacity]
+  const int32_t* expert_src_idx = nullptr;    // [E/W, capacity]
   const int32_t* expert_topk_slot = nullptr;  // [E/W, capacity] k of this expert in its token
-  const float* expert_weight = nullptr;      // [E/W, capacity] topk_weights[k]
+  const float* expert_weight = nullptr;       // [E/W, capacity] topk_weights[k]
 };
 
 class All2All {

@@ -11,11 +11,11 @@
 namespace epx {
 
 // Hard limits of this build. Each exists for a reason stated here, not for convenience.
-inline constexpr int kMaxRanks = 64;             // rank masks are 64-bit words in the kernels
-inline constexpr int kMaxTopk = 32;              // one routing entry per lane of a warp
-inline constexpr int kMaxHidden = 1 << 16;       // row offsets stay in 32-bit arithmetic
+inline constexpr int kMaxRanks = 64;               // rank masks are 64-bit words in the kernels
+inline constexpr int kMaxTopk = 32;                // one routing entry per lane of a warp
+inline constexpr int kMaxHidden = 1 << 16;         // row offsets stay in 32-bit arithmetic
 inline constexpr int kMaxTokensPerRank = 1 << 16;  // world_size * max_tokens fits in int32
-inline constexpr int kFp8BlockSize = 128;        // 1x128 activation scale blocks
+inline constexpr int kFp8BlockSize = 128;          // 1x128 activation scale blocks
 inline constexpr int kMaxTimeoutMs = 24 * 3600 * 1000;
 
 // What dispatch reads and what it puts on the wire.
@@ -96,7 +96,9 @@ struct LaunchConfig {
   int num_blocks = 0;       // 0 = choose per world and shape
   int warps_per_block = 0;  // 0 = choose per world and shape
   // high_throughput: rows of each ring (one per channel and peer) that this op's rows flow
-  // through; fixes the backend's memory. 0 = choose. Ignored by the other backends.
+  // through; fixes the backend's memory. 0 = choose. Ignored by the other backends. An
+  // in-process group whose two ops both leave it 0 uses no rings: its ranks address each other's
+  // memory, so rows and partials go straight between their receive areas.
   int ring_rows = 0;
 };
 
@@ -111,16 +113,16 @@ struct LaunchConfigs {
 
 // Reads the JSON launch file (DESIGN §6): {"global": {...}, "dispatch": {...}, "combine": {...}}
 // with keys num_blocks / warps_per_block (aliases block_num / warp_num_per_block) and ring_rows
-// (high_throughput). "global" fills what an op leaves unset. Unknown keys, wrong types and out-of-range values throw
-// ConfigError naming the file, the key and the allowed range.
+// (high_throughput). "global" fills what an op leaves unset. Unknown keys, wrong types and
+// out-of-range values throw ConfigError naming the file, the key and the allowed range.
 LaunchConfigs load_launch_configs(const std::string& path);
 LaunchConfigs parse_launch_configs(const std::string& json_text, const std::string& origin);
 std::string to_json(const LaunchConfigs& configs);
 
 // Process environment, parsed and validated in one place.
 struct EnvSettings {
-  std::optional<Backend> backend;        // EPX_BACKEND
-  std::optional<int> timeout_ms;         // EPX_TIMEOUT_MS
+  std::optional<Backend> backend;          // EPX_BACKEND
+  std::optional<int> timeout_ms;           // EPX_TIMEOUT_MS
   std::optional<std::string> config_path;  // EPX_CONFIG_PATH
 };
 EnvSettings read_env();

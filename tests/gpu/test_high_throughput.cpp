@@ -2,8 +2,9 @@
 // dispatch -> identity expert -> combine and compares all outputs with the CPU reference
 // (dispatch exactly and in order: its rows are always ordered by (source rank, source index);
 // combine bit for bit), with receive areas sized per call (the host reads the count back) and
-// for the worst case (no host read, graph replays), per rank and one launch per GPU, and with
-// rings small enough that every call laps them many times.
+// for the worst case (no host read, graph replays), per rank and one launch per GPU; directly
+// between the ranks' areas (the default in one process) and through rings (as process worlds),
+// with rings small enough that every call laps them many times.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -124,19 +125,41 @@ TEST(HighThroughput, OneLaunchSizedAndReplayed) {
   }
 }
 
-// Graph replays with fresh inputs, and one rank eager while the others replay: the ring
-// positions live on the device and advance with every call, captured or not.
+// Rings in one process (ring_rows set: what process worlds always use), sized per call on odd
+// shapes and for the worst case, and one launch per GPU.
+TEST(HighThroughput, RingsInOneProcess) {
+  REQUIRE_GPU();
+  for (const int index : {2, 4, 6}) {
+    for (const bool worst_case : {false, true}) {
+      auto o = options_for(kCases[index], worst_case);
+      o.launch.dispatch.ring_rows = o.launch.combine.ring_rows = 64;
+      o.one_launch = index == 6;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << kCases[index].name << (worst_case ? " worst case" : " sized")
+                          << describe(rep);
+    }
+  }
+}
+
+// Graph replays with fresh inputs, and one rank eager while the others replay: the epochs and
+// ring positions live on the device and advance with every call, captured or not; without rings
+// (the default in one process) and with them.
 TEST(HighThroughput, GraphReplaysAndMixed) {
   REQUIRE_GPU();
-  for (const bool mixed : {false, true}) {
-    auto o = options_for(kCases[5], true);
-    o.iters = 1;
-    o.graph_replays = 100;
-    o.mixed = mixed;
-    o.verify_every = 10;
-    const auto rep = testing::run_check(o);
-    EXPECT_TRUE(rep.ok) << (mixed ? "mixed" : "graph") << describe(rep);
-    EXPECT_EQ(rep.replays, 100);
+  for (const int ring_rows : {0, 64}) {
+    for (const bool mixed : {false, true}) {
+      if (ring_rows != 0 && !mixed) continue;
+      auto o = options_for(kCases[5], true);
+      o.launch.dispatch.ring_rows = o.launch.combine.ring_rows = ring_rows;
+      o.iters = 1;
+      o.graph_replays = 100;
+      o.mixed = mixed;
+      o.verify_every = 10;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << (mixed ? "mixed" : "graph") << " ring_rows " << ring_rows
+                          << describe(rep);
+      EXPECT_EQ(rep.replays, 100);
+    }
   }
 }
 

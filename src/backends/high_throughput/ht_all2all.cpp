@@ -17,11 +17,14 @@
 namespace epx {
 namespace ht {
 
-HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, int combine_ring) {
+HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, int combine_ring,
+                        bool direct) {
   const size_t W = cfg.world_size, C = channels, K = cfg.topk, H = cfg.hidden;
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
+  if (direct) dispatch_ring = combine_ring = 0;
   HtLayout L{};
   L.channels = channels;
+  L.direct = direct;
   L.dispatch_ring = dispatch_ring;
   L.combine_ring = combine_ring;
   // payload, f32 scales, int32 ids, f32 weights, int32 source index; 16-byte rows
@@ -35,6 +38,9 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.chead = carve(c, C * W * sizeof(uint64_t));
   L.dring = carve(c, C * W * size_t(dispatch_ring) * L.dispatch_slot);
   L.cring = carve(c, C * W * size_t(combine_ring) * H * 2);
+  L.published = carve(c, direct ? sizeof(HtPublished) : 0);
+  L.arrived = carve(c, direct ? W * sizeof(uint64_t) : 0);
+  L.read_done = carve(c, direct ? W * sizeof(uint64_t) : 0);
   L.symmetric_end = c;
   L.state = carve(c, sizeof(HtState));
   L.status = carve(c, sizeof(DeviceStatus));
@@ -46,6 +52,8 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.csent = carve(c, C * W * sizeof(uint64_t));
   L.crecv = carve(c, C * W * sizeof(uint64_t));
   L.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
+  L.row_pos = carve(c, direct ? size_t(cfg.max_tokens_per_rank) * W * sizeof(int32_t) : 0);
+  L.tickets = carve(c, direct ? 2 * sizeof(uint32_t) : 0);
   L.total = c;
   return L;
 }
@@ -117,10 +125,12 @@ void validate_for(const EpConfig& cfg) {
 
 class HtAll2All final : public All2All {
  public:
-  HtAll2All(const EpConfig& cfg, SymmetricBuffer buf, const HtShapeChoice& shape)
+  // `direct`: every rank's memory is addressable by every rank's kernels (an in-process group):
+  // no rings (HtLayout::direct).
+  HtAll2All(const EpConfig& cfg, SymmetricBuffer buf, const HtShapeChoice& shape, bool direct)
       : cfg_(cfg),
         layout_(make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows,
-                               shape.lc.combine.ring_rows)),
+                               shape.lc.combine.ring_rows, direct)),
         buf_(std::move(buf)),
         launch_(shape.lc),
         status_(cfg, buf_.device()) {
@@ -321,6 +331,20 @@ class HtAll2All final : public All2All {
     return r;
   }
 
+  // Direct mode on several GPUs: the receive areas' pool is readable and writable from the
+  // peers' GPUs (allocations from a pool are not, by default, even with peer access).
+  void share_areas_with(const std::vector<int>& devices) {
+    if (pool_ == nullptr) return;
+    for (int d : devices) {
+      if (d == buf_.device()) continue;
+      cudaMemAccessDesc desc{};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = d;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      EPX_CUDA_CHECK(cudaMemPoolSetAccess(pool_, &desc, 1));
+    }
+  }
+
   int device() const { return buf_.device(); }
   const LaunchConfigs& launch_configs() const { return launch_; }
   const HtLayout& layout() const { return layout_; }
@@ -490,7 +514,7 @@ std::unique_ptr<All2All> make_process_rank(const EpConfig& base, World& world,
       make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows, shape.lc.combine.ring_rows);
   preload(world.device());
   SymmetricBuffer buf = create_buffer(world, L.total);
-  return std::make_unique<HtAll2All>(cfg, std::move(buf), shape);
+  return std::make_unique<HtAll2All>(cfg, std::move(buf), shape, false);
 }
 }  // namespace
 
@@ -505,16 +529,22 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
   int budget = world.sm_budget(0);
   for (int r = 1; r < world.size(); ++r) budget = std::min(budget, world.sm_budget(r));
   const HtShapeChoice shape = resolve(launch, budget, 0, world.size());
-  const HtLayout L =
-      make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows, shape.lc.combine.ring_rows);
+  // One address space: rows and partials go straight between the ranks' areas, no rings, unless
+  // the launch shapes size the rings.
+  const bool direct = launch.dispatch.ring_rows == 0 && launch.combine.ring_rows == 0;
+  const HtLayout L = make_ht_layout(cfg, shape.channels, shape.lc.dispatch.ring_rows,
+                                    shape.lc.combine.ring_rows, direct);
   for (int r = 0; r < world.size(); ++r) preload(world.device_of(r));
   auto bufs = SymmetricBuffer::create_in_process(world, L.total);
   const auto group = std::make_shared<const int>(0);
+  std::vector<int> devices;
+  for (int r = 0; r < world.size(); ++r) devices.push_back(world.device_of(r));
   std::vector<std::unique_ptr<All2All>> out;
   for (int r = 0; r < world.size(); ++r) {
     EpConfig rc = cfg;
     rc.rank = r;
-    auto rank = std::make_unique<HtAll2All>(rc, std::move(bufs[size_t(r)]), shape);
+    auto rank = std::make_unique<HtAll2All>(rc, std::move(bufs[size_t(r)]), shape, direct);
+    rank->share_areas_with(devices);
     rank->set_launch_group(group);
     out.push_back(std::move(rank));
   }

@@ -43,10 +43,42 @@ __device__ __forceinline__ void copy_partial(const uint8_t* src, uint8_t* dst, i
   }
 }
 
+// Token n's row of y: vector v (8 bf16) of the partials at `at(r, v)` of every rank r in `m`,
+// summed in rank order in f32 (kBatch ranks' loads in flight before their adds) and rounded
+// once; 0 for a token sent nowhere. One lane.
+template <typename At>
+__device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfloat16* y_row) {
+  constexpr int kBatch = 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  while (m != 0) {
+    int4 raw[kBatch];
+    int got = 0;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (m != 0) {
+        const int r = lowest_rank(m);
+        m &= m - 1;
+        raw[i] = ld_ring(at_of(r, v));
+        got = i + 1;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (i < got) {
+        float f[8];
+        dev::bf16x8_to_float(raw[i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
+      }
+    }
+  }
+  dev::store_bf16x8(y_row + size_t(v) * 8, acc);
+}
+
 __device__ __forceinline__ void send_partials(const HtCombineParams& p, const HtCombineRank& me,
                                               const dev::WaitContext& w, int c) {
-  __shared__ uint64_t sent[kMaxRanks];  // ring position written so far, towards owner s
-  __shared__ int32_t done[kMaxRanks];   // rows of segment (s, c) sent this round
+  __shared__ uint64_t sent[kMaxRanks];        // ring position written so far, towards owner s
+  __shared__ int32_t done[kMaxRanks];         // rows of segment (s, c) sent this round
   __shared__ int32_t group_rows[kMaxGroups];  // the group's next chunk: rows, or -1 done, -2 failed
   __shared__ int32_t group_dest[kMaxGroups];
   const HtCommon& cm = p.common;
@@ -144,8 +176,8 @@ __device__ __forceinline__ void send_partials(const HtCombineParams& p, const Ht
 
 __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const HtCombineRank& me,
                                                  const dev::WaitContext& w, int c) {
-  __shared__ uint64_t base[kMaxRanks];     // ring position of this batch's first partial from r
-  __shared__ uint32_t bal[kMaxRanks];      // bit i: token i of the batch went to r
+  __shared__ uint64_t base[kMaxRanks];  // ring position of this batch's first partial from r
+  __shared__ uint32_t bal[kMaxRanks];   // bit i: token i of the batch went to r
   __shared__ uint64_t mask_of[kWarpSize];
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
@@ -165,7 +197,6 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const int vecs = H / 8;
-  constexpr int kBatch = 8;  // ranks whose loads are in flight before their adds
   for (int t = t0; t < t1; t += num_warps) {
     const int t_end = min(t1, t + num_warps);
     if (warp == 0) batch_ballots(token_mask, t, t_end, W, mask_of, bal);
@@ -179,52 +210,101 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     const int n = t + warp;
     if (n < t_end) {
       const uint64_t m = mask_of[warp];
-      for (int v = lane; v < vecs; v += kWarpSize) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        uint64_t mm = m;
-        while (mm != 0) {
-          int4 raw[kBatch];
-          int got = 0;
-#pragma unroll
-          for (int i = 0; i < kBatch; ++i) {
-            if (mm != 0) {
-              const int r = lowest_rank(mm);
-              mm &= mm - 1;
-              const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
-              raw[i] = ld_ring(rings + ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
-                               size_t(v) * 16);
-              got = i + 1;
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < kBatch; ++i) {
-            if (i < got) {
-              float f[8];
-              dev::bf16x8_to_float(raw[i], f);
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
-            }
-          }
-        }
-        dev::store_bf16x8(y + size_t(n) * H + size_t(v) * 8, acc);
-      }
+      auto at_of = [&](int r, int v) {
+        const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
+        return rings + ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
+               size_t(v) * 16;
+      };
+      for (int v = lane; v < vecs; v += kWarpSize) sum_vector(m, v, at_of, y + size_t(n) * H);
     }
     __syncthreads();
     // Publish how far this rank has read (the block's loads, then the release).
-    publish_batch(base, bal, W, [&](int r) {
-      return at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s;
-    });
+    publish_batch(base, bal, W,
+                  [&](int r) { return at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s; });
   }
   for (int r = threadIdx.x; r < W; r += blockDim.x) crecv[r] = base[r];
 }
 
-__global__ void __launch_bounds__(kMaxThreads) ht_combine_kernel(const __grid_constant__ HtCombineParams p) {
+// Block b of 2C (direct mode, owner s = this rank): half b % 2 of channel b / 2's tokens. Token
+// n's partial from rank r is row seg_offset_r[s][c] + row_pos[n][r] of r's published partials;
+// they are summed in rank order in f32 and rounded once (0 for a token sent nowhere). The rank's
+// last block then tells every rank that this owner has read its partials.
+__device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCombineRank& me,
+                                            const dev::WaitContext& w, int b, int nb,
+                                            uint32_t cepoch) {
+  __shared__ const uint8_t* part[kMaxRanks];
+  __shared__ int32_t seg_base[kMaxRanks];
+  __shared__ int32_t failed;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, s = me.rank, c = b / 2, H = S.hidden;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int N = at<HtState>(me.local, L.state)->num_tokens;
+  const auto [t0, t1] = half_channel(N, C, b);
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    HtPublished* pub = at<HtPublished>(cm.peers[r], L.published);
+    uint64_t ptr = 0;
+    if (!read_published(w, Phase::kCombineReady, r, &pub->partials_epoch, &pub->partials, cepoch,
+                        &ptr)) {
+      failed = 1;
+      continue;
+    }
+    part[r] = reinterpret_cast<const uint8_t*>(ptr);
+    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * C + c);
+  }
+  __syncthreads();
+  if (failed) return;
+  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(me.y);
+  const int vecs = H / 8;
+  for (int n = t0 + warp; n < t1; n += num_warps) {
+    const int32_t* pos = row_pos + size_t(n) * W;
+    auto at_of = [&](int r, int v) {
+      return part[r] + (size_t(seg_base[r] + pos[r]) * H + size_t(v) * 8) * 2;
+    };
+    for (int v = lane; v < vecs; v += kWarpSize)
+      sum_vector(token_mask[n], v, at_of, y + size_t(n) * H);
+  }
+  if (dev::last_block(at<int32_t>(me.local, L.tickets) + 1, nb)) {
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.read_done) + s, uint64_t(cepoch));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    ht_combine_kernel(const __grid_constant__ HtCombineParams p) {
   const HtBlock hb = ht_block(p.common.num_ranks);
   const HtCombineRank& me = p.ranks[hb.slot];
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
   if (dev::aborted(w)) return;
-  w.call = at<HtState>(me.local, p.common.layout.state)->epoch;
-  const int C = p.common.layout.channels;
+  const HtLayout& L = p.common.layout;
+  HtState* st = at<HtState>(me.local, L.state);
+  w.call = st->epoch;
+  if (L.direct) {
+    // Every block reads the combine epoch before block 0 advances it: block 0 ends only after
+    // every owner, this rank's blocks included, has read this rank's partials.
+    const uint32_t cepoch = st->combine_epoch + 1;
+    if (hb.b == 0 && threadIdx.x == 0) {
+      HtPublished* pub = at<HtPublished>(me.local, L.published);
+      publish_pointer(&pub->partials_epoch, &pub->partials, me.expert_out, nullptr, 0, cepoch);
+    }
+    direct_pull(p, me, w, hb.b, hb.nb, cepoch);
+    // Block 0 returns when every owner has read this rank's partials (the caller may then
+    // overwrite them).
+    if (hb.b == 0 && await_words(w, Phase::kCombineReady, at<uint64_t>(me.local, L.read_done),
+                                 p.common.shape.world, cepoch)) {
+      if (threadIdx.x == 0) st->combine_epoch = cepoch;
+    }
+    return;
+  }
+  const int C = L.channels;
   if (hb.b < C) {
     send_partials(p, me, w, hb.b);
   } else {
@@ -240,7 +320,8 @@ void load_ht_combine_kernels() {
 }
 
 void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream) {
-  ht_combine_kernel<<<dim3(2 * channels * p.common.num_ranks), dim3(warps * kWarpSize), 0, stream>>>(p);
+  ht_combine_kernel<<<dim3(2 * channels * p.common.num_ranks), dim3(warps * kWarpSize), 0,
+                      stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -18,12 +18,23 @@ using dev::lowest_rank;
 
 inline constexpr int kMaxThreads = kMaxWarpsPerBlock * kWarpSize;
 static_assert(kMaxThreads <= 1024, "a CUDA block holds at most 1024 threads");
-static_assert(kMaxWarpsPerBlock <= kWarpSize, "a batch holds one token per warp, one per lane of warp 0");
+static_assert(kMaxWarpsPerBlock <= kWarpSize,
+              "a batch holds one token per warp, one per lane of warp 0");
 static_assert(kMaxRanks <= 64, "destinations of a token are one uint64_t");
 
 // Channel c's tokens of a rank with N tokens: [channel_begin(c), channel_begin(c + 1)).
 __device__ __forceinline__ int channel_begin(int N, int channels, int c) {
   return int(int64_t(N) * c / channels);
+}
+
+// Direct mode: block b of a rank's 2C serves half b % 2 of channel b / 2's tokens [first, second).
+struct TokenRange {
+  int first, second;
+};
+__device__ __forceinline__ TokenRange half_channel(int N, int channels, int b) {
+  const int c0 = channel_begin(N, channels, b / 2), c1 = channel_begin(N, channels, b / 2 + 1);
+  const int mid = c0 + (c1 - c0) / 2;
+  return b % 2 == 0 ? TokenRange{c0, mid} : TokenRange{mid, c1};
 }
 
 // Which rank of a launch this block serves, and its block among that rank's nb.
@@ -38,7 +49,7 @@ __device__ __forceinline__ HtBlock ht_block(int num_ranks) {
 }
 
 __device__ __forceinline__ dev::WaitContext ht_wait(uint8_t* local, DeviceStatus* host_status,
-                                                   int rank, const HtCommon& c) {
+                                                    int rank, const HtCommon& c) {
   return dev::WaitContext{at<DeviceStatus>(local, c.layout.status), host_status, c.timeout_ns,
                           rank};
 }
@@ -71,7 +82,9 @@ __device__ __forceinline__ size_t ht_scale_index(const HtShape& S, int row, int 
 
 // A 16-byte load that bypasses L1: ring rows are rewritten while a kernel runs, and L1 is not
 // kept coherent with writes of other SMs or GPUs.
-__device__ __forceinline__ int4 ld_ring(const void* p) { return __ldcg(static_cast<const int4*>(p)); }
+__device__ __forceinline__ int4 ld_ring(const void* p) {
+  return __ldcg(static_cast<const int4*>(p));
+}
 
 // The destination ranks of the tokens [t, t_end) of a batch (at most kWarpSize), by warp 0:
 // mask_of[i] for token t + i (0 past t_end), bal[r] = bit i set when token t + i goes to rank r.
@@ -115,12 +128,64 @@ __device__ __forceinline__ void wait_batch(const dev::WaitContext& w, Phase phas
     const int cnt = __popc(bal[r]);
     if (cnt == 0) continue;
     const uint64_t need = base[r] + cnt;
-    if (!dev::bounded_wait(w, phase, r, int64_t(need), [&] { return ready(r, need); },
-                           [&] { return seen(r); })) {
+    if (!dev::bounded_wait(
+            w, phase, r, int64_t(need), [&] { return ready(r, need); }, [&] { return seen(r); })) {
       *failed = 1;
     }
   }
   __syncthreads();
+}
+
+// Direct mode: waits until every rank q's word words[q] (in this rank's memory) holds `epoch`
+// (bounded; a wait that expires names q). Called by the whole block; true when all arrived.
+__device__ __forceinline__ bool await_words(const dev::WaitContext& w, Phase phase,
+                                            const uint64_t* words, int W, uint32_t epoch) {
+  __shared__ int32_t failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int q = threadIdx.x; q < W; q += blockDim.x) {
+    uint64_t seen = 0;
+    if (!dev::bounded_wait(
+            w, phase, q, int64_t(epoch),
+            [&] {
+              seen = dev::ld_acquire_sys(words + q);
+              return seen == uint64_t(epoch);
+            },
+            [&] { return int64_t(seen); })) {
+      failed = 1;
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// Direct mode: one pointer for the peers (with a value beside it), then its epoch word,
+// released. One thread.
+__device__ __forceinline__ void publish_pointer(uint64_t* epoch_word, uint64_t* ptr_word,
+                                                const void* ptr, int64_t* value_word, int64_t value,
+                                                uint32_t epoch) {
+  *ptr_word = reinterpret_cast<uint64_t>(ptr);
+  if (value_word != nullptr) *value_word = value;
+  dev::fence_acq_rel_sys();
+  dev::st_release_sys(epoch_word, uint64_t(epoch));
+}
+
+// Direct mode: waits until rank r has published the pointer of `epoch` (bounded), then reads it.
+__device__ __forceinline__ bool read_published(const dev::WaitContext& w, Phase phase, int r,
+                                               const uint64_t* epoch_word, const uint64_t* ptr_word,
+                                               uint32_t epoch, uint64_t* ptr) {
+  uint64_t seen = 0;
+  if (!dev::bounded_wait(
+          w, phase, r, int64_t(epoch),
+          [&] {
+            seen = dev::ld_acquire_sys(epoch_word);
+            return seen == uint64_t(epoch);
+          },
+          [&] { return int64_t(seen); })) {
+    return false;
+  }
+  *ptr = dev::ld_acquire_sys(ptr_word);
+  return true;
 }
 
 }  // namespace epx::ht

@@ -15,6 +15,12 @@
 //   per destination and batch). The receiving block polls the tails of its channel's W rings,
 //   copies whatever has arrived into the receive area at its segment's place, and publishes how
 //   far it has read. Every wait is bounded (no progress within the timeout records which peer).
+// direct mode (an in-process group: every rank addresses every rank's memory): the count kernel
+//   also places each token in its (source, channel) segment at each destination (row_pos, in
+//   token order); the transfer kernel's blocks (all 2C sending, half a channel each) wait until
+//   each destination has published its receive area of the round, write each token's row and
+//   metadata straight into it, and the rank's last block tells every destination (arrived); block
+//   0 returns once every rank's rows are here. No rings.
 
 #include <cuda_bf16.h>
 
@@ -32,7 +38,8 @@ __device__ __forceinline__ int64_t load_id(const HtShape& S, const void* ids, in
 
 // ---- count -----------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kMaxThreads) ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
+__global__ void __launch_bounds__(kMaxThreads)
+    ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
   __shared__ int32_t count[kMaxRanks];  // rows this channel sends to rank r
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
@@ -58,9 +65,16 @@ __global__ void __launch_bounds__(kMaxThreads) ht_count_kernel(const __grid_cons
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  int32_t* row_pos = at<int32_t>(me.local, L.row_pos);  // direct mode only
+  __shared__ uint64_t mask_of[kWarpSize];               // direct: the batch's tokens' destinations
+  __shared__ uint32_t bal[kMaxRanks];  // direct: bit i = token t + i goes to rank r
   const uint32_t lt = dev::lanemask_lt();
-  for (int n = t0 + warp; n < t1; n += num_warps) {
-    const bool has = lane < K;
+  // One token per warp and pass (the loop is the same for every warp: the direct mode's
+  // positions need the whole batch).
+  for (int t = t0; t < t1; t += num_warps) {
+    const int n = t + warp;
+    const bool valid = n < t1;
+    const bool has = valid && lane < K;
     const int64_t id = has ? load_id(S, me.topk_ids, n, lane) : -1;
     bool bad = false;
     if (has && (id < -1 || id >= E)) {
@@ -81,15 +95,41 @@ __global__ void __launch_bounds__(kMaxThreads) ht_count_kernel(const __grid_cons
     const bool send = expert && !token_bad;
     uint64_t bits = send ? uint64_t(1) << (id / num_local) : 0;
 #pragma unroll
-    for (int off = kWarpSize / 2; off >= 1; off >>= 1) bits |= __shfl_xor_sync(kFullWarp, bits, off);
+    for (int off = kWarpSize / 2; off >= 1; off >>= 1)
+      bits |= __shfl_xor_sync(kFullWarp, bits, off);
     if (send) {
       const int r = int(id / num_local);
       dev::red_add_relaxed_sys(
-          at<int32_t>(cm.peers[r], L.expert_rows) + par * num_local + (id - int64_t(r) * num_local), 1);
+          at<int32_t>(cm.peers[r], L.expert_rows) + par * num_local + (id - int64_t(r) * num_local),
+          1);
     }
-    if (lane == 0) token_mask[n] = bits;
-    if (lane < W && ((bits >> lane) & 1)) atomicAdd(&count[lane], 1);
-    if (lane + 32 < W && ((bits >> (lane + 32)) & 1)) atomicAdd(&count[lane + 32], 1);
+    if (valid && lane == 0) token_mask[n] = bits;
+    if (!L.direct) {
+      if (lane < W && ((bits >> lane) & 1)) atomicAdd(&count[lane], 1);
+      if (lane + 32 < W && ((bits >> (lane + 32)) & 1)) atomicAdd(&count[lane + 32], 1);
+      continue;
+    }
+    // Direct mode: token n's row within segment (this rank, c) at each destination, in token
+    // order (the senders write there without rings).
+    if (lane == 0) mask_of[warp] = bits;
+    __syncthreads();
+    if (warp == 0) {
+      const uint64_t m = lane < num_warps ? mask_of[lane] : 0;
+      for (int r = 0; r < W; ++r) {
+        const uint32_t b = __ballot_sync(kFullWarp, (m >> r) & 1);
+        if (lane == 0) bal[r] = b;
+      }
+    }
+    __syncthreads();
+    if (valid) {
+      for (int r = lane; r < W; r += kWarpSize) {
+        row_pos[size_t(n) * W + r] =
+            (bits >> r) & 1 ? count[r] + __popc(bal[r] & ((1u << warp) - 1)) : -1;
+      }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < W; r += blockDim.x) count[r] += __popc(bal[r]);
+    __syncthreads();
   }
   __syncthreads();
   // The expert pairs above are ordered before each count by the fence and the release.
@@ -147,17 +187,17 @@ constexpr int kUnroll = 4;
 template <DispatchDtype kDtype>
 inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
 
-// Token n's payload, scales and metadata into ring row dst(r) of every rank r in `m` (the
-// token's destinations, warp-uniform). Called by one whole warp.
-template <DispatchDtype kDtype, typename DstOf>
+// Token n's payload, scales and metadata to every rank r in `m` (the token's destinations,
+// warp-uniform), at the places `sink` names: a ring row, or (direct mode) the row of the
+// receiver's area. Called by one whole warp.
+template <DispatchDtype kDtype, typename Sink>
 __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtDispatchRank& me,
-                                            int n, uint64_t m, DstOf dst) {
+                                            int n, uint64_t m, const Sink& sink) {
   const HtShape& S = p.common.shape;
   const int H = S.hidden, K = S.topk, lane = threadIdx.x % kWarpSize;
   constexpr int kPer = kElemsPerVec<kDtype>;
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const int vecs = H / kPer;  // 16-byte vectors of the input row
-  const SlotParts parts = slot_parts(S);
   const uint8_t* src = static_cast<const uint8_t*>(me.x) + size_t(n) * H * kInBytes;
   for (int v0 = 0; v0 < vecs; v0 += kUnroll * kWarpSize) {
     int4 v[kUnroll];
@@ -168,7 +208,7 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
     }
     if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
       for (uint64_t mm = m; mm; mm &= mm - 1) {
-        int4* out = reinterpret_cast<int4*>(dst(lowest_rank(mm)));
+        int4* out = reinterpret_cast<int4*>(sink.payload(lowest_rank(mm)));
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
@@ -188,14 +228,14 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
         q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);
       }
       for (uint64_t mm = m; mm; mm &= mm - 1) {
-        uint8_t* out = dst(lowest_rank(mm));
+        const int r = lowest_rank(mm);
+        uint8_t* out = sink.payload(r);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
           if (vi < vecs) {
             reinterpret_cast<uint2*>(out)[vi] = q[u];
-            if (lane % kLanesPerBlock == 0)
-              reinterpret_cast<float*>(out + parts.scales)[vi / kLanesPerBlock] = sc[u];
+            if (lane % kLanesPerBlock == 0) *sink.scale(r, vi / kLanesPerBlock) = sc[u];
           }
         }
       }
@@ -208,18 +248,33 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
     weight = __ldg(me.topk_weights + size_t(n) * K + lane);
   }
   for (uint64_t mm = m; mm; mm &= mm - 1) {
-    uint8_t* out = dst(lowest_rank(mm));
+    const int r = lowest_rank(mm);
     if constexpr (kDtype == DispatchDtype::kFP8) {
       for (int g = lane; g < S.groups; g += kWarpSize)
-        reinterpret_cast<float*>(out + parts.scales)[g] = __ldg(me.x_scales + size_t(n) * S.groups + g);
+        *sink.scale(r, g) = __ldg(me.x_scales + size_t(n) * S.groups + g);
     }
+    sink.metadata(r, lane, K, id, weight, n);
+  }
+}
+
+// A ring row (one slot: payload, then scales, ids, weights and the source index) per rank.
+template <typename SlotOf>
+struct RingSink {
+  SlotOf slot_of;  // r -> the slot's first byte
+  SlotParts parts;
+  __device__ uint8_t* payload(int r) const { return slot_of(r); }
+  __device__ float* scale(int r, int g) const {
+    return reinterpret_cast<float*>(slot_of(r) + parts.scales) + g;
+  }
+  __device__ void metadata(int r, int lane, int K, int32_t id, float weight, int n) const {
+    uint8_t* out = slot_of(r);
     if (lane < K) {
       reinterpret_cast<int32_t*>(out + parts.ids)[lane] = id;
       reinterpret_cast<float*>(out + parts.weights)[lane] = weight;
     }
     if (lane == 0) *reinterpret_cast<int32_t*>(out + parts.index) = n;
   }
-}
+};
 
 // Channel c of rank `me`: its tokens into the dispatch rings of their destinations (returns early
 // when a wait failed: recorded in the status word).
@@ -250,26 +305,28 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
     // Room for the batch in every destination's ring (its reader is at most `ring` rows behind).
     wait_batch(
         w, Phase::kRingSpace, base, bal, W, &failed,
-        [&](int r, uint64_t need) { return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring); },
+        [&](int r, uint64_t need) {
+          return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring);
+        },
         [&](int r) { return int64_t(dev::ld_acquire_sys(head + r)); });
     if (failed) return;
     if (t + warp < t_end) {
       const uint64_t m = mask_of[warp];
       if (m != 0) {
         // This token's row in ring (s -> r, c): after the batch's earlier tokens for r.
-        auto dst = [&](int r) {
+        auto slot_of = [&](int r) {
           const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
           return cm.peers[r] + L.dring +
                  ((size_t(c) * W + s) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
         };
-        write_token<kDtype>(p, me, t + warp, m, dst);
+        write_token<kDtype>(p, me, t + warp, m,
+                            RingSink<decltype(slot_of)>{slot_of, slot_parts(S)});
       }
     }
     __syncthreads();
     // Publish: the batch's rows are written (the block's writes, then the release).
-    publish_batch(base, bal, W, [&](int r) {
-      return at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s;
-    });
+    publish_batch(base, bal, W,
+                  [&](int r) { return at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s; });
   }
   for (int r = threadIdx.x; r < W; r += blockDim.x) sent[r] = base[r];
 }
@@ -278,7 +335,8 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
 
 // Ring row `src` (source q) into received row `row` of the receive area.
 __device__ __forceinline__ void read_row(const HtShape& S, const HtDispatchRank& me,
-                                         const HtRowsLayout& RL, const uint8_t* src, int row, int q) {
+                                         const HtRowsLayout& RL, const uint8_t* src, int row,
+                                         int q) {
   const int lane = threadIdx.x % kWarpSize;
   const SlotParts parts = slot_parts(S);
   const int vecs = S.wire_row_bytes / 16;
@@ -298,7 +356,8 @@ __device__ __forceinline__ void read_row(const HtShape& S, const HtDispatchRank&
   }
   float* scales = reinterpret_cast<float*>(me.rows + RL.recv_scales);
   for (int g = lane; g < S.groups; g += kWarpSize)
-    scales[ht_scale_index(S, row, g, RL.rows)] = __ldcg(reinterpret_cast<const float*>(src + parts.scales) + g);
+    scales[ht_scale_index(S, row, g, RL.rows)] =
+        __ldcg(reinterpret_cast<const float*>(src + parts.scales) + g);
   if (lane < S.topk) {
     reinterpret_cast<int32_t*>(me.rows + RL.recv_topk_ids)[size_t(row) * S.topk + lane] =
         __ldcg(reinterpret_cast<const int32_t*>(src + parts.ids) + lane);
@@ -371,7 +430,8 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
         failed = 1;
       } else if (dev::globaltimer_ns() - idle_since > idle_limit_ns(w.timeout_ns)) {
         dev::record_error(w, StatusCode::kTimeout, Phase::kDispatchData, waiting,
-                          int64_t(consumed[waiting] + 1), int64_t(dev::ld_acquire_sys(tail + waiting)));
+                          int64_t(consumed[waiting] + 1),
+                          int64_t(dev::ld_acquire_sys(tail + waiting)));
         failed = 1;
       }
     }
@@ -387,7 +447,8 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
       while (j >= first[q + 1]) ++q;
       const int i = j - first[q];
       const uint64_t pos = consumed[q] + uint64_t(i);
-      const uint8_t* src = rings + ((size_t(c) * W + q) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
+      const uint8_t* src =
+          rings + ((size_t(c) * W + q) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
       read_row(S, me, RL, src, seg_offset[q * C + c] + done[q] + i, q);
     }
     __syncthreads();
@@ -405,6 +466,91 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
   for (int q = threadIdx.x; q < W; q += blockDim.x) recvd[q] = consumed[q];
 }
 
+// ---- transfer: direct mode --------------------------------------------------------------------
+
+// The row of a receiver's area (direct mode) that token n takes at each rank: rows_layout of the
+// area's size, the segment's first row plus the token's place in it (row_pos, in token order).
+struct AreaSink {
+  const HtShape& S;
+  uint8_t* const* area;     // [W]
+  const HtRowsLayout* rl;   // [W]
+  const int32_t* seg_base;  // [W]: first row of segment (this rank, channel) at r
+  const int32_t* pos;       // [W]: the token's place in that segment
+  int src_rank;
+  __device__ int row(int r) const { return seg_base[r] + pos[r]; }
+  __device__ uint8_t* payload(int r) const {
+    return area[r] + rl[r].recv_x + size_t(row(r)) * S.wire_row_bytes;
+  }
+  __device__ float* scale(int r, int g) const {
+    return reinterpret_cast<float*>(area[r] + rl[r].recv_scales) +
+           ht_scale_index(S, row(r), g, rl[r].rows);
+  }
+  __device__ void metadata(int r, int lane, int K, int32_t id, float weight, int n) const {
+    const size_t j = size_t(row(r));
+    if (lane < K) {
+      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_topk_ids)[j * K + lane] = id;
+      reinterpret_cast<float*>(area[r] + rl[r].recv_topk_w)[j * K + lane] = weight;
+    }
+    if (lane == 0) {
+      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_src_rank)[j] = src_rank;
+      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_src_idx)[j] = n;
+    }
+  }
+};
+
+// Block b of 2C (direct mode): half b % 2 of channel b / 2's tokens, written straight into the
+// receivers' areas once each has published its area of this round; the rank's last block then
+// tells every receiver that its rows are there.
+template <DispatchDtype kDtype>
+__device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtDispatchRank& me,
+                                            const dev::WaitContext& w, int b, int nb,
+                                            uint32_t epoch) {
+  __shared__ uint8_t* area[kMaxRanks];
+  __shared__ HtRowsLayout rl[kMaxRanks];
+  __shared__ int32_t seg_base[kMaxRanks];
+  __shared__ int32_t failed;
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
+  const int W = S.world, C = L.channels, s = me.rank, c = b / 2;
+  const int N = me.num_tokens;
+  const auto [t0, t1] = half_channel(N, C, b);
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    HtPublished* pub = at<HtPublished>(cm.peers[r], L.published);
+    uint64_t ptr = 0;
+    if (!read_published(w, Phase::kDispatchData, r, &pub->area_epoch, &pub->area, epoch, &ptr)) {
+      failed = 1;
+      continue;
+    }
+    area[r] = reinterpret_cast<uint8_t*>(ptr);
+    const int rows = int(dev::ld_acquire_sys(reinterpret_cast<const uint64_t*>(&pub->area_rows)));
+    rl[r] = rows_layout(rows, S.wire_row_bytes, S.groups, S.topk, S.hidden);
+    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * C + c);
+  }
+  __syncthreads();
+  if (failed) return;
+  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
+  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  for (int n = t0 + warp; n < t1; n += num_warps) {
+    const uint64_t m = token_mask[n];
+    if (m == 0) continue;
+    write_token<kDtype>(p, me, n, m, AreaSink{S, area, rl, seg_base, row_pos + size_t(n) * W, s});
+  }
+  // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
+  // the last block's release then makes all of them visible to the receivers.
+  __syncthreads();
+  if (threadIdx.x == 0) dev::fence_acq_rel_sys();
+  if (dev::last_block(at<int32_t>(me.local, L.tickets), nb)) {
+    for (int r = threadIdx.x; r < W; r += blockDim.x) {
+      dev::fence_acq_rel_sys();
+      dev::st_release_sys(at<uint64_t>(cm.peers[r], L.arrived) + s, uint64_t(epoch));
+    }
+  }
+}
+
 template <DispatchDtype kDtype>
 __global__ void __launch_bounds__(kMaxThreads)
     ht_transfer_kernel(const __grid_constant__ HtDispatchParams p) {
@@ -412,8 +558,22 @@ __global__ void __launch_bounds__(kMaxThreads)
   const HtDispatchRank& me = p.ranks[hb.slot];
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
   if (dev::aborted(w)) return;
-  w.call = at<HtState>(me.local, p.common.layout.state)->epoch;
-  const int C = p.common.layout.channels;
+  const HtLayout& L = p.common.layout;
+  const uint32_t epoch = at<HtState>(me.local, L.state)->epoch;
+  w.call = epoch;
+  if (L.direct) {
+    if (hb.b == 0 && threadIdx.x == 0) {
+      HtPublished* pub = at<HtPublished>(me.local, L.published);
+      publish_pointer(&pub->area_epoch, &pub->area, me.rows, &pub->area_rows, me.area_rows, epoch);
+    }
+    direct_send<kDtype>(p, me, w, hb.b, hb.nb, epoch);
+    // Block 0 returns when every rank's rows are here (the stream's next work reads them).
+    if (hb.b == 0)
+      (void)await_words(w, Phase::kDispatchData, at<uint64_t>(me.local, L.arrived),
+                        p.common.shape.world, epoch);
+    return;
+  }
+  const int C = L.channels;
   if (hb.b < C) {
     send_channel<kDtype>(p, me, w, hb.b);
   } else {

@@ -34,7 +34,7 @@ struct HtShape {
   int32_t num_experts;
   int32_t num_local;
   int32_t topk;
-  int32_t groups;           // fp8 scale blocks per row (0: bf16 wire)
+  int32_t groups;  // fp8 scale blocks per row (0: bf16 wire)
   int32_t wire_row_bytes;
   int32_t scale_col_major;  // recv scales [G][rows]
   int32_t ids_int64;
@@ -48,7 +48,7 @@ struct HtCommon {
   HtLayout layout;
   HtShape shape;
   uint64_t timeout_ns;
-  int32_t num_ranks;      // ranks served by this launch, gridDim.x / num_ranks blocks each
+  int32_t num_ranks;  // ranks served by this launch, gridDim.x / num_ranks blocks each
 };
 
 // The received rows' areas of `rows` rows, in one allocation (the host sizes it, the kernels
@@ -84,8 +84,8 @@ struct HtDispatchRank {
   const float* x_scales;
   const void* topk_ids;
   const float* topk_weights;
-  uint8_t* rows;              // the received rows' allocation (transfer only)
-  int32_t area_rows;          // its rows
+  uint8_t* rows;      // the received rows' allocation (transfer only)
+  int32_t area_rows;  // its rows
 };
 
 struct HtDispatchParams {
