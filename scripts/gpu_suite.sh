@@ -364,10 +364,10 @@ if want deepep; then
         "${EPX_DEEPEP_DIR:?EPX_DEEPEP_DIR: a DeepEP checkout}" -- --num-processes $n $DS --num-experts $e
   done
   # Shrink mode (the test's --shrink-test: 8 processes, ranks 1, 3 and 5 stop calling): every
-  # survivor's object waits EPX_TIMEOUT_MS (20 s in the runner) once per stopped rank it meets,
-  # about a dozen times, on a time-sliced GPU: more than 240 s (measured on an H200).
+  # survivor's object waits EPX_TIMEOUT_MS (10 s in the runner) once per stopped rank it meets,
+  # about a dozen times, on a time-sliced GPU: 168 s measured on an H200.
   if [ "${EPX_DEEPEP_SHRINK:-1}" = 1 ]; then
-    EPX_RUN_TIMEOUT_S=${EPX_DEEPEP_SHRINK_TIMEOUT_S:-560} run deepep_shrink_n8 env PYTHONPATH="$py" \
+    EPX_RUN_TIMEOUT_S=${EPX_DEEPEP_SHRINK_TIMEOUT_S:-400} run deepep_shrink_n8 env PYTHONPATH="$py" \
       python3 tests/compat/run_deepep_low_latency.py "$EPX_DEEPEP_DIR" --shrink
   fi
 fi
