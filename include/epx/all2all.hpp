@@ -26,6 +26,16 @@
 // tokens are sent nowhere) still completes on every rank and nobody waits in vain. After a
 // timeout the kernels of this rank return at once, so graph replays cannot hang either.
 //
+// NaN and infinity are data, never errors: nothing scans for them and every backend treats them
+// alike (the reference, src/reference, does the same bit for bit).
+//   * bf16 and fp8 rows, their scales, the top-k weights and the partials travel as bytes.
+//   * bf16 quantised to fp8 in dispatch, per 1x128 block: a NaN never becomes the block's amax
+//     (the scale comes from the other values) and is sent as the e4m3 NaN 0x7F; a block holding
+//     +-Inf gets the scale +Inf, its Inf values are sent as 0x7F and its finite values as +-0, so
+//     the whole block dequantises to NaN (0 * Inf), as a saturating cast would lose it anyway.
+//   * combine sums in f32 with IEEE rules (NaN + x = NaN, Inf + -Inf = NaN) and rounds once: a
+//     non-finite partial makes that element of y NaN or +-Inf (bf16 NaN is 0x7FFF).
+//
 // Backend high_throughput (prefill-sized calls; between processes rows and partials flow through
 // rings of fixed size, so its memory does not grow with max_tokens_per_rank; in an in-process
 // group they go straight between the ranks' receive areas at the offsets of the count exchange,

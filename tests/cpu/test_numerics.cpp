@@ -14,8 +14,12 @@
 namespace epx::ref {
 namespace {
 
-float bits_to_float(uint32_t u) { return std::bit_cast<float>(u); }
-float pow2(int e) { return std::ldexp(1.0f, e); }
+float bits_to_float(uint32_t u) {
+  return std::bit_cast<float>(u);
+}
+float pow2(int e) {
+  return std::ldexp(1.0f, e);
+}
 
 // ---- bf16 -----------------------------------------------------------------------------------
 
@@ -304,6 +308,41 @@ TEST(Quantize, DequantizeIsCodeTimesScale) {
   EXPECT_EQ(out[2], 112.0f);
   EXPECT_EQ(out[3], pow2(-11));
   EXPECT_EQ(out[4], 0.0f);
+}
+
+// NaN and infinity in bf16 quantised to fp8 (the contract in epx/all2all.hpp): a NaN never
+// becomes the amax and is sent as 0x7F; a block with +-Inf gets the scale +Inf, its Inf values
+// 0x7F and its finite values +-0, so the whole block dequantises to NaN.
+TEST(Quantize, NonFiniteValuesFollowTheContract) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<uint16_t> x(384, bf16_from_float(0.5f));
+  x[3] = bf16_from_float(std::numeric_limits<float>::quiet_NaN());
+  x[7] = bf16_from_float(-2.0f);  // block 0's amax, NaN aside
+  x[127] = x[3];                  // last in its block: a comparison that let NaN win would keep it
+  x[130] = bf16_from_float(inf);  // block 1
+  x[131] = bf16_from_float(-1.0f);
+  x[300] = bf16_from_float(-inf);  // block 2
+  x[301] = bf16_from_float(-0.5f);
+  std::vector<uint8_t> q(384);
+  std::vector<float> s(3);
+  quantize_fp8(x.data(), 1, 384, q.data(), s.data());
+  EXPECT_EQ(s[0], 2.0f / 448.0f);
+  EXPECT_EQ(q[3], 0x7F);
+  EXPECT_EQ(q[127], 0x7F);
+  EXPECT_EQ(q[7], 0xFE);  // -448
+  EXPECT_EQ(q[0], fp8_from_float(112.0f));
+  for (int b = 1; b < 3; ++b) {
+    EXPECT_EQ(s[b], inf) << b;
+    for (int i = 128 * b; i < 128 * (b + 1); ++i) {
+      const bool negative = i == 131 || i == 301;
+      EXPECT_EQ(q[i], (i == 130 || i == 300) ? 0x7F : negative ? 0x80 : 0x00) << i;
+    }
+  }
+  std::vector<float> out(384);
+  dequantize_fp8(q.data(), s.data(), 1, 384, out.data());
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_EQ(out[7], -2.0f);
+  for (int i = 128; i < 384; ++i) EXPECT_TRUE(std::isnan(out[i])) << i;
 }
 
 }  // namespace

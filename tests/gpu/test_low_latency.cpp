@@ -7,15 +7,17 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 
-#include "gpu_group.hpp"
-#include "testing/harness.hpp"
-#include "epx/cuda_check.hpp"
 #include "epx/all2all.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
+#include "gpu_group.hpp"
+#include "reference/reference.hpp"
+#include "testing/harness.hpp"
 
 namespace epx {
 namespace {
@@ -44,31 +46,110 @@ const Case kCases[] = {
     {"w2_h7168_e256_k8_q", 2, 7168, 256, 8, {0, 128}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
     {"w2_h2048_e8_k8_bf16_expert", 2, 2048, 8, 8, {1, 7}, D::kBF16, L::kExpertMajor, R::kUniform},
     {"w3_h2048_e24_k4_fp8", 3, 2048, 24, 4, {7, 0, 128}, D::kFP8, L::kTokenMajor, R::kSkewed},
-    {"w3_h4096_e48_k8_q_expert_col", 3, 4096, 48, 8, {128, 1, 7}, D::kBF16ToFP8, L::kExpertMajor,
-     R::kMasked, ScaleLayout::kColumnMajor},
+    {"w3_h4096_e48_k8_q_expert_col",
+     3,
+     4096,
+     48,
+     8,
+     {128, 1, 7},
+     D::kBF16ToFP8,
+     L::kExpertMajor,
+     R::kMasked,
+     ScaleLayout::kColumnMajor},
     // world 4
-    {"w4_h4096_e32_k4_bf16_masked", 4, 4096, 32, 4, {0, 1, 7, 128}, D::kBF16, L::kTokenMajor,
+    {"w4_h4096_e32_k4_bf16_masked",
+     4,
+     4096,
+     32,
+     4,
+     {0, 1, 7, 128},
+     D::kBF16,
+     L::kTokenMajor,
      R::kMasked},
-    {"w4_h7168_e64_k8_q_oneexpert", 4, 7168, 64, 8, {128, 128, 0, 7}, D::kBF16ToFP8, L::kTokenMajor,
+    {"w4_h7168_e64_k8_q_oneexpert",
+     4,
+     7168,
+     64,
+     8,
+     {128, 128, 0, 7},
+     D::kBF16ToFP8,
+     L::kTokenMajor,
      R::kOneExpert},
-    {"w4_h7168_e64_k8_q_oneexpert_expert", 4, 7168, 64, 8, {128, 7, 0, 128}, D::kBF16ToFP8,
-     L::kExpertMajor, R::kOneExpert},
-    {"w4_h2048_e16_k1_fp8_col_ids64", 4, 2048, 16, 1, {1024, 0, 7, 1}, D::kFP8, L::kTokenMajor,
-     R::kUniform, ScaleLayout::kColumnMajor, true},
+    {"w4_h7168_e64_k8_q_oneexpert_expert",
+     4,
+     7168,
+     64,
+     8,
+     {128, 7, 0, 128},
+     D::kBF16ToFP8,
+     L::kExpertMajor,
+     R::kOneExpert},
+    {"w4_h2048_e16_k1_fp8_col_ids64",
+     4,
+     2048,
+     16,
+     1,
+     {1024, 0, 7, 1},
+     D::kFP8,
+     L::kTokenMajor,
+     R::kUniform,
+     ScaleLayout::kColumnMajor,
+     true},
     // world 8: the DeepSeek-R1 shape and friends
     {"w8_r1_128_q", 8, 7168, 256, 8, {128}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform},
     {"w8_r1_128_bf16", 8, 7168, 256, 8, {128}, D::kBF16, L::kTokenMajor, R::kUniform},
     {"w8_r1_128_fp8_expert", 8, 7168, 256, 8, {128}, D::kFP8, L::kExpertMajor, R::kUniform},
-    {"w8_r1_mixed_tokens_q", 8, 7168, 256, 8, {0, 1, 7, 128, 1024, 0, 128, 7}, D::kBF16ToFP8,
-     L::kTokenMajor, R::kSkewed},
-    {"w8_r1_1024_q", 8, 7168, 256, 8, {1024}, D::kBF16ToFP8, L::kTokenMajor, R::kUniform,
-     ScaleLayout::kRowMajor, false, 1},
-    {"w8_r1_1024_bf16_expert", 8, 7168, 256, 8, {1024}, D::kBF16, L::kExpertMajor, R::kUniform,
-     ScaleLayout::kRowMajor, false, 1},
-    {"w8_h4096_e8_k1_fp8_masked", 8, 4096, 8, 1, {128, 0, 1, 7, 128, 1, 0, 7}, D::kFP8,
-     L::kTokenMajor, R::kMasked},
-    {"w8_h2048_e128_k4_q_oneexpert_expert", 8, 2048, 128, 4, {7, 128, 1, 0, 128, 7, 1, 128},
-     D::kBF16ToFP8, L::kExpertMajor, R::kOneExpert},
+    {"w8_r1_mixed_tokens_q",
+     8,
+     7168,
+     256,
+     8,
+     {0, 1, 7, 128, 1024, 0, 128, 7},
+     D::kBF16ToFP8,
+     L::kTokenMajor,
+     R::kSkewed},
+    {"w8_r1_1024_q",
+     8,
+     7168,
+     256,
+     8,
+     {1024},
+     D::kBF16ToFP8,
+     L::kTokenMajor,
+     R::kUniform,
+     ScaleLayout::kRowMajor,
+     false,
+     1},
+    {"w8_r1_1024_bf16_expert",
+     8,
+     7168,
+     256,
+     8,
+     {1024},
+     D::kBF16,
+     L::kExpertMajor,
+     R::kUniform,
+     ScaleLayout::kRowMajor,
+     false,
+     1},
+    {"w8_h4096_e8_k1_fp8_masked",
+     8,
+     4096,
+     8,
+     1,
+     {128, 0, 1, 7, 128, 1, 0, 7},
+     D::kFP8,
+     L::kTokenMajor,
+     R::kMasked},
+    {"w8_h2048_e128_k4_q_oneexpert_expert",
+     8,
+     2048,
+     128,
+     4,
+     {7, 128, 1, 0, 128, 7, 1, 128},
+     D::kBF16ToFP8,
+     L::kExpertMajor,
+     R::kOneExpert},
 };
 
 class CheckCase : public ::testing::TestWithParam<Case> {};
@@ -107,7 +188,9 @@ TEST_P(CheckCase, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, ::testing::ValuesIn(kCases),
-                         [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return std::string(i.param.name);
+                         });
 
 // The baselines on every token-major case: same contract (every token delivered), same bits.
 class BaselineCase : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
@@ -122,13 +205,14 @@ TEST_P(BaselineCase, MatchesReference) {
   EXPECT_EQ(rep.calls, kCases[index].iters);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Baselines, BaselineCase,
-    ::testing::Combine(::testing::Values(Backend::kNaive, Backend::kAllgatherReduceScatter),
-                     ::testing::Values(0, 2, 4, 6, 7, 9, 10, 11, 13, 16)),
-    [](const ::testing::TestParamInfo<std::tuple<Backend, int>>& i) {
-      return std::string(to_string(std::get<0>(i.param))) + "_" + kCases[std::get<1>(i.param)].name;
-    });
+INSTANTIATE_TEST_SUITE_P(Baselines, BaselineCase,
+                         ::testing::Combine(::testing::Values(Backend::kNaive,
+                                                              Backend::kAllgatherReduceScatter),
+                                            ::testing::Values(0, 2, 4, 6, 7, 9, 10, 11, 13, 16)),
+                         [](const ::testing::TestParamInfo<std::tuple<Backend, int>>& i) {
+                           return std::string(to_string(std::get<0>(i.param))) + "_" +
+                                  kCases[std::get<1>(i.param)].name;
+                         });
 
 TEST(Baselines, GraphReplaysAndMixed) {
   REQUIRE_GPU();
@@ -279,8 +363,123 @@ TEST_P(InvalidIds, AreReportedAndTheTokenIsNotSent) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, InvalidIds,
                          ::testing::Values(Backend::kLowLatency, Backend::kNaive,
-                                         Backend::kAllgatherReduceScatter),
-                         [](const ::testing::TestParamInfo<Backend>& i) { return std::string(to_string(i.param)); });
+                                           Backend::kAllgatherReduceScatter),
+                         [](const ::testing::TestParamInfo<Backend>& i) {
+                           return std::string(to_string(i.param));
+                         });
+
+// NaN and infinity are data (epx/all2all.hpp): every backend sends them as the reference does,
+// bf16 as bytes and bf16 quantised to fp8 by the reference's block rule (a NaN is not the amax; a
+// block with +-Inf gets the scale +Inf), and combine sums them with IEEE rules.
+class NonFinite : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(NonFinite, TravelAsTheContractSays) {
+  REQUIRE_GPU();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const DispatchDtype dtype : {DispatchDtype::kBF16, DispatchDtype::kBF16ToFP8}) {
+    SCOPED_TRACE(to_string(dtype));
+    EpConfig cfg = small_config();
+    cfg.dtype = dtype;
+    cfg.timeout_ms = 10000;
+    // high_throughput sized per call would wait on the host for the other rank's counts.
+    cfg.worst_case_output = GetParam() == Backend::kHighThroughput;
+    Group g(cfg, 2, GetParam());
+    const int N = 2, K = 4, H = cfg.hidden, groups = H / kFp8BlockSize;
+    // Row 0: a NaN in block 0 (whose amax is 2), +Inf in block 1, -Inf in block 2; row 1 finite.
+    std::vector<uint16_t> x(size_t(N) * H, ref::bf16_from_float(0.5f));
+    x[3] = ref::bf16_from_float(std::numeric_limits<float>::quiet_NaN());
+    x[7] = ref::bf16_from_float(-2.0f);
+    x[127] = x[3];  // last in its block
+    x[130] = ref::bf16_from_float(inf);
+    x[300] = ref::bf16_from_float(-inf);
+    for (int h = 0; h < H; ++h) x[size_t(H) + h] = ref::bf16_from_float(1.0f + float(h % 7));
+    std::vector<uint8_t> q(x.size());
+    std::vector<float> qs(size_t(N) * groups);
+    ref::quantize_fp8(x.data(), N, H, q.data(), qs.data());
+    ASSERT_EQ(qs[1], inf);  // the rule under test, as the reference has it
+    ASSERT_EQ(q[3], 0x7F);
+    // Every token to experts 0 (rank 0) and 8 (rank 1): every backend delivers 4 rows per rank.
+    const std::vector<int32_t> ids = {0, 8, -1, -1, 0, 8, -1, -1};
+    const std::vector<float> w(size_t(N) * K, 0.5f);
+    std::vector<DispatchResult> res(2);
+    for (int r = 0; r < 2; ++r) {
+      DispatchInput in;
+      in.num_tokens = N;
+      in.x = g.upload(x);
+      in.topk_ids = g.upload(ids);
+      in.topk_weights = g.upload(w);
+      res[r] = g.a2a[r]->dispatch(in, g.streams[r]);
+    }
+    for (int r = 0; r < 2; ++r) g.a2a[r]->synchronize(g.streams[r]);
+    const bool fp8 = dtype == DispatchDtype::kBF16ToFP8;
+    const size_t row_bytes = size_t(H) * (fp8 ? 1 : 2);
+    std::vector<std::vector<uint16_t>> partials(2);
+    for (int r = 0; r < 2; ++r) {
+      int32_t m = 0;
+      EPX_CUDA_CHECK(cudaMemcpy(&m, res[r].recv_count, 4, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(m, 4) << "rank " << r;
+      std::vector<uint8_t> rx(size_t(m) * row_bytes);
+      std::vector<float> rs(size_t(m) * groups);
+      std::vector<int32_t> src_idx(m);
+      EPX_CUDA_CHECK(cudaMemcpy(rx.data(), res[r].recv_x, rx.size(), cudaMemcpyDeviceToHost));
+      EPX_CUDA_CHECK(
+          cudaMemcpy(src_idx.data(), res[r].recv_src_idx, 4 * size_t(m), cudaMemcpyDeviceToHost));
+      if (fp8) {
+        EPX_CUDA_CHECK(
+            cudaMemcpy(rs.data(), res[r].recv_scales, rs.size() * 4, cudaMemcpyDeviceToHost));
+      }
+      for (int j = 0; j < m; ++j) {
+        const int n = src_idx[size_t(j)];
+        ASSERT_TRUE(n == 0 || n == 1) << n;
+        const uint8_t* want = fp8 ? q.data() + size_t(n) * H
+                                  : reinterpret_cast<const uint8_t*>(x.data() + size_t(n) * H);
+        EXPECT_EQ(std::memcmp(rx.data() + size_t(j) * row_bytes, want, row_bytes), 0)
+            << "rank " << r << " row " << j << " (token " << n << ")";
+        if (fp8) {
+          EXPECT_EQ(std::memcmp(rs.data() + size_t(j) * groups, qs.data() + size_t(n) * groups,
+                                size_t(groups) * 4),
+                    0)
+              << "rank " << r << " scales of row " << j;
+        }
+      }
+      // Each received row's partial is its token's x: y = 2x, NaN and Inf included.
+      partials[size_t(r)].resize(size_t(m) * H);
+      for (int j = 0; j < m; ++j)
+        std::copy_n(x.begin() + ptrdiff_t(src_idx[size_t(j)]) * H, H,
+                    partials[size_t(r)].begin() + ptrdiff_t(j) * H);
+      EPX_CUDA_CHECK(cudaMemcpy(res[r].combine_buffer, partials[size_t(r)].data(),
+                                partials[size_t(r)].size() * 2, cudaMemcpyHostToDevice));
+    }
+    std::vector<uint16_t*> ys;
+    for (int r = 0; r < 2; ++r) {
+      ys.push_back(g.upload(std::vector<uint16_t>(size_t(N) * H, 0x1234)));
+      g.a2a[r]->combine(res[r].combine_buffer, ys.back(), g.streams[r]);
+    }
+    for (int r = 0; r < 2; ++r) {
+      g.a2a[r]->synchronize(g.streams[r]);
+      std::vector<uint16_t> y(size_t(N) * H);
+      EPX_CUDA_CHECK(cudaMemcpy(y.data(), ys[size_t(r)], y.size() * 2, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < y.size(); ++i) {
+        const uint16_t want = ref::bf16_from_float(2.0f * ref::bf16_to_float(x[i]));
+        if (y[i] != want) {
+          ADD_FAILURE() << "rank " << r << " y[" << i / H << "][" << i % H << "] = 0x" << std::hex
+                        << y[i] << ", expected 0x" << want;
+          break;
+        }
+      }
+      EXPECT_EQ(y[127], 0x7FFF);  // NaN
+      EXPECT_EQ(y[130], 0x7F80);  // +Inf
+      EXPECT_EQ(y[300], 0xFF80);  // -Inf
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, NonFinite,
+                         ::testing::Values(Backend::kLowLatency, Backend::kHighThroughput,
+                                           Backend::kNaive, Backend::kAllgatherReduceScatter),
+                         [](const ::testing::TestParamInfo<Backend>& i) {
+                           return std::string(to_string(i.param));
+                         });
 
 TEST(LowLatency, RepeatedExpertInTokenIsReported) {
   REQUIRE_GPU();
@@ -389,7 +588,8 @@ TEST(LowLatency, HostSideInputErrors) {
     g.a2a[0]->dispatch(in, g.streams[0]);
     FAIL();
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("expected device memory on GPU"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("expected device memory on GPU"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -547,15 +747,16 @@ TEST(RoundsInFlight, DispatchAfterDispatchAbandonsTheOldestRound) {
   const int K = 4, H = 2048;
   // Runs `dispatches` rounds, then one combine per entry of `served` (the dispatch it must serve).
   auto run = [&](int rounds, int dispatches, const std::vector<int>& served) {
-    SCOPED_TRACE(::testing::Message() << "rounds_in_flight " << rounds << ", " << dispatches
-                                      << " dispatches");
+    SCOPED_TRACE(::testing::Message()
+                 << "rounds_in_flight " << rounds << ", " << dispatches << " dispatches");
     EpConfig cfg = gpu_test::small_config();
     cfg.rounds_in_flight = rounds;
     Group g(cfg, 2);
     const std::vector<int32_t> ids = {0, 1, 8, 9};  // experts of both ranks (8 per rank)
     const std::vector<float> w(K, 0.25f);
     const uint16_t kBf16[] = {0x3f80, 0x4000, 0x4040};  // 1, 2, 3
-    std::vector<std::vector<DispatchResult>> res(size_t(dispatches), std::vector<DispatchResult>(2));
+    std::vector<std::vector<DispatchResult>> res(size_t(dispatches),
+                                                 std::vector<DispatchResult>(2));
     for (int d = 0; d < dispatches; ++d) {
       const DispatchInput in{.num_tokens = 1,
                              .x = g.upload(std::vector<uint16_t>(H, kBf16[d])),
@@ -567,10 +768,11 @@ TEST(RoundsInFlight, DispatchAfterDispatchAbandonsTheOldestRound) {
       std::vector<uint16_t*> ys;
       for (int r = 0; r < 2; ++r) {
         All2All& a = *g.a2a[r];
-        EXPECT_EQ(a.combine_buffer(), res[d][r].combine_buffer) << "rank " << r << ", dispatch " << d;
+        EXPECT_EQ(a.combine_buffer(), res[d][r].combine_buffer)
+            << "rank " << r << ", dispatch " << d;
         EPX_CUDA_CHECK(cudaMemcpyAsync(res[d][r].combine_buffer, res[d][r].recv_x,
-                                       size_t(res[d][r].capacity) * H * 2,
-                                       cudaMemcpyDeviceToDevice, g.streams[r]));
+                                       size_t(res[d][r].capacity) * H * 2, cudaMemcpyDeviceToDevice,
+                                       g.streams[r]));
         ys.push_back(g.upload(std::vector<uint16_t>(H, 0xffff)));
         a.combine(res[d][r].combine_buffer, ys.back(), g.streams[r]);
       }
