@@ -11,6 +11,7 @@ import traceback
 
 import epx
 import ref
+from spawned import run_ranks
 
 WORLD = 2
 H, E, K, T = 1024, 8, 4, 32
@@ -312,19 +313,4 @@ def _rank_main(rank, init_file, results):
 
 
 def test_deep_ep_buffer_two_processes_one_gpu(gpu, tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = tmp_path / "init"
-    procs = [ctx.Process(target=_rank_main, args=(r, str(init), results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    outcome = dict(results.get(timeout=5) for _ in range(WORLD))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for r in range(WORLD):
-        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+    run_ranks(_rank_main, WORLD, str(tmp_path / "init"), timeout_s=600)

@@ -7,6 +7,7 @@ import traceback
 
 import epx
 import ref
+from spawned import run_ranks
 
 WORLD = 2
 
@@ -95,23 +96,7 @@ def _rank_main(rank, init_file, mismatch, results):
 
 
 def _run(tmp_path, mismatch):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = tmp_path / "init"
-    procs = [ctx.Process(target=_rank_main, args=(r, str(init), mismatch, results))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    outcome = dict(results.get(timeout=5) for _ in range(WORLD))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for r in range(WORLD):
-        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+    run_ranks(_rank_main, WORLD, str(tmp_path / "init"), mismatch, timeout_s=300)
 
 
 def test_two_processes_one_gpu_torch_distributed(gpu, tmp_path):
