@@ -11,7 +11,8 @@
 //               its own tokens' rows.
 // A is the send half, B the receive half (Half): launched apart, compute may run between them.
 // Combine serves the round whose rows its buffer slot holds (RoundState, written by that round's
-// dispatch): its flags carry that round, so a combine needs no state of its own. Every wait is bounded (WaitContext).
+// dispatch): its flags carry that round, so a combine needs no state of its own. Every wait is
+// bounded (WaitContext).
 
 #include <cuda_bf16.h>
 
@@ -19,8 +20,8 @@
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/peer_device.cuh"
-#include "epx/cuda_check.hpp"
 #include "core/sync_device.cuh"
+#include "epx/cuda_check.hpp"
 
 namespace epx::peer {
 namespace {
@@ -34,14 +35,16 @@ struct CombineCall {
   const CombineParams& p;
   const CombineRank& me;
   uint8_t* const* peers;  // every rank's buffer (block-shared)
-  uint32_t round;  // the dispatch this combine serves (1 = the first)
-  int b, nb;       // this block among the rank's nb blocks
-  int M;           // rows the last dispatch received: the partials' rows
-  int N;           // tokens of the last dispatch: y's rows
+  uint32_t round;         // the dispatch this combine serves (1 = the first)
+  int b, nb;              // this block among the rank's nb blocks
+  int M;                  // rows the last dispatch received: the partials' rows
+  int N;                  // tokens of the last dispatch: y's rows
 
   __device__ __forceinline__ int rank() const { return me.rank; }
   __device__ __forceinline__ uint8_t* local() const { return me.local; }  // this rank's buffer
-  __device__ __forceinline__ State* state() const { return at<State>(me.local, p.common.layout.state); }
+  __device__ __forceinline__ State* state() const {
+    return at<State>(me.local, p.common.layout.state);
+  }
   __device__ __forceinline__ dev::WaitContext wait() const {
     dev::WaitContext w = make_wait(me.local, me.host_status, me.rank, p.common);
     w.call = round;
@@ -188,7 +191,8 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
               const int4* src = reinterpret_cast<const int4*>(at<PartialT>(c.peers[r], L.partials) +
                                                               size_t(slot) * H + v * 8);
 #pragma unroll
-              for (int t = 0; t < kVecInts; ++t) raw[i][t] = src[t];
+              for (int t = 0; t < kVecInts; ++t)
+                raw[i][t] = __ldcg(src + t);  // read once: not in L1
             }
             got = i + 1;
           }
