@@ -1,13 +1,17 @@
 // The high_throughput dispatch: two kernels.
 //
-// count (one block per channel and rank): each block reads its channel's top-k ids once,
-//   checks them (a bad or repeated id is recorded and its token sent nowhere), keeps each
-//   token's destination ranks (token_mask), adds the round's (token, expert) pairs at each
-//   expert's rank, and posts to every rank how many rows the channel sends it. Block 0 then waits
-//   for every (source, channel) count of the round and lays out the receive area: segment (q, c)
-//   starts at the sum of the segments before it in (source, channel) order, so rows are ordered
-//   by (source rank, source index). The round's M and N, the per-expert counts and the epoch go
-//   to HtState. (With exact output sizes the host reads M here and sizes the receive area.)
+// count (one block per channel and rank): each warp walks its own contiguous chunk of the
+//   channel's tokens in order, several tokens per step (a group of >= K lanes per token), and
+//   reads their top-k ids once: it checks them (a bad or repeated id is recorded and its token
+//   sent nowhere), keeps each token's destination ranks (token_mask), adds the round's (token,
+//   expert) pairs at each expert's rank and counts, per destination, the rows of its chunk (no
+//   block barrier inside the walk). One scan over the warps then gives each chunk's first row
+//   per destination and the channel's rows per destination, which the block posts to every
+//   rank. Block 0 then waits for every (source, channel) count of the round and lays out the
+//   receive area: segment (q, c) starts at the sum of the segments before it in (source, channel)
+//   order, so rows are ordered by (source rank, source index). The round's M and N, the
+//   per-expert counts and the epoch go to HtState. (With exact output sizes the host reads M
+//   here and sizes the receive area.)
 // transfer (two blocks per channel and rank): the sending block walks its channel's tokens in
 //   batches of one token per warp; it waits until each destination's ring has room for the
 //   batch, writes each token's row (quantised on the fly for bf16-to-fp8), scales, ids, weights
@@ -17,10 +21,12 @@
 //   far it has read. Every wait is bounded (no progress within the timeout records which peer).
 // direct mode (an in-process group: every rank addresses every rank's memory): the count kernel
 //   also places each token in its (source, channel) segment at each destination (row_pos, in
-//   token order); the transfer kernel's blocks (all 2C sending, half a channel each) wait until
-//   each destination has published its receive area of the round, write each token's row and
-//   metadata straight into it, and the rank's last block tells every destination (arrived); block
-//   0 returns once every rank's rows are here. No rings.
+//   token order: its place within its warp's chunk, to which the chunk's first row is added
+//   after the scan); the transfer kernel's blocks (all 2C sending, half a channel each) wait
+//   until each destination has published its receive area of the round, write each token's row
+//   and metadata straight into it (each destination's row is learnt once per token), and the
+//   rank's last block tells every destination (arrived); block 0 returns once every rank's rows
+//   are here. No rings.
 
 #include <cuda_bf16.h>
 
@@ -40,7 +46,8 @@ __device__ __forceinline__ int64_t load_id(const HtShape& S, const void* ids, in
 
 __global__ void __launch_bounds__(kMaxThreads)
     ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
-  __shared__ int32_t count[kMaxRanks];  // rows this channel sends to rank r
+  __shared__ int32_t count[kMaxRanks];                         // rows this channel sends to rank r
+  __shared__ int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // rows of warps < w for rank r
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
@@ -61,75 +68,77 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  for (int r = threadIdx.x; r < W; r += blockDim.x) count[r] = 0;
   if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
   uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   int32_t* row_pos = at<int32_t>(me.local, L.row_pos);  // direct mode only
-  __shared__ uint64_t mask_of[kWarpSize];               // direct: the batch's tokens' destinations
-  __shared__ uint32_t bal[kMaxRanks];  // direct: bit i = token t + i goes to rank r
+  // Each warp walks its chunk [w0, w1) of the channel's tokens in order. Lanes in groups of
+  // G >= K: group `sub` reads token first + sub, lane k of the group its k-th id, so a token's ids
+  // are checked with warp intrinsics and several tokens are read per step.
+  const int per_warp = max(1, (t1 - t0 + num_warps - 1) / num_warps);
+  const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
+  int G = 1;
+  while (G < K) G <<= 1;
+  const int per_step = kWarpSize / G, sub = lane / G, k = lane % G;
   const uint32_t lt = dev::lanemask_lt();
-  // One token per warp and pass (the loop is the same for every warp: the direct mode's
-  // positions need the whole batch).
-  for (int t = t0; t < t1; t += num_warps) {
-    const int n = t + warp;
-    const bool valid = n < t1;
-    const bool has = valid && lane < K;
-    const int64_t id = has ? load_id(S, me.topk_ids, n, lane) : -1;
-    bool bad = false;
+  int cnt_lo = 0, cnt_hi = 0;  // lane l: the warp's rows so far for ranks l and l + 32
+  for (int first = w0; first < w1; first += per_step) {
+    const int n = first + sub;
+    const bool has = n < w1 && k < K;
+    const int64_t id = has ? load_id(S, me.topk_ids, n, k) : -1;
+    int bad = 0;
     if (has && (id < -1 || id >= E)) {
-      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, E, id, n, lane);
-      bad = true;
+      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, E, id, n, k);
+      bad = 1;
     }
     const bool expert = has && id >= 0 && !bad;
-    const unsigned long long key =
-        expert ? uint64_t(id) : (uint64_t(1) << 40) | uint32_t(lane);  // distinct unless repeated
+    // Distinct unless a lower lane of the same group holds the same expert.
+    const unsigned long long key = expert ? (uint64_t(uint32_t(sub)) << 32) | uint32_t(id)
+                                          : (uint64_t(1) << 40) | uint32_t(lane);
     const uint32_t same = __match_any_sync(kFullWarp, key);
     if (expert && (same & lt) != 0) {
       // expected = the earlier slot holding the same expert
-      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, __ffs(same) - 1, id, n,
-                        lane);
-      bad = true;
+      dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1,
+                        (__ffs(same) - 1) - sub * G, id, n, k);
+      bad = 1;
     }
-    const bool token_bad = __any_sync(kFullWarp, bad);
-    const bool send = expert && !token_bad;
-    uint64_t bits = send ? uint64_t(1) << (id / num_local) : 0;
-#pragma unroll
-    for (int off = kWarpSize / 2; off >= 1; off >>= 1)
+    const int dst = expert ? int(id) / num_local : 0;  // the expert's rank (0 <= id < E)
+    uint64_t bits = expert && !bad ? uint64_t(1) << dst : 0;
+    for (int off = G / 2; off >= 1; off >>= 1) {
       bits |= __shfl_xor_sync(kFullWarp, bits, off);
-    if (send) {
-      const int r = int(id / num_local);
+      bad |= __shfl_xor_sync(kFullWarp, bad, off);
+    }
+    if (bad) bits = 0;  // a token with a bad id goes nowhere
+    if (expert && !bad) {
       dev::red_add_relaxed_sys(
-          at<int32_t>(cm.peers[r], L.expert_rows) + par * num_local + (id - int64_t(r) * num_local),
+          at<int32_t>(cm.peers[dst], L.expert_rows) + par * num_local + (int(id) - dst * num_local),
           1);
     }
-    if (valid && lane == 0) token_mask[n] = bits;
-    if (!L.direct) {
-      if (lane < W && ((bits >> lane) & 1)) atomicAdd(&count[lane], 1);
-      if (lane + 32 < W && ((bits >> (lane + 32)) & 1)) atomicAdd(&count[lane + 32], 1);
-      continue;
-    }
-    // Direct mode: token n's row within segment (this rank, c) at each destination, in token
-    // order (the senders write there without rings).
-    if (lane == 0) mask_of[warp] = bits;
-    __syncthreads();
-    if (warp == 0) {
-      const uint64_t m = lane < num_warps ? mask_of[lane] : 0;
-      for (int r = 0; r < W; ++r) {
-        const uint32_t b = __ballot_sync(kFullWarp, (m >> r) & 1);
-        if (lane == 0) bal[r] = b;
+    if (n < w1 && k == 0) token_mask[n] = bits;
+    // The step's tokens in order: each one's place among the warp's rows for each destination.
+    const int steps = min(per_step, w1 - first);
+    for (int j = 0; j < steps; ++j) {
+      const uint64_t m = __shfl_sync(kFullWarp, bits, j * G);
+      const bool to_lo = (m >> lane) & 1, to_hi = (m >> (lane + 32)) & 1;
+      if (L.direct) {
+        int32_t* pos = row_pos + size_t(first + j) * W;
+        if (lane < W) pos[lane] = to_lo ? cnt_lo : -1;
+        if (lane + 32 < W) pos[lane + 32] = to_hi ? cnt_hi : -1;
       }
+      cnt_lo += to_lo;
+      cnt_hi += to_hi;
     }
-    __syncthreads();
-    if (valid) {
-      for (int r = lane; r < W; r += kWarpSize) {
-        row_pos[size_t(n) * W + r] =
-            (bits >> r) & 1 ? count[r] + __popc(bal[r] & ((1u << warp) - 1)) : -1;
-      }
+  }
+  if (lane < W) warp_base[warp][lane] = cnt_lo;
+  if (lane + 32 < W) warp_base[warp][lane + 32] = cnt_hi;
+  __syncthreads();
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    int32_t run = 0;
+    for (int v = 0; v < num_warps; ++v) {
+      const int32_t rows = warp_base[v][r];
+      warp_base[v][r] = run;
+      run += rows;
     }
-    __syncthreads();
-    for (int r = threadIdx.x; r < W; r += blockDim.x) count[r] += __popc(bal[r]);
-    __syncthreads();
+    count[r] = run;
   }
   __syncthreads();
   // The expert pairs above are ordered before each count by the fence and the release.
@@ -137,6 +146,19 @@ __global__ void __launch_bounds__(kMaxThreads)
     dev::fence_acq_rel_sys();
     dev::st_release_sys(at<uint64_t>(cm.peers[r], L.counts) + (size_t(par) * W + me.rank) * C + c,
                         (uint64_t(epoch) << 32) | uint32_t(count[r]));
+  }
+  // Direct mode: the places within the warps' chunks become places within the segment (the
+  // rows of the earlier warps' chunks come first). Warp 0's chunk starts the segment.
+  if (L.direct && warp > 0) {
+    const int32_t* base = warp_base[warp];
+    const int step = kWarpSize % W;
+    int r = lane % W;
+    for (size_t i = size_t(w0) * W + lane; i < size_t(w1) * W; i += kWarpSize) {
+      const int32_t pos = row_pos[i];
+      if (pos >= 0) row_pos[i] = pos + base[r];
+      r += step;
+      if (r >= W) r -= W;
+    }
   }
   if (c != 0) return;
 
@@ -179,6 +201,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// The wait context of rank `me` in call `epoch`, built where a wait needs it.
+__device__ __forceinline__ dev::WaitContext wait_ctx(const HtDispatchRank& me, const HtCommon& cm,
+                                                     uint32_t epoch) {
+  dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, cm);
+  w.call = epoch;
+  return w;
+}
+
 // ---- transfer: send --------------------------------------------------------------------------
 
 // Row vectors a lane loads before it stores them (all in flight).
@@ -188,7 +218,7 @@ template <DispatchDtype kDtype>
 inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
 
 // Token n's payload, scales and metadata to every rank r in `m` (the token's destinations,
-// warp-uniform), at the places `sink` names: a ring row, or (direct mode) the row of the
+// warp-uniform), at the places `sink.dest(r)` names: a ring row, or (direct mode) the row of the
 // receiver's area. Called by one whole warp.
 template <DispatchDtype kDtype, typename Sink>
 __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtDispatchRank& me,
@@ -208,7 +238,7 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
     }
     if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
       for (uint64_t mm = m; mm; mm &= mm - 1) {
-        int4* out = reinterpret_cast<int4*>(sink.payload(lowest_rank(mm)));
+        int4* out = reinterpret_cast<int4*>(sink.dest(lowest_rank(mm)).payload());
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
@@ -228,14 +258,14 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
         q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);
       }
       for (uint64_t mm = m; mm; mm &= mm - 1) {
-        const int r = lowest_rank(mm);
-        uint8_t* out = sink.payload(r);
+        const auto d = sink.dest(lowest_rank(mm));
+        uint2* out = reinterpret_cast<uint2*>(d.payload());
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
           if (vi < vecs) {
-            reinterpret_cast<uint2*>(out)[vi] = q[u];
-            if (lane % kLanesPerBlock == 0) *sink.scale(r, vi / kLanesPerBlock) = sc[u];
+            out[vi] = q[u];
+            if (lane % kLanesPerBlock == 0) *d.scale(vi / kLanesPerBlock) = sc[u];
           }
         }
       }
@@ -248,31 +278,47 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
     weight = __ldg(me.topk_weights + size_t(n) * K + lane);
   }
   for (uint64_t mm = m; mm; mm &= mm - 1) {
-    const int r = lowest_rank(mm);
+    const auto d = sink.dest(lowest_rank(mm));
     if constexpr (kDtype == DispatchDtype::kFP8) {
       for (int g = lane; g < S.groups; g += kWarpSize)
-        *sink.scale(r, g) = __ldg(me.x_scales + size_t(n) * S.groups + g);
+        *d.scale(g) = __ldg(me.x_scales + size_t(n) * S.groups + g);
     }
-    sink.metadata(r, lane, K, id, weight, n);
+    d.metadata(lane, K, id, weight, n);
   }
 }
 
+// Where a token's copies go: lane l holds the place at ranks l and l + 32, so that the warp
+// learns each destination's place with one shuffle (no memory load on the way to the stores).
+template <typename T>
+__device__ __forceinline__ T lane_value(T lo, T hi, int r) {
+  return __shfl_sync(kFullWarp, r < kWarpSize ? lo : hi, r % kWarpSize);
+}
+
 // A ring row (one slot: payload, then scales, ids, weights and the source index) per rank.
-template <typename SlotOf>
 struct RingSink {
-  SlotOf slot_of;  // r -> the slot's first byte
+  uint8_t* const* ring;  // [W]: the first slot of the ring to rank r
+  size_t slot_bytes;
+  int slot_lo;  // lane l: the token's slot in the ring to rank l
+  int slot_hi;  // ... and to rank l + 32
   SlotParts parts;
-  __device__ uint8_t* payload(int r) const { return slot_of(r); }
-  __device__ float* scale(int r, int g) const {
-    return reinterpret_cast<float*>(slot_of(r) + parts.scales) + g;
-  }
-  __device__ void metadata(int r, int lane, int K, int32_t id, float weight, int n) const {
-    uint8_t* out = slot_of(r);
-    if (lane < K) {
-      reinterpret_cast<int32_t*>(out + parts.ids)[lane] = id;
-      reinterpret_cast<float*>(out + parts.weights)[lane] = weight;
+  struct Dest {
+    uint8_t* slot;
+    const SlotParts& parts;
+    __device__ uint8_t* payload() const { return slot; }
+    __device__ float* scale(int g) const {
+      return reinterpret_cast<float*>(slot + parts.scales) + g;
     }
-    if (lane == 0) *reinterpret_cast<int32_t*>(out + parts.index) = n;
+    __device__ void metadata(int lane, int K, int32_t id, float weight, int n) const {
+      if (lane < K) {
+        reinterpret_cast<int32_t*>(slot + parts.ids)[lane] = id;
+        reinterpret_cast<float*>(slot + parts.weights)[lane] = weight;
+      }
+      if (lane == 0) *reinterpret_cast<int32_t*>(slot + parts.index) = n;
+    }
+  };
+  // Called by the whole warp (r warp-uniform).
+  __device__ Dest dest(int r) const {
+    return Dest{ring[r] + size_t(lane_value(slot_lo, slot_hi, r)) * slot_bytes, parts};
   }
 };
 
@@ -280,10 +326,11 @@ struct RingSink {
 // when a wait failed: recorded in the status word).
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const HtDispatchRank& me,
-                                             const dev::WaitContext& w, int c) {
+                                             uint32_t epoch, int c) {
   __shared__ uint64_t base[kMaxRanks];     // ring position of this batch's first row for r
   __shared__ uint32_t bal[kMaxRanks];      // bit i: token i of the batch goes to r
   __shared__ uint64_t mask_of[kWarpSize];  // destinations of token i of the batch
+  __shared__ uint8_t* ring_to[kMaxRanks];  // first slot of ring (s -> r, c)
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
@@ -291,11 +338,15 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
   const int W = S.world, C = L.channels, s = me.rank, ring = L.dispatch_ring;
   const int N = me.num_tokens;
   const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
-  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
   uint64_t* sent = at<uint64_t>(me.local, L.dsent) + size_t(c) * W;
   const uint64_t* head = at<uint64_t>(me.local, L.dhead) + size_t(c) * W;  // readers' progress
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
-  for (int r = threadIdx.x; r < W; r += blockDim.x) base[r] = sent[r];
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    base[r] = sent[r];
+    ring_to[r] = cm.peers[r] + L.dring + (size_t(c) * W + s) * ring * L.dispatch_slot;
+  }
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int t = t0; t < t1; t += num_warps) {
@@ -304,7 +355,7 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
     __syncthreads();
     // Room for the batch in every destination's ring (its reader is at most `ring` rows behind).
     wait_batch(
-        w, Phase::kRingSpace, base, bal, W, &failed,
+        wait_ctx(me, cm, epoch), Phase::kRingSpace, base, bal, W, &failed,
         [&](int r, uint64_t need) {
           return need - dev::ld_acquire_sys(head + r) <= uint64_t(ring);
         },
@@ -314,13 +365,14 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
       const uint64_t m = mask_of[warp];
       if (m != 0) {
         // This token's row in ring (s -> r, c): after the batch's earlier tokens for r.
-        auto slot_of = [&](int r) {
-          const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
-          return cm.peers[r] + L.dring +
-                 ((size_t(c) * W + s) * ring + size_t(pos % uint64_t(ring))) * L.dispatch_slot;
-        };
+        const int hi = lane + kWarpSize;
+        const uint32_t before = (1u << warp) - 1;
+        const int slot_lo =
+            lane < W ? int((base[lane] + __popc(bal[lane] & before)) % uint64_t(ring)) : 0;
+        const int slot_hi =
+            hi < W ? int((base[hi] + __popc(bal[hi] & before)) % uint64_t(ring)) : 0;
         write_token<kDtype>(p, me, t + warp, m,
-                            RingSink<decltype(slot_of)>{slot_of, slot_parts(S)});
+                            RingSink{ring_to, L.dispatch_slot, slot_lo, slot_hi, slot_parts(S)});
       }
     }
     __syncthreads();
@@ -373,7 +425,7 @@ __device__ __forceinline__ void read_row(const HtShape& S, const HtDispatchRank&
 
 // Channel c's rings into the receive area: segment (q, c) at seg_offset[q][c].
 __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const HtDispatchRank& me,
-                                                const dev::WaitContext& w, int c) {
+                                                uint32_t epoch, int c) {
   __shared__ uint64_t consumed[kMaxRanks];  // ring position read so far, from source q
   __shared__ int32_t done[kMaxRanks];       // rows of segment (q, c) read this round
   __shared__ int32_t todo[kMaxRanks];       // rows of segment (q, c)
@@ -426,11 +478,11 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
         idle_since = 0;
       } else if (idle_since == 0) {
         idle_since = dev::globaltimer_ns();
-      } else if (dev::aborted(w)) {
+      } else if (dev::aborted(wait_ctx(me, cm, epoch))) {
         failed = 1;
-      } else if (dev::globaltimer_ns() - idle_since > idle_limit_ns(w.timeout_ns)) {
-        dev::record_error(w, StatusCode::kTimeout, Phase::kDispatchData, waiting,
-                          int64_t(consumed[waiting] + 1),
+      } else if (dev::globaltimer_ns() - idle_since > idle_limit_ns(cm.timeout_ns)) {
+        dev::record_error(wait_ctx(me, cm, epoch), StatusCode::kTimeout, Phase::kDispatchData,
+                          waiting, int64_t(consumed[waiting] + 1),
                           int64_t(dev::ld_acquire_sys(tail + waiting)));
         failed = 1;
       }
@@ -468,33 +520,42 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 
 // ---- transfer: direct mode --------------------------------------------------------------------
 
-// The row of a receiver's area (direct mode) that token n takes at each rank: rows_layout of the
-// area's size, the segment's first row plus the token's place in it (row_pos, in token order).
+// The rows of the receivers' areas (direct mode) that a token takes: at rank r, the first row of
+// segment (this rank, channel) plus the token's place in it (row_pos, in token order); the area
+// is laid out by rows_layout of its size.
 struct AreaSink {
   const HtShape& S;
-  uint8_t* const* area;     // [W]
-  const HtRowsLayout* rl;   // [W]
-  const int32_t* seg_base;  // [W]: first row of segment (this rank, channel) at r
-  const int32_t* pos;       // [W]: the token's place in that segment
+  uint8_t* const* area;    // [W]
+  const HtRowsLayout* rl;  // [W]
+  int row_lo;              // lane l: the token's row at rank l
+  int row_hi;              // ... and at rank l + 32
   int src_rank;
-  __device__ int row(int r) const { return seg_base[r] + pos[r]; }
-  __device__ uint8_t* payload(int r) const {
-    return area[r] + rl[r].recv_x + size_t(row(r)) * S.wire_row_bytes;
-  }
-  __device__ float* scale(int r, int g) const {
-    return reinterpret_cast<float*>(area[r] + rl[r].recv_scales) +
-           ht_scale_index(S, row(r), g, rl[r].rows);
-  }
-  __device__ void metadata(int r, int lane, int K, int32_t id, float weight, int n) const {
-    const size_t j = size_t(row(r));
-    if (lane < K) {
-      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_topk_ids)[j * K + lane] = id;
-      reinterpret_cast<float*>(area[r] + rl[r].recv_topk_w)[j * K + lane] = weight;
+  struct Dest {
+    const HtShape& S;
+    uint8_t* area;
+    const HtRowsLayout* rl;
+    int row, src_rank;
+    __device__ uint8_t* payload() const {
+      return area + rl->recv_x + size_t(row) * S.wire_row_bytes;
     }
-    if (lane == 0) {
-      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_src_rank)[j] = src_rank;
-      reinterpret_cast<int32_t*>(area[r] + rl[r].recv_src_idx)[j] = n;
+    __device__ float* scale(int g) const {
+      return reinterpret_cast<float*>(area + rl->recv_scales) + ht_scale_index(S, row, g, rl->rows);
     }
+    __device__ void metadata(int lane, int K, int32_t id, float weight, int n) const {
+      const size_t j = size_t(row);
+      if (lane < K) {
+        reinterpret_cast<int32_t*>(area + rl->recv_topk_ids)[j * K + lane] = id;
+        reinterpret_cast<float*>(area + rl->recv_topk_w)[j * K + lane] = weight;
+      }
+      if (lane == 0) {
+        reinterpret_cast<int32_t*>(area + rl->recv_src_rank)[j] = src_rank;
+        reinterpret_cast<int32_t*>(area + rl->recv_src_idx)[j] = n;
+      }
+    }
+  };
+  // Called by the whole warp (r warp-uniform).
+  __device__ Dest dest(int r) const {
+    return Dest{S, area[r], rl + r, lane_value(row_lo, row_hi, r), src_rank};
   }
 };
 
@@ -534,10 +595,15 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
   for (int n = t0 + warp; n < t1; n += num_warps) {
     const uint64_t m = token_mask[n];
     if (m == 0) continue;
-    write_token<kDtype>(p, me, n, m, AreaSink{S, area, rl, seg_base, row_pos + size_t(n) * W, s});
+    const int32_t* pos = row_pos + size_t(n) * W;
+    const int hi = lane + kWarpSize;
+    const int row_lo = lane < W && ((m >> lane) & 1) ? seg_base[lane] + pos[lane] : 0;
+    const int row_hi = hi < W && ((m >> hi) & 1) ? seg_base[hi] + pos[hi] : 0;
+    write_token<kDtype>(p, me, n, m, AreaSink{S, area, rl, row_lo, row_hi, s});
   }
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
@@ -575,9 +641,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   const int C = L.channels;
   if (hb.b < C) {
-    send_channel<kDtype>(p, me, w, hb.b);
+    send_channel<kDtype>(p, me, epoch, hb.b);
   } else {
-    receive_channel(p, me, w, hb.b - C);
+    receive_channel(p, me, epoch, hb.b - C);
   }
 }
 
