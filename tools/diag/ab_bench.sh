@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# A/B of builds in one run on a GPU machine: `epx bench` of each build in turn, repeated, so that
+# drift of the machine falls on every side alike. Prints the graph one-launch medians per build and
+# round, and keeps each run's JSON.
+# Usage: tools/diag/ab_bench.sh OUT_DIR ROUNDS BUILD... [-- bench flags]
+#   e.g. tools/diag/ab_bench.sh ab 2 build-base build-dev -- --backends low_latency --tokens 128,4096
+#   (default flags: --backends low_latency --tokens 128,4096 --iters 200 --no-verify)
+set -uo pipefail
+out=$1 rounds=$2
+shift 2
+builds=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do builds+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+flags=("$@")
+[ ${#flags[@]} -eq 0 ] && flags=(--backends low_latency --tokens 128,4096 --iters 200 --no-verify)
+mkdir -p "$out"
+for ((i = 1; i <= rounds; i++)); do
+  for b in "${builds[@]}"; do
+    name=$(basename "$b")
+    echo "=== $name, round $i"
+    timeout 300 "$b/epx" bench "${flags[@]}" --json "$out/${name}_$i.json" 2>&1 |
+      grep -E "graph one_per_gpu|verify|FAIL|commit" | sed -E 's/.*(commit [0-9a-f]+).*/\1/'
+  done
+done
