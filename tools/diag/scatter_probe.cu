@@ -1,0 +1,354 @@
+// What a dispatch-shaped scatter can reach on one GPU, with no synchronisation at all: every
+// token's bf16 row is read once, quantised to fp8 with 1x128 block scales, and written to each of
+// its destination ranks' receive areas at a precomputed row (uniform top-8 of 256 experts over 8
+// ranks, deduplicated per rank: about 5.3 destinations per token). The variants differ only in how
+// the bytes move, so their times, against the copy floor measured in the same run, say which
+// store width, cache hints and copy engine a dispatch kernel should use. Every variant's output is
+// compared byte for byte with the first one's.
+//
+// Build (where nvcc is; not part of the product build):
+//   nvcc -arch=sm_90 -std=c++20 -O3 -Iinclude -Isrc -o build/scatter_probe
+//   tools/diag/scatter_probe.cu
+// Run: build/scatter_probe [tokens per rank ...]   (default 128 4096)
+//
+// Variants (one launch of 8 x 16 blocks x 32 warps, as low_latency's one launch on the H200):
+//   v8        8 bf16 per lane and step (16-byte loads, 8-byte stores), 4 steps per item: the
+//             layout of low_latency's payload loop
+//   v8_cs     the same, stores with the evict-first hint (st.global.cs)
+//   v8_ldcs   the same, loads evict-first too (ld.global.cs)
+//   v16       16 bf16 per lane and step (two 16-byte loads, one 16-byte store), 2 steps per item
+//   v16_cs    the same, stores evict-first
+//   v8_s8     8 per lane, 8 steps per item (twice the loads in flight)
+//   bulk      the item quantised into shared memory, then one bulk copy (cp.async.bulk, the copy
+//             engine of TMA) per destination issued by one lane
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/fp8.cuh"
+
+#define CHECK(call)                                                                              \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+namespace {
+
+constexpr int kRanks = 8, kHidden = 7168, kExperts = 256, kTopk = 8;
+constexpr int kGroups = kHidden / 128;  // fp8 scale blocks per row
+constexpr int kBlocksPerRank = 16, kWarps = 32;
+
+struct Args {
+  const __nv_bfloat16* x;  // [kRanks * N][kHidden]
+  const int32_t* slot;     // [kRanks * N][kRanks] row at each destination, -1 none
+  uint8_t* out;            // [kRanks][cap][kHidden] fp8
+  float* scales;           // [kRanks][cap][kGroups]
+  int n;                   // tokens per rank
+  int cap;                 // rows of one receive area
+};
+
+enum class Hint { kNone, kStoreCs, kLoadStoreCs };
+
+template <Hint kHint>
+__device__ __forceinline__ int4 load16(const void* p) {
+  if constexpr (kHint == Hint::kLoadStoreCs) return __ldcs(static_cast<const int4*>(p));
+  return __ldg(static_cast<const int4*>(p));
+}
+template <Hint kHint, typename T>
+__device__ __forceinline__ void store(T* p, T v) {
+  if constexpr (kHint == Hint::kNone) {
+    *p = v;
+  } else {
+    __stcs(p, v);
+  }
+}
+// kPer bf16 values of one lane -> kPer fp8 bytes in kPer / 4 words; a 128-value block spans
+// 128 / kPer lanes.
+template <int kPer>
+__device__ __forceinline__ void quantize(const float (&f)[kPer], uint32_t (&q)[kPer / 4],
+                                         float& scale) {
+  constexpr int kLanes = 128 / kPer;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int off = kLanes / 2; off >= 1; off >>= 1)
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const epx::dev::Fp8BlockScale s = epx::dev::fp8_block_scale(amax);
+  scale = s.scale;
+#pragma unroll
+  for (int i = 0; i < kPer / 4; ++i) {
+    const uint32_t lo = epx::dev::fp8x2_e4m3(f[4 * i] * s.inv, f[4 * i + 1] * s.inv);
+    const uint32_t hi = epx::dev::fp8x2_e4m3(f[4 * i + 2] * s.inv, f[4 * i + 3] * s.inv);
+    q[i] = lo | (hi << 16);
+  }
+}
+
+__device__ __forceinline__ void to_float(int4 v, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+// Register variants: one warp per (token, item of kSteps x 32 lanes x kPer values).
+template <int kPer, int kSteps, Hint kHint>
+__global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  constexpr int kVecs = kPer / 8;  // 16-byte loads per lane and step
+  constexpr int kItemValues = kSteps * 32 * kPer;
+  constexpr int kItems = (kHidden + kItemValues - 1) / kItemValues;
+  for (int it = warp; it < (t1 - t0) * kItems; it += kWarps) {
+    const int n = rank * a.n + t0 + it / kItems, item = it % kItems;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.x + size_t(n) * kHidden);
+    int4 v[kSteps][kVecs];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int col = (item * kSteps + u) * 32 * kPer + lane * kPer;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k)
+        v[u][k] =
+            col < kHidden ? load16<kHint>(src + size_t(col + 8 * k) * 2) : make_int4(0, 0, 0, 0);
+    }
+    const int my_slot = lane < kRanks ? a.slot[size_t(n) * kRanks + lane] : -1;
+    const uint32_t dmask = __ballot_sync(0xffffffffu, my_slot >= 0);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int col = (item * kSteps + u) * 32 * kPer + lane * kPer;
+      float f[kPer];
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) to_float(v[u][k], f + 8 * k);
+      uint32_t q[kPer / 4];
+      float sc;
+      quantize<kPer>(f, q, sc);
+      for (uint32_t m = dmask; m; m &= m - 1) {
+        const int r = __ffs(m) - 1;
+        const int row = __shfl_sync(0xffffffffu, my_slot, r);
+        if (col >= kHidden) continue;
+        uint8_t* dst = a.out + (size_t(r) * a.cap + row) * kHidden + col;
+        if constexpr (kPer == 8) {
+          store<kHint>(reinterpret_cast<uint2*>(dst), make_uint2(q[0], q[1]));
+        } else {
+          store<kHint>(reinterpret_cast<int4*>(dst),
+                       make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3])));
+        }
+        if (lane % (128 / kPer) == 0)
+          a.scales[(size_t(r) * a.cap + row) * kGroups + col / 128] = sc;
+      }
+    }
+  }
+}
+
+// Bulk variant: the warp quantises its item into shared memory, then lane 0 issues one bulk copy
+// per destination (and waits for the copies to have read shared memory before the next item).
+constexpr int kBulkSteps = 4, kBulkItem = kBulkSteps * 32 * 8;  // 1024 values = 1 KiB of fp8
+static_assert(kHidden % kBulkItem == 0, "whole items");
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src_smem, uint32_t bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(src_smem));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(s),
+               "r"(bytes)
+               : "memory");
+}
+
+__global__ void __launch_bounds__(kWarps * 32) scatter_bulk(Args a) {
+  __shared__ alignas(128) uint8_t stage[kWarps][kBulkItem];
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  constexpr int kItems = kHidden / kBulkItem;
+  for (int it = warp; it < (t1 - t0) * kItems; it += kWarps) {
+    const int n = rank * a.n + t0 + it / kItems, item = it % kItems;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.x + size_t(n) * kHidden);
+    int4 v[kBulkSteps];
+#pragma unroll
+    for (int u = 0; u < kBulkSteps; ++u)
+      v[u] = __ldg(reinterpret_cast<const int4*>(
+          src + size_t((item * kBulkSteps + u) * 256 + lane * 8) * 2));
+    const int my_slot = lane < kRanks ? a.slot[size_t(n) * kRanks + lane] : -1;
+    const uint32_t dmask = __ballot_sync(0xffffffffu, my_slot >= 0);
+    // The previous item's copies must have read the stage before it is written again.
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    __syncwarp();
+    float sc[kBulkSteps];
+#pragma unroll
+    for (int u = 0; u < kBulkSteps; ++u) {
+      float f[8];
+      to_float(v[u], f);
+      uint32_t q[2];
+      quantize<8>(f, q, sc[u]);
+      *reinterpret_cast<uint2*>(&stage[warp][u * 256 + lane * 8]) = make_uint2(q[0], q[1]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> bulk reads
+    __syncwarp();
+    for (uint32_t m = dmask; m; m &= m - 1) {
+      const int r = __ffs(m) - 1;
+      const int row = __shfl_sync(0xffffffffu, my_slot, r);
+      uint8_t* dst = a.out + (size_t(r) * a.cap + row) * kHidden + item * kBulkItem;
+      if (lane == 0) bulk_store(dst, stage[warp], kBulkItem);
+#pragma unroll
+      for (int u = 0; u < kBulkSteps; ++u)
+        if (lane % 16 == 0)
+          a.scales[(size_t(r) * a.cap + row) * kGroups +
+                   ((item * kBulkSteps + u) * 256 + lane * 8) / 128] = sc[u];
+    }
+    if (lane == 0) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+struct Variant {
+  const char* name;
+  void (*kernel)(Args);
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> sizes;
+  for (int i = 1; i < argc; ++i) sizes.push_back(std::atoi(argv[i]));
+  if (sizes.empty()) sizes = {128, 4096};
+  const Variant variants[] = {
+      {"v8", scatter_registers<8, 4, Hint::kNone>},
+      {"v8_cs", scatter_registers<8, 4, Hint::kStoreCs>},
+      {"v8_ldcs", scatter_registers<8, 4, Hint::kLoadStoreCs>},
+      {"v16", scatter_registers<16, 2, Hint::kNone>},
+      {"v16_cs", scatter_registers<16, 2, Hint::kStoreCs>},
+      {"v8_s8", scatter_registers<8, 8, Hint::kNone>},
+      {"bulk", scatter_bulk},
+  };
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf(
+      "scatter_probe on %s (%d SMs): %d ranks x %d blocks x %d warps, H %d, top-%d of %d "
+      "experts, bf16 -> fp8\n",
+      prop.name, prop.multiProcessorCount, kRanks, kBlocksPerRank, kWarps, kHidden, kTopk,
+      kExperts);
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  // Copy bandwidth (read + write) of a 1 GiB device-to-device copy, median of 10.
+  double copy_gbs = 0;
+  {
+    const size_t bytes = size_t(1) << 30;
+    void *s = nullptr, *d = nullptr;
+    CHECK(cudaMalloc(&s, bytes));
+    CHECK(cudaMalloc(&d, bytes));
+    std::vector<float> ms;
+    for (int i = 0; i < 11; ++i) {
+      CHECK(cudaEventRecord(e0));
+      CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice));
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (i > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    copy_gbs = 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+    CHECK(cudaFree(s));
+    CHECK(cudaFree(d));
+  }
+  std::printf("copy bandwidth %.1f GB/s (read + write)\n", copy_gbs);
+  for (const int n : sizes) {
+    // Routing: uniform top-8 of 256 experts, deduplicated per rank; rows at each destination in
+    // (source rank, token) order.
+    std::mt19937 rng(1);
+    const int rows_in = kRanks * n;
+    std::vector<int32_t> slot(size_t(rows_in) * kRanks, -1);
+    std::vector<int> next(kRanks, 0);
+    size_t out_rows = 0;
+    for (int t = 0; t < rows_in; ++t) {
+      std::vector<int> e(kExperts);
+      for (int i = 0; i < kExperts; ++i) e[i] = i;
+      std::shuffle(e.begin(), e.end(), rng);
+      uint32_t mask = 0;
+      for (int k = 0; k < kTopk; ++k) mask |= 1u << (e[k] / (kExperts / kRanks));
+      for (int r = 0; r < kRanks; ++r)
+        if ((mask >> r) & 1) {
+          slot[size_t(t) * kRanks + r] = next[r]++;
+          ++out_rows;
+        }
+    }
+    const int cap = *std::max_element(next.begin(), next.end());
+    std::vector<__nv_bfloat16> hx(size_t(rows_in) * kHidden);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : hx) v = __float2bfloat16(nd(rng));
+    Args a{};
+    a.n = n;
+    a.cap = cap;
+    __nv_bfloat16* dx = nullptr;
+    int32_t* dslot = nullptr;
+    CHECK(cudaMalloc(&dx, hx.size() * sizeof(hx[0])));
+    CHECK(cudaMalloc(&dslot, slot.size() * sizeof(int32_t)));
+    CHECK(cudaMalloc(&a.out, size_t(kRanks) * cap * kHidden));
+    CHECK(cudaMalloc(&a.scales, size_t(kRanks) * cap * kGroups * sizeof(float)));
+    CHECK(cudaMemcpy(dx, hx.data(), hx.size() * sizeof(hx[0]), cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(dslot, slot.data(), slot.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    a.x = dx;
+    a.slot = dslot;
+    // Floor: each input row read once, each output row (bytes and scales) written once.
+    const double bytes = double(rows_in) * kHidden * 2 + double(out_rows) * (kHidden + kGroups * 4);
+    const double floor_us = bytes / (copy_gbs * 1e9) * 1e6;
+    std::printf("\n%d tokens per rank: %.2f destinations per token, floor %.2f us\n", n,
+                double(out_rows) / rows_in, floor_us);
+    std::vector<uint8_t> first_out, first_sc;
+    const size_t out_bytes = size_t(kRanks) * cap * kHidden;
+    const size_t sc_bytes = size_t(kRanks) * cap * kGroups * sizeof(float);
+    for (const Variant& v : variants) {
+      CHECK(cudaMemset(a.out, 0, out_bytes));
+      CHECK(cudaMemset(a.scales, 0, sc_bytes));
+      std::vector<float> ms;
+      const int iters = n > 1024 ? 50 : 200;
+      for (int i = 0; i < iters + 10; ++i) {
+        CHECK(cudaEventRecord(e0));
+        v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32>>>(a);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float t = 0;
+        CHECK(cudaEventElapsedTime(&t, e0, e1));
+        if (i >= 10) ms.push_back(t * 1e3f);
+      }
+      CHECK(cudaGetLastError());
+      std::sort(ms.begin(), ms.end());
+      std::vector<uint8_t> out(out_bytes), sc(sc_bytes);
+      CHECK(cudaMemcpy(out.data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(sc.data(), a.scales, sc_bytes, cudaMemcpyDeviceToHost));
+      const char* same = "reference";
+      if (first_out.empty()) {
+        first_out = out;
+        first_sc = sc;
+      } else {
+        same = out == first_out && sc == first_sc ? "same bytes" : "DIFFERENT BYTES";
+      }
+      const float med = ms[ms.size() / 2];
+      std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  %s\n", v.name, med,
+                  ms[ms.size() * 9 / 10], med / floor_us, same);
+    }
+    CHECK(cudaFree(dx));
+    CHECK(cudaFree(dslot));
+    CHECK(cudaFree(a.out));
+    CHECK(cudaFree(a.scales));
+  }
+  return 0;
+}
