@@ -59,7 +59,8 @@ std::string nccl_library();
 int hardware_queues_per_gpu();  // CUDA_DEVICE_MAX_CONNECTIONS, else CUDA's default 8
 // EPX_ABLATE as set ("" when unset): parsed by the peer engine of a measurement build only.
 std::string ablate_text();
-// EPX_PHASE_CLOCK as set ("" when unset): read by the peer engine of a measurement build only.
+// EPX_PHASE_CLOCK as set ("" when unset): read by the engines of a measurement build only
+// (backends/common/phase_clock.cpp).
 std::string phase_clock_text();
 
 }  // namespace epx::env

@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <iterator>
+#include <string>
 
 #include "backends/common/carve.hpp"
+#include "backends/common/phase_clock.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/high_throughput/ht_kernels.hpp"
 #include "epx/bootstrap.hpp"
@@ -151,12 +154,21 @@ class HtAll2All final : public All2All {
       rows_cap_ = cfg_.capacity();
       EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&rows_), rows_bytes(rows_cap_)));
     }
+#if EPX_MEASUREMENT
+    clock_ = make_phase_clock(buf_.device());
+#endif
   }
   ~HtAll2All() override {
     int prev = 0;
     (void)cudaGetDevice(&prev);
     (void)cudaSetDevice(buf_.device());
     (void)cudaDeviceSynchronize();  // no kernel of this rank reads the areas any more
+#if EPX_MEASUREMENT
+    if (clock_ != nullptr) {
+      print_phase_clock();
+      (void)cudaFree(clock_);
+    }
+#endif
     if (rows_ != nullptr && pool_ != nullptr) {
       (void)cudaFreeAsync(rows_, nullptr);
       (void)cudaStreamSynchronize(nullptr);
@@ -167,6 +179,36 @@ class HtAll2All final : public All2All {
     if (host_rows_ != nullptr) (void)cudaFreeHost(host_rows_);
     (void)cudaSetDevice(prev);
   }
+
+#if EPX_MEASUREMENT
+  // EPX_PHASE_CLOCK: the mean time from a block's start at which each phase of each kernel
+  // ended, over every block of every launch this object's launches served, and how long after
+  // block 0 of a rank's count kernel block 0 of its transfer kernel started (stderr, at
+  // destruction). With one launch per GPU the first rank's object serves the group.
+  void print_phase_clock() const noexcept {
+    PhaseClock h{};
+    if (!read_phase_clock(clock_, buf_.device(), &h)) return;
+    static constexpr const char* kCount[] = {"routed", "counted", "laid_out"};
+    static constexpr const char* kTransfer[] = {"areas", "payload", "signalled", "arrived",
+                                                "received"};
+    static constexpr const char* kCombine[] = {"published", "partials_seen", "pulled", "all_read",
+                                               "summed"};
+    static_assert(std::size(kCount) == size_t(CountPhase::kCount) &&
+                  std::size(kTransfer) == size_t(TransferPhase::kAfterCount) &&
+                  size_t(TransferPhase::kAfterCount) + 1 == size_t(TransferPhase::kCount) &&
+                  std::size(kCombine) == size_t(CombinePhase::kCount));
+    print_phase_line(cfg_.rank, "ht_count", phase_entries(h, 0, kCount));
+    std::string transfer = phase_entries(h, 1, kTransfer);
+    const int gap = int(TransferPhase::kAfterCount);
+    if (!transfer.empty() && h.count[1][gap] != 0) {
+      transfer +=
+          fmt::format("; block 0 started {:.2f} us after ht_count's block 0 ({} blocks)",
+                      1e-3 * double(h.sum[1][gap]) / double(h.count[1][gap]), h.count[1][gap]);
+    }
+    print_phase_line(cfg_.rank, "ht_transfer", transfer);
+    print_phase_line(cfg_.rank, "ht_combine", phase_entries(h, 2, kCombine));
+  }
+#endif
 
   const EpConfig& config() const override { return cfg_; }
   Backend backend() const override { return Backend::kHighThroughput; }
@@ -310,7 +352,11 @@ class HtAll2All final : public All2All {
                          .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
                          .ids_int64 = ids_int64_},
         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
-        .num_ranks = num_ranks};
+        .num_ranks = num_ranks,
+#if EPX_MEASUREMENT
+        .clock = clock_,
+#endif
+    };
   }
 
   DispatchResult result() const {
@@ -385,6 +431,9 @@ class HtAll2All final : public All2All {
   bool ids_int64_ = false;
   bool dispatched_ = false;
   std::shared_ptr<const void> launch_group_;
+#if EPX_MEASUREMENT
+  PhaseClock* clock_ = nullptr;  // EPX_PHASE_CLOCK
+#endif
 };
 
 std::vector<HtAll2All*> group_ranks(std::span<All2All* const> ranks, size_t num_args,

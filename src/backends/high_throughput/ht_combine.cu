@@ -194,6 +194,9 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
   const uint8_t* rings = me.local + L.cring;
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(me.y);
   for (int r = threadIdx.x; r < W; r += blockDim.x) base[r] = crecv[r];
+#if EPX_MEASUREMENT
+  phase_begin(cm);  // the phase clock (EPX_PHASE_CLOCK): the block's start
+#endif
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const int vecs = H / 8;
@@ -222,6 +225,7 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     publish_batch(base, bal, W,
                   [&](int r) { return at<uint64_t>(cm.peers[r], L.chead) + size_t(c) * W + s; });
   }
+  EPX_PHASE_MARK(cm, CombinePhase::kSummed);
   for (int r = threadIdx.x; r < W; r += blockDim.x) crecv[r] = base[r];
 }
 
@@ -258,6 +262,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
   }
   __syncthreads();
   if (failed) return;
+  EPX_PHASE_MARK(cm, CombinePhase::kPartialsSeen);
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(me.y);
@@ -270,6 +275,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
     for (int v = lane; v < vecs; v += kWarpSize)
       sum_vector(token_mask[n], v, at_of, y + size_t(n) * H);
   }
+  EPX_PHASE_MARK_SYNC(cm, CombinePhase::kPulled);
   if (dev::last_block(at<int32_t>(me.local, L.tickets) + 1, nb)) {
     for (int r = threadIdx.x; r < W; r += blockDim.x) {
       dev::fence_acq_rel_sys();
@@ -288,12 +294,16 @@ __global__ void __launch_bounds__(kMaxThreads)
   HtState* st = at<HtState>(me.local, L.state);
   w.call = st->epoch;
   if (L.direct) {
+#if EPX_MEASUREMENT
+    phase_begin(p.common);  // the phase clock (EPX_PHASE_CLOCK): the block's start
+#endif
     // Every block reads the combine epoch before block 0 advances it: block 0 ends only after
     // every owner, this rank's blocks included, has read this rank's partials.
     const uint32_t cepoch = st->combine_epoch + 1;
     if (hb.b == 0 && threadIdx.x == 0) {
       HtPublished* pub = at<HtPublished>(me.local, L.published);
       publish_pointer(&pub->partials_epoch, &pub->partials, me.expert_out, nullptr, 0, cepoch);
+      EPX_PHASE_MARK(p.common, CombinePhase::kPublished);
     }
     direct_pull(p, me, w, hb.b, hb.nb, cepoch);
     // Block 0 returns when every owner has read this rank's partials (the caller may then
@@ -301,6 +311,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (hb.b == 0 && await_words(w, Phase::kCombineReady, at<uint64_t>(me.local, L.read_done),
                                  p.common.shape.world, cepoch)) {
       if (threadIdx.x == 0) st->combine_epoch = cepoch;
+      EPX_PHASE_MARK(p.common, CombinePhase::kAllRead);
     }
     return;
   }

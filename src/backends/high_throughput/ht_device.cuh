@@ -3,7 +3,9 @@
 // Included by .cu files only.
 
 #include <cstdint>
+#include <type_traits>
 
+#include "backends/common/phase_clock.cuh"
 #include "backends/high_throughput/ht_kernels.hpp"
 #include "core/sync_device.cuh"
 #include "core/vec_device.cuh"
@@ -53,6 +55,46 @@ __device__ __forceinline__ dev::WaitContext ht_wait(uint8_t* local, DeviceStatus
   return dev::WaitContext{at<DeviceStatus>(local, c.layout.status), host_status, c.timeout_ns,
                           rank};
 }
+
+#if EPX_MEASUREMENT
+// The phase clock (backends/common/phase_clock.cuh). These kernels have no register to spare:
+// thread 0 keeps the block's start in shared memory (phase_block_start), and each mark reads the
+// launch's clock anew (a pointer loaded once and held through a kernel costs spills).
+
+// At the block's start (before any mark), thread 0.
+__device__ __forceinline__ void phase_begin(const HtCommon& c) {
+  if (c.clock != nullptr && threadIdx.x == 0) phase_block_start() = dev::globaltimer_ns();
+}
+
+// EPX_PHASE_MARK(common, phase): thread 0 of the block adds the time since the block's start to
+// the phase's sum; call it where the whole block has finished the phase (after a __syncthreads).
+template <typename PhaseT>
+__device__ __forceinline__ void phase_mark(const HtCommon& c, PhaseT phase) {
+  static_assert(std::is_same_v<PhaseT, CountPhase> || std::is_same_v<PhaseT, TransferPhase> ||
+                std::is_same_v<PhaseT, CombinePhase>);
+  constexpr int op = std::is_same_v<PhaseT, CountPhase>      ? 0
+                     : std::is_same_v<PhaseT, TransferPhase> ? 1
+                                                             : 2;
+  if (threadIdx.x != 0) return;
+  PhaseClock* const clock = *reinterpret_cast<PhaseClock* const volatile*>(&c.clock);
+  if (clock == nullptr) return;
+  phase_add(clock, op, int(phase), dev::globaltimer_ns() - phase_block_start());
+}
+
+// Block 0 of the count kernel, after phase_begin: its start, for the rank's transfer kernel.
+__device__ __forceinline__ void phase_count_started(const HtCommon& c, int rank) {
+  if (c.clock != nullptr && threadIdx.x == 0) c.clock->first_start[rank] = phase_block_start();
+}
+
+// Block 0 of the transfer kernel, after phase_begin: the time from the start of block 0 of the
+// rank's count kernel to its own (TransferPhase::kAfterCount).
+__device__ __forceinline__ void phase_after_count(const HtCommon& c, int rank) {
+  if (c.clock == nullptr || threadIdx.x != 0) return;
+  const uint64_t count_start = c.clock->first_start[rank], start = phase_block_start();
+  if (count_start == 0 || count_start > start) return;  // no count kernel timed before it
+  phase_add(c.clock, 1, int(TransferPhase::kAfterCount), start - count_start);
+}
+#endif
 
 // Bytes of a dispatch ring row: payload, then f32 scales, int32 ids, f32 weights, int32 index.
 struct SlotParts {

@@ -58,6 +58,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   HtState* st = at<HtState>(me.local, L.state);
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, cm);
   if (dev::aborted(w)) return;
+#if EPX_MEASUREMENT
+  phase_begin(cm);  // the phase clock (EPX_PHASE_CLOCK): the block's start
+  if (c == 0) phase_count_started(cm, me.rank);
+#endif
   // Every block reads the epoch before it posts its counts, and block 0 advances it only after
   // every block of this rank has posted: all blocks see the same value.
   const uint32_t epoch = st->epoch + 1;
@@ -131,6 +135,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (lane < W) warp_base[warp][lane] = cnt_lo;
   if (lane + 32 < W) warp_base[warp][lane + 32] = cnt_hi;
   __syncthreads();
+  EPX_PHASE_MARK(cm, CountPhase::kRouted);
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     int32_t run = 0;
     for (int v = 0; v < num_warps; ++v) {
@@ -147,6 +152,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     dev::st_release_sys(at<uint64_t>(cm.peers[r], L.counts) + (size_t(par) * W + me.rank) * C + c,
                         (uint64_t(epoch) << 32) | uint32_t(count[r]));
   }
+  EPX_PHASE_MARK_SYNC(cm, CountPhase::kCounted);
   // Direct mode: the places within the warps' chunks become places within the segment (the
   // rows of the earlier warps' chunks come first). Warp 0's chunk starts the segment.
   if (L.direct && warp > 0) {
@@ -199,6 +205,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     st->num_tokens = N;
     st->epoch = epoch;
   }
+  EPX_PHASE_MARK_SYNC(cm, CountPhase::kLaidOut);
 }
 
 // The wait context of rank `me` in call `epoch`, built where a wait needs it.
@@ -380,6 +387,7 @@ __device__ __forceinline__ void send_channel(const HtDispatchParams& p, const Ht
     publish_batch(base, bal, W,
                   [&](int r) { return at<uint64_t>(cm.peers[r], L.dtail) + size_t(c) * W + s; });
   }
+  EPX_PHASE_MARK(cm, TransferPhase::kPayload);
   for (int r = threadIdx.x; r < W; r += blockDim.x) sent[r] = base[r];
 }
 
@@ -515,6 +523,7 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
     __syncthreads();
   }
   if (failed) return;
+  EPX_PHASE_MARK(cm, TransferPhase::kReceived);
   for (int q = threadIdx.x; q < W; q += blockDim.x) recvd[q] = consumed[q];
 }
 
@@ -592,6 +601,7 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   }
   __syncthreads();
   if (failed) return;
+  EPX_PHASE_MARK(cm, TransferPhase::kAreas);
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
@@ -608,6 +618,7 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
   __syncthreads();
+  EPX_PHASE_MARK(cm, TransferPhase::kPayload);
   if (threadIdx.x == 0) dev::fence_acq_rel_sys();
   if (dev::last_block(at<int32_t>(me.local, L.tickets), nb)) {
     for (int r = threadIdx.x; r < W; r += blockDim.x) {
@@ -615,6 +626,7 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
       dev::st_release_sys(at<uint64_t>(cm.peers[r], L.arrived) + s, uint64_t(epoch));
     }
   }
+  EPX_PHASE_MARK_SYNC(cm, TransferPhase::kSignalled);
 }
 
 template <DispatchDtype kDtype>
@@ -624,6 +636,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   const HtDispatchRank& me = p.ranks[hb.slot];
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
   if (dev::aborted(w)) return;
+#if EPX_MEASUREMENT
+  phase_begin(p.common);  // the phase clock (EPX_PHASE_CLOCK): the block's start
+  if (hb.b == 0) phase_after_count(p.common, me.rank);
+#endif
   const HtLayout& L = p.common.layout;
   const uint32_t epoch = at<HtState>(me.local, L.state)->epoch;
   w.call = epoch;
@@ -634,9 +650,10 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     direct_send<kDtype>(p, me, w, hb.b, hb.nb, epoch);
     // Block 0 returns when every rank's rows are here (the stream's next work reads them).
-    if (hb.b == 0)
-      (void)await_words(w, Phase::kDispatchData, at<uint64_t>(me.local, L.arrived),
-                        p.common.shape.world, epoch);
+    if (hb.b == 0 && await_words(w, Phase::kDispatchData, at<uint64_t>(me.local, L.arrived),
+                                 p.common.shape.world, epoch)) {
+      EPX_PHASE_MARK(p.common, TransferPhase::kArrived);
+    }
     return;
   }
   const int C = L.channels;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backends/common/phase_clock.hpp"
 #include "backends/high_throughput/ht_layout.hpp"
 #include "core/device_status.hpp"
 #include "epx/config.hpp"
@@ -43,12 +44,46 @@ struct HtShape {
 // Ranks one launch may serve (an in-process group sharing a GPU).
 inline constexpr int kMaxLaunchRanks = 32;
 
+#if EPX_MEASUREMENT
+// The phases of each kernel that the phase clock of a measurement build (EPX_PHASE_CLOCK,
+// backends/common/phase_clock.hpp) times, each from its own block's start: op 0 the count
+// kernel, op 1 the transfer kernel, op 2 combine.
+enum class CountPhase : int {
+  kRouted,   // the block's tokens walked (destinations, expert pairs, rows per destination)
+  kCounted,  // the channel's rows per destination posted to every rank
+  kLaidOut,  // block 0: every count of the round seen, the segments laid out
+  kCount
+};
+enum class TransferPhase : int {
+  kAreas,       // direct: every destination's published receive area read
+  kPayload,     // direct: the block's rows written; rings: the sending block's rows published
+  kSignalled,   // direct: the last-block ticket taken (the last block: arrival released)
+  kArrived,     // direct, block 0: every rank's rows here
+  kReceived,    // rings: the receiving block's rows drained
+  kAfterCount,  // block 0: its start less the start of block 0 of the rank's count kernel
+  kCount
+};
+enum class CombinePhase : int {
+  kPublished,     // direct, block 0: the partials' pointer published
+  kPartialsSeen,  // direct: every rank's published partials read
+  kPulled,        // direct: the block's tokens summed
+  kAllRead,       // direct, block 0: every owner has read this rank's partials
+  kSummed,        // rings: the receiving block's tokens summed
+  kCount
+};
+static_assert(kMaxPhaseOps >= 3 && int(CountPhase::kCount) <= kMaxPhases &&
+              int(TransferPhase::kCount) <= kMaxPhases && int(CombinePhase::kCount) <= kMaxPhases);
+#endif
+
 struct HtCommon {
   uint8_t* const* peers;  // device array [W]: every rank's symmetric buffer
   HtLayout layout;
   HtShape shape;
   uint64_t timeout_ns;
   int32_t num_ranks;  // ranks served by this launch, gridDim.x / num_ranks blocks each
+#if EPX_MEASUREMENT
+  PhaseClock* clock;  // EPX_PHASE_CLOCK: the phase sums of this launch, else null
+#endif
 };
 
 // The received rows' areas of `rows` rows, in one allocation (the host sizes it, the kernels

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backends/common/phase_clock.hpp"
 #include "backends/peer/layout.hpp"
 #include "core/device_status.hpp"
 #include "epx/config.hpp"
@@ -46,17 +47,13 @@ inline constexpr int32_t kAblatePull = 2;     // combine reads no partials (y = 
 // Parses EPX_ABLATE ("", "payload", "pull", "payload,pull"); ConfigError names the bad item.
 int32_t ablate_from_env();
 
-// EPX_PHASE_CLOCK=1: each block's thread 0 adds, at the end of each phase of an op, the time
-// since the block started (globaltimer, ns) into these sums, so that the host can split an op's
-// time into its phases (the mean over blocks and launches of when each phase ended).
+// The phases of each op that the phase clock (EPX_PHASE_CLOCK, backends/common/phase_clock.hpp)
+// times: op 0 dispatch, op 1 combine.
 enum class DispatchPhase : int { kRouted, kPlaced, kMetadata, kPayload, kSignalled, kReceived,
                                  kDone, kCount };
 enum class CombinePhase : int { kPublished, kWaited, kPulled, kCount };
-inline constexpr int kMaxPhases = 8;
-struct PhaseClock {
-  unsigned long long sum[2][kMaxPhases];    // [0 dispatch, 1 combine][phase] ns
-  unsigned long long count[2][kMaxPhases];  // blocks that reached the phase
-};
+static_assert(kMaxPhaseOps >= 2 && int(DispatchPhase::kCount) <= kMaxPhases &&
+              int(CombinePhase::kCount) <= kMaxPhases);
 #endif
 
 // One launch serves `num_ranks` ranks that share a GPU (an in-process group), each with

@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <optional>
 #if EPX_MEASUREMENT
 #include <sstream>
@@ -14,11 +14,12 @@
 #endif
 
 #include "backends/common/carve.hpp"
+#include "backends/common/phase_clock.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
-#include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/symmetric.hpp"
 #include "epx/world.hpp"
 
@@ -86,11 +87,7 @@ class PeerAll2All final : public All2All {
       : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch),
         status_(cfg, buf_.device()), host_status_dev_(status_.device_mirror()) {
 #if EPX_MEASUREMENT
-    const std::string clock = env::phase_clock_text();
-    if (!clock.empty() && clock != "0") {
-      EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&clock_), sizeof(PhaseClock)));
-      EPX_CUDA_CHECK(cudaMemset(clock_, 0, sizeof(PhaseClock)));
-    }
+    clock_ = make_phase_clock(buf_.device());
 #endif
   }
   ~PeerAll2All() override {
@@ -107,27 +104,14 @@ class PeerAll2All final : public All2All {
   // over every block of every launch this object's launches served (stderr, at destruction).
   void print_phase_clock() const noexcept {
     PhaseClock h{};
-    if (cudaSetDevice(buf_.device()) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
-        cudaMemcpy(&h, clock_, sizeof(h), cudaMemcpyDeviceToHost) != cudaSuccess) {
-      return;
-    }
+    if (!read_phase_clock(clock_, buf_.device(), &h)) return;
     static constexpr const char* kDispatch[] = {"routed", "placed", "metadata", "payload",
                                                 "signalled", "received", "done"};
     static constexpr const char* kCombine[] = {"published", "waited", "pulled"};
-    for (int op = 0; op < 2; ++op) {
-      const int n = op == 0 ? int(DispatchPhase::kCount) : int(CombinePhase::kCount);
-      std::string line;
-      for (int ph = 0; ph < n; ++ph) {
-        if (h.count[op][ph] == 0) continue;
-        line += fmt::format(" {} {:.2f} ({} blocks)", op == 0 ? kDispatch[ph] : kCombine[ph],
-                            1e-3 * double(h.sum[op][ph]) / double(h.count[op][ph]),
-                            h.count[op][ph]);
-      }
-      if (!line.empty()) {
-        std::fprintf(stderr, "phase clock rank %d %s, us from a block's start:%s\n", cfg_.rank,
-                     op == 0 ? "dispatch" : "combine", line.c_str());
-      }
-    }
+    static_assert(std::size(kDispatch) == size_t(DispatchPhase::kCount) &&
+                  std::size(kCombine) == size_t(CombinePhase::kCount));
+    print_phase_line(cfg_.rank, "dispatch", phase_entries(h, 0, kDispatch));
+    print_phase_line(cfg_.rank, "combine", phase_entries(h, 1, kCombine));
   }
 #endif
 

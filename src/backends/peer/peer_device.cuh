@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "backends/common/phase_clock.cuh"
 #include "backends/peer/kernels.hpp"
 #include "core/sync_device.cuh"
 #include "core/vec_device.cuh"
@@ -61,25 +62,14 @@ __device__ __forceinline__ size_t scale_index(const Shape& S, int row, int group
 }
 
 #if EPX_MEASUREMENT
-// Thread 0 of the block adds the time since `start` to the phase's sum (EPX_PHASE_CLOCK); call
-// it where the whole block has finished the phase (after a __syncthreads).
+// The phase clock's mark (EPX_PHASE_MARK, backends/common/phase_clock.cuh): thread 0 of the
+// block adds the time since `start` to the phase's sum; call it where the whole block has
+// finished the phase (after a __syncthreads).
 template <typename PhaseT>
 __device__ __forceinline__ void phase_mark(const LaunchCommon& c, PhaseT phase, uint64_t start) {
-  if (c.clock == nullptr || threadIdx.x != 0) return;
   constexpr int op = std::is_same_v<PhaseT, DispatchPhase> ? 0 : 1;
-  atomicAdd(&c.clock->sum[op][int(phase)], dev::globaltimer_ns() - start);
-  atomicAdd(&c.clock->count[op][int(phase)], 1ull);
+  phase_since(c.clock, op, int(phase), start);
 }
-#define EPX_PHASE_MARK(common, phase, start) phase_mark(common, phase, start)
-// The same where the block is not synchronised yet (the sync exists in measurement builds only).
-#define EPX_PHASE_MARK_SYNC(common, phase, start) \
-  do {                                             \
-    if ((common).clock != nullptr) __syncthreads(); \
-    phase_mark(common, phase, start);              \
-  } while (0)
-#else
-#define EPX_PHASE_MARK(common, phase, start) ((void)0)
-#define EPX_PHASE_MARK_SYNC(common, phase, start) ((void)0)
 #endif
 
 // A token's row in every rank's receive area (-1: not sent there), spread over a warp: lane l
