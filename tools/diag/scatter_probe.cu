@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/fp8.cuh"
+#include "core/vec_device.cuh"
 
 #define CHECK(call)                                                                              \
   do {                                                                                           \
@@ -97,16 +98,6 @@ __device__ __forceinline__ void quantize(const float (&f)[kPer], uint32_t (&q)[k
   }
 }
 
-__device__ __forceinline__ void to_float(int4 v, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
 // Register variants: one warp per (token, item of kSteps x 32 lanes x kPer values).
 template <int kPer, int kSteps, Hint kHint>
 __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
@@ -136,7 +127,12 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
       const int col = (item * kSteps + u) * 32 * kPer + lane * kPer;
       float f[kPer];
 #pragma unroll
-      for (int k = 0; k < kVecs; ++k) to_float(v[u][k], f + 8 * k);
+      for (int k = 0; k < kVecs; ++k) {
+        float g[8];
+        epx::dev::bf16x8_to_float(v[u][k], g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
+      }
       uint32_t q[kPer / 4];
       float sc;
       quantize<kPer>(f, q, sc);
@@ -194,7 +190,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_bulk(Args a) {
 #pragma unroll
     for (int u = 0; u < kBulkSteps; ++u) {
       float f[8];
-      to_float(v[u], f);
+      epx::dev::bf16x8_to_float(v[u], f);
       uint32_t q[2];
       quantize<8>(f, q, sc[u]);
       *reinterpret_cast<uint2*>(&stage[warp][u * 256 + lane * 8]) = make_uint2(q[0], q[1]);
