@@ -218,11 +218,17 @@ __device__ __forceinline__ dev::WaitContext wait_ctx(const HtDispatchRank& me, c
 
 // ---- transfer: send --------------------------------------------------------------------------
 
-// Row vectors a lane loads before it stores them (all in flight).
+// 16-byte row vectors a lane loads before it stores them (all in flight).
 constexpr int kUnroll = 4;
 
+// 16-byte input vectors a lane takes per piece: bf16 quantised to fp8 takes two (16 values, one
+// 16-byte fp8 store), the others one (16 bytes in, 16 bytes out).
 template <DispatchDtype kDtype>
-inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
+inline constexpr int kVecsPerPiece = kDtype == DispatchDtype::kBF16ToFP8 ? 2 : 1;
+// Input elements of one piece.
+template <DispatchDtype kDtype>
+inline constexpr int kElemsPerPiece =
+    kDtype == DispatchDtype::kFP8 ? 16 : 8 * kVecsPerPiece<kDtype>;
 
 // Token n's payload, scales and metadata to every rank r in `m` (the token's destinations,
 // warp-uniform), at the places `sink.dest(r)` names: a ring row, or (direct mode) the row of the
@@ -232,45 +238,56 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
                                             int n, uint64_t m, const Sink& sink) {
   const HtShape& S = p.common.shape;
   const int H = S.hidden, K = S.topk, lane = threadIdx.x % kWarpSize;
-  constexpr int kPer = kElemsPerVec<kDtype>;
+  constexpr int kPer = kElemsPerPiece<kDtype>;
+  constexpr int kVecs = kVecsPerPiece<kDtype>;
+  constexpr int kPieces = kUnroll / kVecs;  // pieces a lane holds at once
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
-  const int vecs = H / kPer;  // 16-byte vectors of the input row
-  const uint8_t* src = static_cast<const uint8_t*>(me.x) + size_t(n) * H * kInBytes;
-  for (int v0 = 0; v0 < vecs; v0 += kUnroll * kWarpSize) {
-    int4 v[kUnroll];
+  const int pieces = H / kPer;  // of the input row (H % 128 == 0 where the wire is fp8)
+  const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(me.x) +
+                                                  size_t(n) * H * kInBytes);
+  for (int v0 = 0; v0 < pieces; v0 += kPieces * kWarpSize) {
+    int4 v[kPieces][kVecs];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kPieces; ++u) {
       const int vi = v0 + u * kWarpSize + lane;
-      v[u] = vi < vecs ? __ldg(reinterpret_cast<const int4*>(src) + vi) : make_int4(0, 0, 0, 0);
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k)
+        v[u][k] = vi < pieces ? __ldg(src + size_t(vi) * kVecs + k) : make_int4(0, 0, 0, 0);
     }
     if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
       for (uint64_t mm = m; mm; mm &= mm - 1) {
         int4* out = reinterpret_cast<int4*>(sink.dest(lowest_rank(mm)).payload());
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kPieces; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
-          if (vi < vecs) out[vi] = v[u];
+          if (vi < pieces) out[vi] = v[u][0];
         }
       }
     } else {
-      // 8 bf16 -> 8 fp8 per lane; 16 lanes hold one 1x128 block (H % 128 == 0, so a half-warp
-      // is either wholly inside the row or wholly past it).
+      // 16 bf16 -> 16 fp8 per lane; 8 lanes hold one 1x128 block (H % 128 == 0, so a block's
+      // lanes are either wholly inside the row or wholly past it).
       constexpr int kLanesPerBlock = kFp8BlockSize / kPer;
-      uint2 q[kUnroll];
-      float sc[kUnroll];
+      uint4 q[kPieces];
+      float sc[kPieces];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kPieces; ++u) {
         float f[kPer];
-        dev::bf16x8_to_float(v[u], f);
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+          float g[8];
+          dev::bf16x8_to_float(v[u][k], g);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
+        }
         q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);
       }
       for (uint64_t mm = m; mm; mm &= mm - 1) {
         const auto d = sink.dest(lowest_rank(mm));
-        uint2* out = reinterpret_cast<uint2*>(d.payload());
+        uint4* out = reinterpret_cast<uint4*>(d.payload());
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kPieces; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
-          if (vi < vecs) {
+          if (vi < pieces) {
             out[vi] = q[u];
             if (lane % kLanesPerBlock == 0) *d.scale(vi / kLanesPerBlock) = sc[u];
           }

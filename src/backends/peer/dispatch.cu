@@ -259,15 +259,22 @@ __device__ __forceinline__ bool recount_ordered(const DispatchCall& c, DispatchS
 // ---- 3. send ---------------------------------------------------------------------------------
 
 // 16-byte vectors per lane that one payload item loads before its stores (all in flight).
-constexpr int kMaxSteps = 4;
+constexpr int kMaxVecs = 4;
 
-// Elements of the input row per 16-byte vector.
+// 16-byte input vectors a lane takes per step: bf16 quantised to fp8 takes two (16 values, one
+// 16-byte fp8 store), the others one (16 bytes in, 16 bytes out).
 template <DispatchDtype kDtype>
-inline constexpr int kElemsPerVec = kDtype == DispatchDtype::kFP8 ? 16 : 8;
+inline constexpr int kVecsPerStep = kDtype == DispatchDtype::kBF16ToFP8 ? 2 : 1;
+// Input elements a lane takes per step.
+template <DispatchDtype kDtype>
+inline constexpr int kElemsPerStep = kDtype == DispatchDtype::kFP8 ? 16 : 8 * kVecsPerStep<kDtype>;
+// Steps of one payload item.
+template <DispatchDtype kDtype>
+inline constexpr int kStepsPerItem = kMaxVecs / kVecsPerStep<kDtype>;
 
-// One item of token n's payload: columns [step0, step0 + nsteps) x kWarpSize x (elements per
-// 16-byte vector), sent to the ranks of `slots`. Each lane first loads all its vectors of the
-// item, then stores them to every destination. The item with step0 == 0 also sends the token's
+// One item of token n's payload: columns [step0, step0 + nsteps) x kWarpSize x kElemsPerStep,
+// sent to the ranks of `slots`. Each lane first loads all its vectors of the item, then stores
+// them to every destination, 16 bytes at a time. The item with step0 == 0 also sends the token's
 // fp8 scales. Called by one whole warp.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* const* peers, int n,
@@ -276,16 +283,23 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
   const Shape& S = c.p.common.shape;
   const Layout& L = c.p.common.layout;
   const int H = S.hidden;
-  constexpr int kPer = kElemsPerVec<kDtype>;
+  constexpr int kPer = kElemsPerStep<kDtype>;
+  constexpr int kVecs = kVecsPerStep<kDtype>;
+  constexpr int kSteps = kStepsPerItem<kDtype>;
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const uint8_t* src = static_cast<const uint8_t*>(c.me.x) + size_t(n) * H * kInBytes;
-  int4 v[kMaxSteps];
+  // A lane's kPer columns lie within one row (H is a multiple of kPer: 128 for fp8 output, 8 for
+  // bf16) and within one 1x128 block.
+  int4 v[kSteps][kVecs];
 #pragma unroll
-  for (int u = 0; u < kMaxSteps; ++u) {
+  for (int u = 0; u < kSteps; ++u) {
     const int col = ((step0 + u) * kWarpSize + lane) * kPer;
-    v[u] = make_int4(0, 0, 0, 0);
-    if (u < nsteps && col < H)
-      v[u] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * kInBytes));
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      v[u][k] = make_int4(0, 0, 0, 0);
+      if (u < nsteps && col < H)
+        v[u][k] = __ldg(reinterpret_cast<const int4*>(src + size_t(col) * kInBytes) + k);
+    }
   }
   if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
     constexpr int kOutBytes = kInBytes;
@@ -293,9 +307,10 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
       const int r = lowest_rank(m);
       uint8_t* dst = peers[r] + L.recv_x + size_t(slots.of(r)) * H * kOutBytes;
 #pragma unroll
-      for (int u = 0; u < kMaxSteps; ++u) {
+      for (int u = 0; u < kSteps; ++u) {
         const int col = ((step0 + u) * kWarpSize + lane) * kPer;
-        if (u < nsteps && col < H) *reinterpret_cast<int4*>(dst + size_t(col) * kOutBytes) = v[u];
+        if (u < nsteps && col < H)
+          *reinterpret_cast<int4*>(dst + size_t(col) * kOutBytes) = v[u][0];
       }
     }
     if (kDtype == DispatchDtype::kFP8 && step0 == 0) {
@@ -308,15 +323,21 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
       }
     }
   } else {
-    // Quantised in place: 8 bf16 -> 8 fp8 per lane, a 1x128 block per half-warp sharing a scale.
+    // Quantised in place: 16 bf16 -> 16 fp8 per lane, a 1x128 block per 8 lanes sharing a scale.
     constexpr int kLanesPerBlock = kFp8BlockSize / kPer;
-    uint2 q[kMaxSteps];
-    float sc[kMaxSteps];
+    uint4 q[kSteps];
+    float sc[kSteps];
 #pragma unroll
-    for (int u = 0; u < kMaxSteps; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       float f[kPer];
-      bf16x8_to_float(v[u], f);  // zeros where nothing was loaded
-      q[u] = make_uint2(0, 0);
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        float g[8];
+        bf16x8_to_float(v[u][k], g);  // zeros where nothing was loaded
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
+      }
+      q[u] = make_uint4(0, 0, 0, 0);
       sc[u] = 0.f;
       if (u < nsteps) q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);  // u < nsteps: warp-uniform
     }
@@ -326,10 +347,10 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
       uint8_t* dst = peers[r] + L.recv_x + size_t(slot) * H;
       float* dsc = at<float>(peers[r], L.recv_scales);
 #pragma unroll
-      for (int u = 0; u < kMaxSteps; ++u) {
+      for (int u = 0; u < kSteps; ++u) {
         const int col = ((step0 + u) * kWarpSize + lane) * kPer;
         if (u < nsteps && col < H) {
-          *reinterpret_cast<uint2*>(dst + col) = q[u];
+          *reinterpret_cast<uint4*>(dst + col) = q[u];
           if (lane % kLanesPerBlock == 0)  // the block's first lane
             dsc[scale_index(S, slot, col / kFp8BlockSize, S.capacity)] = sc[u];
         }
@@ -391,9 +412,9 @@ __device__ __forceinline__ void send_payloads(const DispatchCall& c, const Dispa
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int32_t* send_slot = at<int32_t>(c.local(), c.p.common.layout.send_slot);
-  constexpr int kPer = kElemsPerVec<kDtype>;
+  constexpr int kPer = kElemsPerStep<kDtype>;
   const int steps = (c.p.common.shape.hidden + kWarpSize * kPer - 1) / (kWarpSize * kPer);
-  const int parts = (steps + kMaxSteps - 1) / kMaxSteps;
+  const int parts = (steps + kStepsPerItem<kDtype> - 1) / kStepsPerItem<kDtype>;
   const int per_part = (steps + parts - 1) / parts;
   const int items = (c.t1 - c.t0) * parts;
   for (int it = warp; it < items; it += num_warps) {
