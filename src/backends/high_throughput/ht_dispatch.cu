@@ -30,6 +30,7 @@
 
 #include <cuda_bf16.h>
 
+#include "backends/common/expert_pairs.cuh"
 #include "backends/high_throughput/ht_device.cuh"
 #include "core/fp8.cuh"
 #include "epx/cuda_check.hpp"
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
   __shared__ int32_t count[kMaxRanks];                         // rows this channel sends to rank r
   __shared__ int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // rows of warps < w for rank r
+  __shared__ int32_t expert_sums[dev::kMaxBlockExperts];  // this block's pairs per expert
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
@@ -73,6 +75,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   if (threadIdx.x == 0) failed = 0;
+  const dev::ExpertPairs pairs{expert_sums, E, (t1 - t0) * K};
+  auto counter = [&](int e) {  // expert e's counter at its rank
+    const int r = e / num_local;
+    return at<int32_t>(cm.peers[r], L.expert_rows) + par * num_local + (e - r * num_local);
+  };
+  pairs.clear();
+  __syncthreads();
   uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   int32_t* row_pos = at<int32_t>(me.local, L.row_pos);  // direct mode only
   // Each warp walks its chunk [w0, w1) of the channel's tokens in order. Lanes in groups of
@@ -112,11 +121,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       bad |= __shfl_xor_sync(kFullWarp, bad, off);
     }
     if (bad) bits = 0;  // a token with a bad id goes nowhere
-    if (expert && !bad) {
-      dev::red_add_relaxed_sys(
-          at<int32_t>(cm.peers[dst], L.expert_rows) + par * num_local + (int(id) - dst * num_local),
-          1);
-    }
+    if (expert && !bad) pairs.add(int(id), counter);
     if (n < w1 && k == 0) token_mask[n] = bits;
     // The step's tokens in order: each one's place among the warp's rows for each destination.
     const int steps = min(per_step, w1 - first);
@@ -135,6 +140,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (lane < W) warp_base[warp][lane] = cnt_lo;
   if (lane + 32 < W) warp_base[warp][lane + 32] = cnt_hi;
   __syncthreads();
+  pairs.flush(counter);
   EPX_PHASE_MARK(cm, CountPhase::kRouted);
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     int32_t run = 0;

@@ -25,6 +25,7 @@
 #include <cuda_bf16.h>
 
 #include "backends/peer/kernels.hpp"
+#include "backends/common/expert_pairs.cuh"
 #include "backends/peer/peer_device.cuh"
 #include "epx/cuda_check.hpp"
 #include "core/fp8.cuh"
@@ -62,6 +63,7 @@ struct DispatchShared {
   int32_t base[kMaxRanks];    // row in rank r's receive area of this block's first row for r
   int32_t total[kMaxRanks];   // ordered: rows this rank sends to r (block 0 only)
   int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // first row of warp w's chunk for r, in block
+  int32_t expert_sums[dev::kMaxBlockExperts];  // route: the block's (token, expert) pairs
   int32_t recv_total;         // rows every rank sends to this rank: M
   int32_t failed;             // a wait of this block failed
 };
@@ -78,7 +80,7 @@ __device__ __forceinline__ int64_t load_topk_id(const DispatchCall& c, int n, in
 // status word and their token is sent nowhere. After: send_slot[n][r] = position of token n among
 // its warp's rows for rank r, or -1; sh.warp_base[w][r] = rows of warps < w for r; sh.count[r] =
 // the block's rows for r; each destination's expert_rows counts this block's (token, expert)
-// pairs of its local experts.
+// pairs of its local experts. Before: sh.expert_sums cleared (ExpertPairs::clear).
 __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh) {
   const Shape& S = c.p.common.shape;
   const Layout& L = c.p.common.layout;
@@ -97,6 +99,11 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
   // (Read once per warp: a peer masked meanwhile by another block waits for the next call.)
   const uint64_t masked = __shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
   const int w0 = min(c.t1, c.t0 + warp * c.per_warp), w1 = min(c.t1, w0 + c.per_warp);
+  const dev::ExpertPairs pairs{sh.expert_sums, S.num_experts, (c.t1 - c.t0) * K};
+  auto counter = [&](int e) {  // expert e's counter at its rank
+    const int r = e / S.num_local;
+    return at<int32_t>(sh.peers[r], L.expert_rows) + c.par() * S.num_local + (e - r * S.num_local);
+  };
   int cnt_lo = 0, cnt_hi = 0;  // lane l holds the warp's count for ranks l and l + 32
   for (int first = w0; first < w1; first += per_step) {
     const int n = first + sub;
@@ -130,9 +137,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
       if ((masked >> r) & 1) {
         atomicAdd(&c.state()->dropped, 1ull);
       } else {
-        dev::red_add_relaxed_sys(
-            at<int32_t>(sh.peers[r], L.expert_rows) + c.par() * S.num_local + (id - r * S.num_local),
-            1);
+        pairs.add(int(id), counter);
       }
     }
     // The group's first lane carries the token; invalid tokens are sent nowhere.
@@ -149,6 +154,7 @@ __device__ __forceinline__ void route(const DispatchCall& c, DispatchShared& sh)
   if (lane < W) sh.warp_base[warp][lane] = cnt_lo;
   if (lane + 32 < W) sh.warp_base[warp][lane + 32] = cnt_hi;
   __syncthreads();
+  pairs.flush(counter);
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     int32_t run = 0;
     for (int w = 0; w < num_warps; ++w) {
@@ -647,6 +653,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   for (int r = threadIdx.x; r < p.common.shape.world; r += blockDim.x)
     sh.peers[r] = p.common.peers[r];
   if (threadIdx.x == 0) sh.failed = 0;
+  dev::ExpertPairs{sh.expert_sums, p.common.shape.num_experts, (t1 - t0) * p.common.shape.topk}
+      .clear();
   __syncthreads();
 
   if (half != Half::kReceive) {
