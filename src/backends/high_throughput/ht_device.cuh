@@ -59,7 +59,7 @@ __device__ __forceinline__ dev::WaitContext ht_wait(uint8_t* local, DeviceStatus
 #if EPX_MEASUREMENT
 // The phase clock (backends/common/phase_clock.cuh). These kernels have no register to spare:
 // thread 0 keeps the block's start in shared memory (phase_block_start), and each mark reads the
-// launch's clock anew (a pointer loaded once and held through a kernel costs spills).
+// launch's clock from the kernel's parameters.
 
 // At the block's start (before any mark), thread 0.
 __device__ __forceinline__ void phase_begin(const HtCommon& c) {
@@ -75,10 +75,8 @@ __device__ __forceinline__ void phase_mark(const HtCommon& c, PhaseT phase) {
   constexpr int op = std::is_same_v<PhaseT, CountPhase>      ? 0
                      : std::is_same_v<PhaseT, TransferPhase> ? 1
                                                              : 2;
-  if (threadIdx.x != 0) return;
-  PhaseClock* const clock = *reinterpret_cast<PhaseClock* const volatile*>(&c.clock);
-  if (clock == nullptr) return;
-  phase_add(clock, op, int(phase), dev::globaltimer_ns() - phase_block_start());
+  if (threadIdx.x != 0 || c.clock == nullptr) return;
+  phase_add(c.clock, op, int(phase), dev::globaltimer_ns() - phase_block_start());
 }
 
 // Block 0 of the count kernel, after phase_begin: its start, for the rank's transfer kernel.
