@@ -21,6 +21,11 @@
 //   v8_s8     8 per lane, 8 steps per item (twice the loads in flight)
 //   bulk      the item quantised into shared memory, then one bulk copy (cp.async.bulk, the copy
 //             engine of TMA) per destination issued by one lane
+// and two lines on what the byte mix itself allows (no quantisation, no scatter; bytes not
+// compared): `write` the bandwidth of a 1 GiB cudaMemset (writes only), and `stream` the same
+// bytes as the dispatch read and written in order (each token's row read once with 16-byte loads,
+// its first half written once per destination into consecutive rows of one output, one 16-byte
+// store per lane, with its scales): the time no scatter design can beat on this byte mix.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -213,6 +218,38 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_bulk(Args a) {
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// The byte mix in order: warp per (token, item of 2 x 32 x 16 values), destinations' rows
+// consecutive from first_row[n] (a.slot holds first_row, a.cap the number of destinations of token
+// n in first_row[n + 1] - first_row[n]).
+__global__ void __launch_bounds__(kWarps * 32) stream_mix(Args a) {
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  constexpr int kItemValues = 2 * 32 * 16, kItems = kHidden / kItemValues;
+  static_assert(kHidden % kItemValues == 0, "whole items");
+  for (int it = warp; it < (t1 - t0) * kItems; it += kWarps) {
+    const int n = rank * a.n + t0 + it / kItems, item = it % kItems;
+    const int4* src = reinterpret_cast<const int4*>(a.x + size_t(n) * kHidden);
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = __ldg(src + (item * 2 + u / 2) * 64 + lane * 2 + u % 2);
+    const int row0 = a.slot[n], rows = a.slot[n + 1] - row0;
+    for (int j = 0; j < rows; ++j) {
+      uint8_t* dst = a.out + size_t(row0 + j) * kHidden + item * kItemValues;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int4 w = make_int4(v[2 * u].x ^ v[2 * u + 1].x, v[2 * u].y ^ v[2 * u + 1].y,
+                                 v[2 * u].z ^ v[2 * u + 1].z, v[2 * u].w ^ v[2 * u + 1].w);
+        *reinterpret_cast<int4*>(dst + (u * 32 + lane) * 16) = w;
+        if (lane % 8 == 0)
+          a.scales[size_t(row0 + j) * kGroups + (item * kItemValues + (u * 32 + lane) * 16) / 128] =
+              __int_as_float(w.x);
+      }
+    }
+  }
+}
+
 struct Variant {
   const char* name;
   void (*kernel)(Args);
@@ -265,7 +302,28 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(s));
     CHECK(cudaFree(d));
   }
-  std::printf("copy bandwidth %.1f GB/s (read + write)\n", copy_gbs);
+  // Write bandwidth of a 1 GiB cudaMemset, median of 10.
+  double write_gbs = 0;
+  {
+    const size_t bytes = size_t(1) << 30;
+    void* d = nullptr;
+    CHECK(cudaMalloc(&d, bytes));
+    std::vector<float> ms;
+    for (int i = 0; i < 11; ++i) {
+      CHECK(cudaEventRecord(e0));
+      CHECK(cudaMemsetAsync(d, i, bytes));
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      if (i > 0) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    write_gbs = double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+    CHECK(cudaFree(d));
+  }
+  std::printf("copy bandwidth %.1f GB/s (read + write), write bandwidth %.1f GB/s (cudaMemset)\n",
+              copy_gbs, write_gbs);
   for (const int n : sizes) {
     // Routing: uniform top-8 of 256 experts, deduplicated per rank; rows at each destination in
     // (source rank, token) order.
@@ -340,6 +398,50 @@ int main(int argc, char** argv) {
       const float med = ms[ms.size() / 2];
       std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  %s\n", v.name, med,
                   ms[ms.size() * 9 / 10], med / floor_us, same);
+    }
+    // The byte mix in order (stream_mix): the same reads and writes, no scatter.
+    {
+      std::vector<int32_t> first_row(size_t(rows_in) + 1, 0);
+      for (int t = 0; t < rows_in; ++t) {
+        int d = 0;
+        for (int r = 0; r < kRanks; ++r) d += slot[size_t(t) * kRanks + r] >= 0;
+        first_row[size_t(t) + 1] = first_row[size_t(t)] + d;
+      }
+      int32_t* dfirst = nullptr;
+      uint8_t* out = nullptr;
+      float* scales = nullptr;
+      CHECK(cudaMalloc(&dfirst, first_row.size() * sizeof(int32_t)));
+      CHECK(cudaMalloc(&out, out_rows * kHidden));
+      CHECK(cudaMalloc(&scales, out_rows * kGroups * sizeof(float)));
+      CHECK(cudaMemcpy(dfirst, first_row.data(), first_row.size() * sizeof(int32_t),
+                       cudaMemcpyHostToDevice));
+      Args m = a;
+      m.slot = dfirst;
+      m.out = out;
+      m.scales = scales;
+      std::vector<float> ms;
+      const int iters = n > 1024 ? 50 : 200;
+      for (int i = 0; i < iters + 10; ++i) {
+        CHECK(cudaEventRecord(e0));
+        stream_mix<<<kRanks * kBlocksPerRank, kWarps * 32>>>(m);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float t = 0;
+        CHECK(cudaEventElapsedTime(&t, e0, e1));
+        if (i >= 10) ms.push_back(t * 1e3f);
+      }
+      CHECK(cudaGetLastError());
+      std::sort(ms.begin(), ms.end());
+      const float med = ms[ms.size() / 2];
+      std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  (the byte mix in order)\n",
+                  "stream", med, ms[ms.size() * 9 / 10], med / floor_us);
+      const double write_only_us =
+          double(out_rows) * (kHidden + kGroups * 4) / (write_gbs * 1e9) * 1e6;
+      std::printf("  %-8s %.2f us of writes alone at the cudaMemset rate (%.3f x floor)\n", "write",
+                  write_only_us, write_only_us / floor_us);
+      CHECK(cudaFree(dfirst));
+      CHECK(cudaFree(out));
+      CHECK(cudaFree(scales));
     }
     CHECK(cudaFree(dx));
     CHECK(cudaFree(dslot));
