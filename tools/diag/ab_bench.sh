@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of builds in one run on a GPU machine: `epx bench` of each build in turn, repeated, so that
 # drift of the machine falls on every side alike. Prints the graph one-launch medians per build and
-# round, and keeps each run's JSON.
+# round, and keeps each run's JSON (OUT_DIR/BUILD_ROUND.json; a name already taken, as by an
+# earlier run into the same folder, gets a suffix instead of being overwritten).
 # Usage: tools/diag/ab_bench.sh OUT_DIR ROUNDS BUILD... [-- bench flags]
 #   e.g. tools/diag/ab_bench.sh ab 2 build-base build-dev -- --backends low_latency --tokens 128,4096
 #   (default flags: --backends low_latency --tokens 128,4096 --iters 200 --no-verify)
@@ -18,7 +19,9 @@ for ((i = 1; i <= rounds; i++)); do
   for b in "${builds[@]}"; do
     name=$(basename "$b")
     echo "=== $name, round $i"
-    timeout 300 "$b/epx" bench "${flags[@]}" --json "$out/${name}_$i.json" 2>&1 |
+    json=$out/${name}_$i.json k=2
+    while [ -e "$json" ]; do json=$out/${name}_${i}_$k.json; k=$((k + 1)); done
+    timeout 300 "$b/epx" bench "${flags[@]}" --json "$json" 2>&1 |
       grep -E "graph one_per_gpu|verify|FAIL|commit" | sed -E 's/.*(commit [0-9a-f]+).*/\1/'
   done
 done
