@@ -255,6 +255,26 @@ struct Variant {
   void (*kernel)(Args);
 };
 
+// Sorted times in us of `iters` timed calls of launch() on the default stream, after `warmup`
+// untimed ones.
+template <typename Launch>
+std::vector<float> time_us(const Launch& launch, int warmup, int iters, cudaEvent_t e0,
+                           cudaEvent_t e1) {
+  std::vector<float> us;
+  for (int i = 0; i < warmup + iters; ++i) {
+    CHECK(cudaEventRecord(e0));
+    launch(i);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= warmup) us.push_back(t * 1e3f);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(us.begin(), us.end());
+  return us;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -287,18 +307,9 @@ int main(int argc, char** argv) {
     void *s = nullptr, *d = nullptr;
     CHECK(cudaMalloc(&s, bytes));
     CHECK(cudaMalloc(&d, bytes));
-    std::vector<float> ms;
-    for (int i = 0; i < 11; ++i) {
-      CHECK(cudaEventRecord(e0));
-      CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice));
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, e0, e1));
-      if (i > 0) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    copy_gbs = 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+    const std::vector<float> us = time_us(
+        [&](int) { CHECK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice)); }, 1, 10, e0, e1);
+    copy_gbs = 2.0 * double(bytes) / (us[us.size() / 2] * 1e-6) / 1e9;
     CHECK(cudaFree(s));
     CHECK(cudaFree(d));
   }
@@ -308,18 +319,9 @@ int main(int argc, char** argv) {
     const size_t bytes = size_t(1) << 30;
     void* d = nullptr;
     CHECK(cudaMalloc(&d, bytes));
-    std::vector<float> ms;
-    for (int i = 0; i < 11; ++i) {
-      CHECK(cudaEventRecord(e0));
-      CHECK(cudaMemsetAsync(d, i, bytes));
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, e0, e1));
-      if (i > 0) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    write_gbs = double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+    const std::vector<float> us =
+        time_us([&](int i) { CHECK(cudaMemsetAsync(d, i, bytes)); }, 1, 10, e0, e1);
+    write_gbs = double(bytes) / (us[us.size() / 2] * 1e-6) / 1e9;
     CHECK(cudaFree(d));
   }
   std::printf("copy bandwidth %.1f GB/s (read + write), write bandwidth %.1f GB/s (cudaMemset)\n",
@@ -372,19 +374,9 @@ int main(int argc, char** argv) {
     for (const Variant& v : variants) {
       CHECK(cudaMemset(a.out, 0, out_bytes));
       CHECK(cudaMemset(a.scales, 0, sc_bytes));
-      std::vector<float> ms;
-      const int iters = n > 1024 ? 50 : 200;
-      for (int i = 0; i < iters + 10; ++i) {
-        CHECK(cudaEventRecord(e0));
-        v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32>>>(a);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, e0, e1));
-        if (i >= 10) ms.push_back(t * 1e3f);
-      }
-      CHECK(cudaGetLastError());
-      std::sort(ms.begin(), ms.end());
+      const std::vector<float> ms = time_us(
+          [&](int) { v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32>>>(a); }, 10,
+          n > 1024 ? 50 : 200, e0, e1);
       std::vector<uint8_t> out(out_bytes), sc(sc_bytes);
       CHECK(cudaMemcpy(out.data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(sc.data(), a.scales, sc_bytes, cudaMemcpyDeviceToHost));
@@ -419,19 +411,9 @@ int main(int argc, char** argv) {
       m.slot = dfirst;
       m.out = out;
       m.scales = scales;
-      std::vector<float> ms;
-      const int iters = n > 1024 ? 50 : 200;
-      for (int i = 0; i < iters + 10; ++i) {
-        CHECK(cudaEventRecord(e0));
-        stream_mix<<<kRanks * kBlocksPerRank, kWarps * 32>>>(m);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, e0, e1));
-        if (i >= 10) ms.push_back(t * 1e3f);
-      }
-      CHECK(cudaGetLastError());
-      std::sort(ms.begin(), ms.end());
+      const std::vector<float> ms = time_us(
+          [&](int) { stream_mix<<<kRanks * kBlocksPerRank, kWarps * 32>>>(m); }, 10,
+          n > 1024 ? 50 : 200, e0, e1);
       const float med = ms[ms.size() / 2];
       std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  (the byte mix in order)\n",
                   "stream", med, ms[ms.size() * 9 / 10], med / floor_us);
