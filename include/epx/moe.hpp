@@ -39,7 +39,10 @@
 // Rules: capture every rank's forward (each on its own stream, the same number of
 // chunks; capture only records, nothing runs and no rank waits); replays run
 // dispatch and combine, so they must run on all ranks together like any eager
-// forward (ranks may mix replays with eager forwards, all2all.hpp). A replay uses
+// forward (ranks may mix replays with eager forwards, all2all.hpp). Instantiating,
+// uploading and destroying a graph may wait for the whole device: on a GPU that
+// ranks share, no rank's kernels may spin on this rank meanwhile (line the ranks up
+// after every rank's cudaGraphUpload, before the first replay). A replay uses
 // the pointers and token counts captured: copy new inputs into the captured x. The
 // layer's scratch is shared by its graphs and eager calls: run them in one stream
 // order. Construct the layer (its warm-up reserves every GEMM's scratch) and make

@@ -778,7 +778,7 @@ TEST_P(MoeLayerCase, PairEqualsTwoForwardsEagerAndReplayed) {
   std::vector<std::vector<uint16_t>> separate(kWorld), pair(kWorld), replayed(kWorld);
   std::vector<std::string> errors(kWorld);
   std::vector<std::thread> threads;
-  std::barrier constructed(kWorld);
+  std::barrier constructed(kWorld), graphs(kWorld);
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       try {
@@ -828,12 +828,20 @@ TEST_P(MoeLayerCase, PairEqualsTwoForwardsEagerAndReplayed) {
           testing::abandon_capture(stream);
           throw;
         }
+        EPX_CUDA_CHECK(cudaGraphUpload(exec, stream));
+        EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+        // No rank's kernels spin while another rank instantiates, uploads or destroys a graph
+        // (calls that may wait for the whole device: a peer's replay spinning on this rank
+        // would hold this rank there until the peer's timeout).
+        graphs.arrive_and_wait();
         EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream));
         replayed[size_t(r)] = take();
+        graphs.arrive_and_wait();
         EPX_CUDA_CHECK(cudaGraphExecDestroy(exec));
         EPX_CUDA_CHECK(cudaStreamDestroy(stream));
       } catch (const std::exception& e) {
         errors[size_t(r)] = e.what();
+        graphs.arrive_and_drop();  // the other rank does not wait for this one any more
       }
     });
   }
