@@ -236,25 +236,36 @@ template <DispatchDtype kDtype>
 inline constexpr int kElemsPerPiece =
     kDtype == DispatchDtype::kFP8 ? 16 : 8 * kVecsPerPiece<kDtype>;
 
-// Token n's payload, scales and metadata to every rank r in `m` (the token's destinations,
-// warp-uniform), at the places `sink.dest(r)` names: a ring row, or (direct mode) the row of the
-// receiver's area. Called by one whole warp.
+// Pieces one lane holds at once, and a warp's chunk of a row: kPieces x kWarpSize pieces.
+template <DispatchDtype kDtype>
+inline constexpr int kPieces = kUnroll / kVecsPerPiece<kDtype>;
+// Chunks of a row of `hidden` values (H % 128 == 0 where the wire is fp8).
+template <DispatchDtype kDtype>
+__device__ __forceinline__ int row_chunks(int hidden) {
+  constexpr int kChunk = kPieces<kDtype> * kWarpSize * kElemsPerPiece<kDtype>;
+  return (hidden + kChunk - 1) / kChunk;
+}
+
+// Chunk `chunk` of token n's payload (and its fp8 scales) to every rank r in `m` (the token's
+// destinations, warp-uniform), at the places `sink.dest(r)` names: a ring row, or (direct mode)
+// the row of the receiver's area. Called by one whole warp.
 template <DispatchDtype kDtype, typename Sink>
-__device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtDispatchRank& me,
-                                            int n, uint64_t m, const Sink& sink) {
+__device__ __forceinline__ void write_chunk(const HtDispatchParams& p, const HtDispatchRank& me,
+                                            int n, uint64_t m, const Sink& sink, int chunk) {
   const HtShape& S = p.common.shape;
-  const int H = S.hidden, K = S.topk, lane = threadIdx.x % kWarpSize;
+  const int H = S.hidden, lane = threadIdx.x % kWarpSize;
   constexpr int kPer = kElemsPerPiece<kDtype>;
   constexpr int kVecs = kVecsPerPiece<kDtype>;
-  constexpr int kPieces = kUnroll / kVecs;  // pieces a lane holds at once
+  constexpr int kHeld = kPieces<kDtype>;
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const int pieces = H / kPer;  // of the input row (H % 128 == 0 where the wire is fp8)
   const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(me.x) +
                                                   size_t(n) * H * kInBytes);
-  for (int v0 = 0; v0 < pieces; v0 += kPieces * kWarpSize) {
-    int4 v[kPieces][kVecs];
+  {
+    const int v0 = chunk * kHeld * kWarpSize;
+    int4 v[kHeld][kVecs];
 #pragma unroll
-    for (int u = 0; u < kPieces; ++u) {
+    for (int u = 0; u < kHeld; ++u) {
       const int vi = v0 + u * kWarpSize + lane;
 #pragma unroll
       for (int k = 0; k < kVecs; ++k)
@@ -264,7 +275,7 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
       for (uint64_t mm = m; mm; mm &= mm - 1) {
         int4* out = reinterpret_cast<int4*>(sink.dest(lowest_rank(mm)).payload());
 #pragma unroll
-        for (int u = 0; u < kPieces; ++u) {
+        for (int u = 0; u < kHeld; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
           if (vi < pieces) out[vi] = v[u][0];
         }
@@ -273,10 +284,10 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
       // 16 bf16 -> 16 fp8 per lane; 8 lanes hold one 1x128 block (H % 128 == 0, so a block's
       // lanes are either wholly inside the row or wholly past it).
       constexpr int kLanesPerBlock = kFp8BlockSize / kPer;
-      uint4 q[kPieces];
-      float sc[kPieces];
+      uint4 q[kHeld];
+      float sc[kHeld];
 #pragma unroll
-      for (int u = 0; u < kPieces; ++u) {
+      for (int u = 0; u < kHeld; ++u) {
         float f[kPer];
 #pragma unroll
         for (int k = 0; k < kVecs; ++k) {
@@ -291,7 +302,7 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
         const auto d = sink.dest(lowest_rank(mm));
         uint4* out = reinterpret_cast<uint4*>(d.payload());
 #pragma unroll
-        for (int u = 0; u < kPieces; ++u) {
+        for (int u = 0; u < kHeld; ++u) {
           const int vi = v0 + u * kWarpSize + lane;
           if (vi < pieces) {
             out[vi] = q[u];
@@ -301,6 +312,15 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
       }
     }
   }
+}
+
+// Token n's metadata (and its fp8 input's scales) to every rank r in `m`, as write_chunk.
+template <DispatchDtype kDtype, typename Sink>
+__device__ __forceinline__ void write_metadata(const HtDispatchParams& p,
+                                               const HtDispatchRank& me, int n, uint64_t m,
+                                               const Sink& sink) {
+  const HtShape& S = p.common.shape;
+  const int K = S.topk, lane = threadIdx.x % kWarpSize;
   int32_t id = -1;
   float weight = 0.f;
   if (lane < K) {
@@ -315,6 +335,15 @@ __device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtD
     }
     d.metadata(lane, K, id, weight, n);
   }
+}
+
+// Token n's whole row, scales and metadata, as write_chunk.
+template <DispatchDtype kDtype, typename Sink>
+__device__ __forceinline__ void write_token(const HtDispatchParams& p, const HtDispatchRank& me,
+                                            int n, uint64_t m, const Sink& sink) {
+  const int chunks = row_chunks<kDtype>(p.common.shape.hidden);
+  for (int chunk = 0; chunk < chunks; ++chunk) write_chunk<kDtype>(p, me, n, m, sink, chunk);
+  write_metadata<kDtype>(p, me, n, m, sink);
 }
 
 // Where a token's copies go: lane l holds the place at ranks l and l + 32, so that the warp
@@ -629,14 +658,25 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  for (int n = t0 + warp; n < t1; n += num_warps) {
-    const uint64_t m = token_mask[n];
-    if (m == 0) continue;
+  // The sink of token n: its row at each destination.
+  auto sink_of = [&](int n, uint64_t m) {
     const int32_t* pos = row_pos + size_t(n) * W;
     const int hi = lane + kWarpSize;
     const int row_lo = lane < W && ((m >> lane) & 1) ? seg_base[lane] + pos[lane] : 0;
     const int row_hi = hi < W && ((m >> hi) & 1) ? seg_base[hi] + pos[hi] : 0;
-    write_token<kDtype>(p, me, n, m, AreaSink{S, area, rl, row_lo, row_hi, s});
+    return AreaSink{S, area, rl, row_lo, row_hi, s};
+  };
+  // Items of (token, chunk of its row) over all warps, so that every warp has loads in flight
+  // however the block's tokens divide among its warps; then the metadata, a token per warp.
+  const int chunks = row_chunks<kDtype>(S.hidden);
+  for (int it = warp; it < (t1 - t0) * chunks; it += num_warps) {
+    const int n = t0 + it / chunks;
+    const uint64_t m = token_mask[n];
+    if (m != 0) write_chunk<kDtype>(p, me, n, m, sink_of(n, m), it % chunks);
+  }
+  for (int n = t0 + warp; n < t1; n += num_warps) {
+    const uint64_t m = token_mask[n];
+    if (m != 0) write_metadata<kDtype>(p, me, n, m, sink_of(n, m));
   }
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
