@@ -620,6 +620,18 @@ struct AreaSink {
   }
 };
 
+// Token n's rows at its destinations `m` (direct mode): its place in its segment at each, after
+// the segment's base. Called by one whole warp.
+__device__ __forceinline__ AreaSink area_sink(const HtShape& S, uint8_t* const* area,
+                                              const HtRowsLayout* rl, const int32_t* seg_base,
+                                              const int32_t* row_pos, int n, uint64_t m, int s) {
+  const int W = S.world, lane = threadIdx.x % kWarpSize, hi = lane + kWarpSize;
+  const int32_t* pos = row_pos + size_t(n) * W;
+  const int row_lo = lane < W && ((m >> lane) & 1) ? seg_base[lane] + pos[lane] : 0;
+  const int row_hi = hi < W && ((m >> hi) & 1) ? seg_base[hi] + pos[hi] : 0;
+  return AreaSink{S, area, rl, row_lo, row_hi, s};
+}
+
 // Block b of 2C (direct mode): half b % 2 of channel b / 2's tokens, written straight into the
 // receivers' areas once each has published its area of this round; the rank's last block then
 // tells every receiver that its rows are there.
@@ -657,26 +669,20 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  // The sink of token n: its row at each destination.
-  auto sink_of = [&](int n, uint64_t m) {
-    const int32_t* pos = row_pos + size_t(n) * W;
-    const int hi = lane + kWarpSize;
-    const int row_lo = lane < W && ((m >> lane) & 1) ? seg_base[lane] + pos[lane] : 0;
-    const int row_hi = hi < W && ((m >> hi) & 1) ? seg_base[hi] + pos[hi] : 0;
-    return AreaSink{S, area, rl, row_lo, row_hi, s};
-  };
   // Items of (token, chunk of its row) over all warps, so that every warp has loads in flight
   // however the block's tokens divide among its warps; then the metadata, a token per warp.
   const int chunks = row_chunks<kDtype>(S.hidden);
   for (int it = warp; it < (t1 - t0) * chunks; it += num_warps) {
     const int n = t0 + it / chunks;
     const uint64_t m = token_mask[n];
-    if (m != 0) write_chunk<kDtype>(p, me, n, m, sink_of(n, m), it % chunks);
+    if (m != 0)
+      write_chunk<kDtype>(p, me, n, m, area_sink(S, area, rl, seg_base, row_pos, n, m, s),
+                          it % chunks);
   }
   for (int n = t0 + warp; n < t1; n += num_warps) {
     const uint64_t m = token_mask[n];
-    if (m != 0) write_metadata<kDtype>(p, me, n, m, sink_of(n, m));
+    if (m != 0)
+      write_metadata<kDtype>(p, me, n, m, area_sink(S, area, rl, seg_base, row_pos, n, m, s));
   }
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
