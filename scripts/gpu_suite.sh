@@ -5,13 +5,15 @@
 # (gpu-logs.tar.gz) to $OUT when that is set.
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
 # EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
-# the CLI runs), python (the package: pip install, pytest, the Python example), deepep (DeepEP's
-# own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4 processes on GPU 0,
-# and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP
-# checkout with deep_ep/utils and tests, and the python part),
-# sanitize (compute-sanitizer memcheck and racecheck over `epx check` of every backend),
-# fault (the reliability fault matrix, scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its
-# rows count one each, its table goes to $logs/fault_matrix.md).
+# the CLI runs), cli (= checks,ht,procs: low_latency, baseline and MoE-layer checks; the
+# high_throughput checks; one process per rank, its faults, serve-bench and several GPUs; each part
+# fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
+# deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
+# processes on GPU 0, and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR,
+# a DeepEP checkout with deep_ep/utils and tests, and the python part), sanitize (compute-sanitizer
+# memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
+# scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its rows count one each, its table goes
+# to $logs/fault_matrix.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
@@ -20,10 +22,14 @@ build=${1:-build}
 quick=${2:-}
 logs=${EPX_SUITE_LOGS:-$build/gpu-logs}  # (a folder under $OUT keeps the logs of a run cut short)
 mkdir -p "$logs"
+# Every verdict line also goes to $logs/summary.txt as it is printed: a run cut short by a time
+# bound keeps the verdicts it reached.
+exec > >(tee -a "$logs/summary.txt") 2>&1
 parts=${EPX_SUITE_PARTS:-core,python}
 [[ ",$parts," == *",core,"* ]] && parts="$parts,gtest,cli"
+[[ ",$parts," == *",cli,"* ]] && parts="$parts,checks,ht,procs"
 want() { [[ ",$parts," == *",$1,"* ]]; }
-if { want gtest || want cli; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
+if { want gtest || want checks || want ht || want procs; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
   scripts/setup.sh "$build" || exit 1
 elif want fault && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_fault_rank" ]; }; then
   scripts/setup.sh "$build" || exit 1
@@ -52,8 +58,8 @@ for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gp
 done
 fi  # gtest
 
-if want cli; then
 E="$build/epx check"
+if want checks; then  # low_latency and the baselines on the R1 shape, and the MoE layer
 for t in 128 1024; do
   for d in bf16-to-fp8 bf16 fp8; do
     for l in token expert; do
@@ -72,6 +78,22 @@ run check_t128_rounds2_expert $E --tokens 128 --layout expert --rounds-in-flight
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
+# The MoE layer (`epx check --moe`): W ranks against the same layer on one rank with every expert
+# local, and against the CPU reference (small shape), chunked, with a rank that has no tokens.
+MS="--world 4 --hidden 1024 --intermediate 512 --shared-intermediate 512 --experts 32 --topk 4"
+MS="$MS --tokens 64,0,200,96 --max-tokens 64"
+for b in low_latency allgather_reducescatter naive; do
+  for l in token expert; do
+    [ "$b" != low_latency ] && [ "$l" = expert ] && continue
+    run "moe_${b}_${l}" $E --moe --backend $b --layout $l $MS
+  done
+done
+run moe_high_throughput_token $E --moe --backend high_throughput $MS
+[ -z "$quick" ] && run moe_r1_w8_t128 $E --moe --world 8 --tokens 128
+
+fi  # checks
+
+if want ht; then
 # high_throughput: rows and partials through fixed rings, ordered rows, receive areas sized per
 # call (a host read: each rank from its own thread, or one launch per GPU) or for the worst case
 # (graph replays); odd shapes, empty and full ranks, and the prefill sizes.
@@ -89,19 +111,9 @@ run ht_worst_case_mixed $H --worst-case-output --tokens 512 --graph 20 --mixed -
 [ -z "$quick" ] && run ht_t8192_one_launch $H --tokens 8192 --one-launch --iters 1
 [ -z "$quick" ] && run ht_w16_t2048 $H --world 16 --tokens 2048 --iters 1
 
-# The MoE layer (`epx check --moe`): W ranks against the same layer on one rank with every expert
-# local, and against the CPU reference (small shape), chunked, with a rank that has no tokens.
-MS="--world 4 --hidden 1024 --intermediate 512 --shared-intermediate 512 --experts 32 --topk 4"
-MS="$MS --tokens 64,0,200,96 --max-tokens 64"
-for b in low_latency allgather_reducescatter naive; do
-  for l in token expert; do
-    [ "$b" != low_latency ] && [ "$l" = expert ] && continue
-    run "moe_${b}_${l}" $E --moe --backend $b --layout $l $MS
-  done
-done
-run moe_high_throughput_token $E --moe --backend high_throughput $MS
-[ -z "$quick" ] && run moe_r1_w8_t128 $E --moe --world 8 --tokens 128
+fi  # ht
 
+if want procs; then  # one process per rank, faults of such jobs, serve-bench, several GPUs
 # One process per rank (IpcWorld through `epx launch`), all sharing this machine's GPU: processes
 # on one GPU are time-sliced (a round takes milliseconds), so the round counts stay small.
 EI="$build/epx check --world-kind ipc"
@@ -331,7 +343,7 @@ else
   echo "(one GPU visible: the in-process multi-GPU and NcclWorld runs need two or more)"
 fi
 
-fi  # cli
+fi  # procs
 
 if want python; then
 # The Python package as users get it (`pip install --no-build-isolation .` into a scratch target:
