@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "core/env.hpp"
@@ -34,6 +35,21 @@ std::string phase_entries(const PhaseClock& h, int op, std::span<const char* con
                         1e-3 * double(h.sum[op][ph]) / double(h.count[op][ph]), h.count[op][ph]);
   }
   return line;
+}
+
+std::string start_entries(const PhaseClock& h, int op) {
+  unsigned long long first = ~0ull, last = 0, sum = 0, n = 0;
+  for (const unsigned long long t : h.block_start[op]) {
+    if (t == 0) continue;
+    first = std::min(first, t);
+    last = std::max(last, t);
+    sum += t;
+    ++n;
+  }
+  if (n == 0) return {};
+  return fmt::format(" started: span {:.2f}, mean {:.2f} after the first ({} blocks)",
+                     1e-3 * double(last - first), 1e-3 * (double(sum) / double(n) - double(first)),
+                     n);
 }
 
 void print_phase_line(int rank, const char* what, const std::string& entries) noexcept {

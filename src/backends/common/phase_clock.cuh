@@ -20,6 +20,13 @@ __device__ __forceinline__ void phase_add(PhaseClock* clock, int op, int phase, 
   atomicAdd(&clock->count[op][phase], 1ull);
 }
 
+// Thread 0 of the block keeps `start`, the block's start, as op's start of this block in the
+// latest launch.
+__device__ __forceinline__ void phase_started(PhaseClock* clock, int op, uint64_t start) {
+  if (clock == nullptr || threadIdx.x != 0 || blockIdx.x >= unsigned(kMaxClockBlocks)) return;
+  clock->block_start[op][blockIdx.x] = start;
+}
+
 // Thread 0 of the block adds the time since `start` to the phase's sum; call it where the whole
 // block has finished the phase (after a __syncthreads).
 __device__ __forceinline__ void phase_since(PhaseClock* clock, int op, int phase, uint64_t start) {

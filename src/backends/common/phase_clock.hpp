@@ -16,8 +16,9 @@
 
 namespace epx {
 
-inline constexpr int kMaxPhaseOps = 3;  // ops (or kernels) one clock times
-inline constexpr int kMaxPhases = 8;    // phases of one op
+inline constexpr int kMaxPhaseOps = 3;      // ops (or kernels) one clock times
+inline constexpr int kMaxPhases = 8;        // phases of one op
+inline constexpr int kMaxClockBlocks = 1024;  // blocks of one launch whose start is kept
 
 struct PhaseClock {
   unsigned long long sum[kMaxPhaseOps][kMaxPhases];    // [op][phase] ns
@@ -25,6 +26,9 @@ struct PhaseClock {
   // An op of several kernels: when block 0 of rank r's first kernel started (globaltimer ns), so
   // that the next kernel's block 0 can add the gap between the two starts.
   unsigned long long first_start[kMaxRanks];
+  // [op][block]: when each block of the op's latest launch started (globaltimer ns), so that the
+  // host can tell how far apart a launch's blocks began.
+  unsigned long long block_start[kMaxPhaseOps][kMaxClockBlocks];
 };
 
 // EPX_PHASE_CLOCK set and not "0": a zeroed clock in the memory of `device` (cudaFree it), else
@@ -37,6 +41,9 @@ bool read_phase_clock(const PhaseClock* clock, int device, PhaseClock* out) noex
 std::string phase_entries(const PhaseClock& h, int op, std::span<const char* const> names);
 // "phase clock rank RANK WHAT, us from a block's start:ENTRIES" on stderr; nothing for no entries.
 void print_phase_line(int rank, const char* what, const std::string& entries) noexcept;
+// " started: span S us, mean M us after the first (N blocks)": how far apart the blocks of op's
+// latest launch began. Empty when none was recorded.
+std::string start_entries(const PhaseClock& h, int op);
 
 }  // namespace epx
 #endif

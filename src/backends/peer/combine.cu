@@ -299,6 +299,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   [[maybe_unused]] uint64_t clock0 = 0;  // the block's start: phase clock (EPX_PHASE_CLOCK)
 #if EPX_MEASUREMENT
   clock0 = dev::globaltimer_ns();
+  phase_started(p.common.clock, 1, clock0);
 #endif
   const Half half = p.common.half;
   if (half != Half::kReceive) {

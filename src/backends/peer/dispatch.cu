@@ -633,6 +633,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   [[maybe_unused]] uint64_t clock0 = 0;  // the block's start: phase clock (EPX_PHASE_CLOCK)
 #if EPX_MEASUREMENT
   clock0 = dev::globaltimer_ns();
+  phase_started(p.common.clock, 0, clock0);
 #endif
   const Half half = p.common.half;
   // A receive half serves the round its send half began.

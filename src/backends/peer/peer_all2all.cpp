@@ -110,8 +110,9 @@ class PeerAll2All final : public All2All {
     static constexpr const char* kCombine[] = {"published", "waited", "pulled"};
     static_assert(std::size(kDispatch) == size_t(DispatchPhase::kCount) &&
                   std::size(kCombine) == size_t(CombinePhase::kCount));
-    print_phase_line(cfg_.rank, "dispatch", phase_entries(h, 0, kDispatch));
-    print_phase_line(cfg_.rank, "combine", phase_entries(h, 1, kCombine));
+    print_phase_line(cfg_.rank, "dispatch",
+                     phase_entries(h, 0, kDispatch) + start_entries(h, 0));
+    print_phase_line(cfg_.rank, "combine", phase_entries(h, 1, kCombine) + start_entries(h, 1));
   }
 #endif
 
