@@ -38,18 +38,19 @@ std::string phase_entries(const PhaseClock& h, int op, std::span<const char* con
 }
 
 std::string start_entries(const PhaseClock& h, int op) {
-  unsigned long long first = ~0ull, last = 0, sum = 0, n = 0;
+  unsigned long long first = ~0ull, last = 0, n = 0;
   for (const unsigned long long t : h.block_start[op]) {
     if (t == 0) continue;
     first = std::min(first, t);
     last = std::max(last, t);
-    sum += t;
     ++n;
   }
   if (n == 0) return {};
+  double after_first = 0;  // summed as offsets: a sum of raw globaltimer values overflows
+  for (const unsigned long long t : h.block_start[op])
+    if (t != 0) after_first += double(t - first);
   return fmt::format(" started: span {:.2f}, mean {:.2f} after the first ({} blocks)",
-                     1e-3 * double(last - first), 1e-3 * (double(sum) / double(n) - double(first)),
-                     n);
+                     1e-3 * double(last - first), 1e-3 * after_first / double(n), n);
 }
 
 void print_phase_line(int rank, const char* what, const std::string& entries) noexcept {
