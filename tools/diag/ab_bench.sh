@@ -5,6 +5,8 @@
 # earlier run into the same folder, gets a suffix instead of being overwritten).
 # Usage: tools/diag/ab_bench.sh OUT_DIR ROUNDS BUILD... [-- bench flags]
 #   e.g. tools/diag/ab_bench.sh ab 2 build-base build-dev -- --backends low_latency --tokens 128,4096
+# A BUILD may carry flags of its own after a colon, added to the shared ones for that side only:
+#   tools/diag/ab_bench.sh ab 2 build "build:--combine push"
 #   (default flags: --backends low_latency --tokens 128,4096 --iters 200 --no-verify)
 set -uo pipefail
 out=$1 rounds=$2
@@ -16,12 +18,15 @@ flags=("$@")
 [ ${#flags[@]} -eq 0 ] && flags=(--backends low_latency --tokens 128,4096 --iters 200 --no-verify)
 mkdir -p "$out"
 for ((i = 1; i <= rounds; i++)); do
-  for b in "${builds[@]}"; do
-    name=$(basename "$b")
-    echo "=== $name, round $i"
+  for spec in "${builds[@]}"; do
+    b=${spec%%:*} own=""
+    [ "$spec" != "$b" ] && own=${spec#*:}
+    name=$(basename "$b")$(echo "$own" | tr -c 'A-Za-z0-9\n' '_' | sed 's/^_*/_/; s/_*$//; s/^_$//')
+    echo "=== $name, round $i${own:+ ($own)}"
     json=$out/${name}_$i.json k=2
     while [ -e "$json" ]; do json=$out/${name}_${i}_$k.json; k=$((k + 1)); done
-    timeout 300 "$b/epx" bench "${flags[@]}" --json "$json" 2>&1 |
+    # shellcheck disable=SC2086  # a side's own flags split at spaces
+    timeout 300 "$b/epx" bench "${flags[@]}" $own --json "$json" 2>&1 |
       grep -E "graph one_per_gpu|verify|FAIL|commit" | sed -E 's/.*(commit [0-9a-f]+).*/\1/'
   done
 done
