@@ -21,11 +21,13 @@
 //   v8_s8     8 per lane, 8 steps per item (twice the loads in flight)
 //   bulk      the item quantised into shared memory, then one bulk copy (cp.async.bulk, the copy
 //             engine of TMA) per destination issued by one lane
-// and two lines on what the byte mix itself allows (no quantisation, no scatter; bytes not
-// compared): `write` the bandwidth of a 1 GiB cudaMemset (writes only), and `stream` the same
-// bytes as the dispatch read and written in order (each token's row read once with 16-byte loads,
-// its first half written once per destination into consecutive rows of one output, one 16-byte
-// store per lane, with its scales): the time no scatter design can beat on this byte mix.
+// and what the byte mix itself allows (bytes not compared): `write` the bandwidth of a 1 GiB
+// cudaMemset (writes only), and `stream` the same bytes as the dispatch read and written in order
+// (each token's row read once with 16-byte loads, its first half written once per destination
+// into consecutive rows of one output, one 16-byte store per lane, with its scales, no
+// quantisation): the time no scatter design can beat on this byte mix. Two more split the gap
+// between v16 and stream into its two causes: `v16_nq` (v16's scatter without the quantisation:
+// the bytes mixed as stream mixes them) and `stream_q` (stream with v16's quantisation).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -103,9 +105,11 @@ __device__ __forceinline__ void quantize(const float (&f)[kPer], uint32_t (&q)[k
   }
 }
 
-// Register variants: one warp per (token, item of kSteps x 32 lanes x kPer values).
-template <int kPer, int kSteps, Hint kHint>
+// Register variants: one warp per (token, item of kSteps x 32 lanes x kPer values). !kQuant (16
+// values per lane only): no quantisation, the two loaded vectors mixed into one (as stream_mix).
+template <int kPer, int kSteps, Hint kHint, bool kQuant = true>
 __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
+  static_assert(kQuant || kPer == 16, "unquantised rows: 16 values per lane");
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
@@ -140,7 +144,14 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
       }
       uint32_t q[kPer / 4];
       float sc;
-      quantize<kPer>(f, q, sc);
+      if constexpr (kQuant) {
+        quantize<kPer>(f, q, sc);
+      } else {
+        const int4 w = make_int4(v[u][0].x ^ v[u][1].x, v[u][0].y ^ v[u][1].y,
+                                 v[u][0].z ^ v[u][1].z, v[u][0].w ^ v[u][1].w);
+        q[0] = uint32_t(w.x), q[1] = uint32_t(w.y), q[2] = uint32_t(w.z), q[3] = uint32_t(w.w);
+        sc = __int_as_float(w.x);
+      }
       for (uint32_t m = dmask; m; m &= m - 1) {
         const int r = __ffs(m) - 1;
         const int row = __shfl_sync(0xffffffffu, my_slot, r);
@@ -220,7 +231,8 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_bulk(Args a) {
 
 // The byte mix in order: warp per (token, item of 2 x 32 x 16 values), destinations' rows
 // consecutive from first_row[n] (a.slot holds first_row, a.cap the number of destinations of token
-// n in first_row[n + 1] - first_row[n]).
+// n in first_row[n + 1] - first_row[n]). kQuant: each lane's 16 values quantised as v16 does.
+template <bool kQuant>
 __global__ void __launch_bounds__(kWarps * 32) stream_mix(Args a) {
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -234,17 +246,36 @@ __global__ void __launch_bounds__(kWarps * 32) stream_mix(Args a) {
     int4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) v[u] = __ldg(src + (item * 2 + u / 2) * 64 + lane * 2 + u % 2);
+    int4 w[2];
+    float sc[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if constexpr (kQuant) {
+        float f[16], g[8];
+        epx::dev::bf16x8_to_float(v[2 * u], g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = g[i];
+        epx::dev::bf16x8_to_float(v[2 * u + 1], g);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[8 + i] = g[i];
+        uint32_t q[4];
+        quantize<16>(f, q, sc[u]);
+        w[u] = make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
+      } else {
+        w[u] = make_int4(v[2 * u].x ^ v[2 * u + 1].x, v[2 * u].y ^ v[2 * u + 1].y,
+                         v[2 * u].z ^ v[2 * u + 1].z, v[2 * u].w ^ v[2 * u + 1].w);
+        sc[u] = __int_as_float(w[u].x);
+      }
+    }
     const int row0 = a.slot[n], rows = a.slot[n + 1] - row0;
     for (int j = 0; j < rows; ++j) {
       uint8_t* dst = a.out + size_t(row0 + j) * kHidden + item * kItemValues;
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const int4 w = make_int4(v[2 * u].x ^ v[2 * u + 1].x, v[2 * u].y ^ v[2 * u + 1].y,
-                                 v[2 * u].z ^ v[2 * u + 1].z, v[2 * u].w ^ v[2 * u + 1].w);
-        *reinterpret_cast<int4*>(dst + (u * 32 + lane) * 16) = w;
+        *reinterpret_cast<int4*>(dst + (u * 32 + lane) * 16) = w[u];
         if (lane % 8 == 0)
           a.scales[size_t(row0 + j) * kGroups + (item * kItemValues + (u * 32 + lane) * 16) / 128] =
-              __int_as_float(w.x);
+              sc[u];
       }
     }
   }
@@ -289,6 +320,7 @@ int main(int argc, char** argv) {
       {"v16_cs", scatter_registers<16, 2, Hint::kStoreCs>},
       {"v8_s8", scatter_registers<8, 8, Hint::kNone>},
       {"bulk", scatter_bulk},
+      {"v16_nq", scatter_registers<16, 2, Hint::kNone, false>},
   };
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -381,7 +413,9 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(out.data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(sc.data(), a.scales, sc_bytes, cudaMemcpyDeviceToHost));
       const char* same = "reference";
-      if (first_out.empty()) {
+      if (std::strcmp(v.name, "v16_nq") == 0) {
+        same = "(no quantisation: bytes not compared)";
+      } else if (first_out.empty()) {
         first_out = out;
         first_sc = sc;
       } else {
@@ -411,12 +445,21 @@ int main(int argc, char** argv) {
       m.slot = dfirst;
       m.out = out;
       m.scales = scales;
-      const std::vector<float> ms = time_us(
-          [&](int) { stream_mix<<<kRanks * kBlocksPerRank, kWarps * 32>>>(m); }, 10,
-          n > 1024 ? 50 : 200, e0, e1);
-      const float med = ms[ms.size() / 2];
-      std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  (the byte mix in order)\n",
-                  "stream", med, ms[ms.size() * 9 / 10], med / floor_us);
+      for (const bool quant : {false, true}) {
+        const std::vector<float> ms = time_us(
+            [&](int) {
+              if (quant) {
+                stream_mix<true><<<kRanks * kBlocksPerRank, kWarps * 32>>>(m);
+              } else {
+                stream_mix<false><<<kRanks * kBlocksPerRank, kWarps * 32>>>(m);
+              }
+            },
+            10, n > 1024 ? 50 : 200, e0, e1);
+        const float med = ms[ms.size() / 2];
+        std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  (the byte mix in order%s)\n",
+                    quant ? "stream_q" : "stream", med, ms[ms.size() * 9 / 10], med / floor_us,
+                    quant ? ", quantised" : "");
+      }
       const double write_only_us =
           double(out_rows) * (kHidden + kGroups * 4) / (write_gbs * 1e9) * 1e6;
       std::printf("  %-8s %.2f us of writes alone at the cudaMemset rate (%.3f x floor)\n", "write",
