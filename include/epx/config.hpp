@@ -86,7 +86,8 @@ struct EpConfig {
   // and sizes those areas to it: memory follows the rows actually received.
   bool worst_case_output = false;
   // Pull or push combine (CombineMode); the sums, in rank order, are the same bits either way.
-  // naive (an all-reduce) and high_throughput take kAuto or kPull only.
+  // naive (an all-reduce), high_throughput and mask_failed_ranks take kAuto (which then pulls)
+  // or kPull only.
   CombineMode combine = CombineMode::kAuto;
   int timeout_ms = 10000;
 

@@ -251,18 +251,26 @@ TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
   }
 }
 
-// naive's combine is an all-reduce over every rank's rows: push is refused by name.
-TEST(PushCombine, NaiveRefusesPush) {
+// Push is refused by name where it cannot work: naive's combine is an all-reduce over every
+// rank's rows, and a masked sender's reserved rows may carry no metadata.
+TEST(PushCombine, RefusedWithNaiveAndWithMasking) {
   REQUIRE_GPU();
   EpConfig c = gpu_test::small_config();
   c.world_size = 2;
   c.combine = CombineMode::kPush;
   InProcessWorld world(2);
-  try {
-    (void)make_all2all_group(Backend::kNaive, c, world);
-    ADD_FAILURE() << "expected a ConfigError naming combine";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("combine = push"), std::string::npos) << e.what();
+  EpConfig masked = c;
+  masked.mask_failed_ranks = true;
+  for (const auto& [backend, cfg, bound] :
+       {std::tuple{Backend::kNaive, c, "backend naive"},
+        std::tuple{Backend::kLowLatency, masked, "mask_failed_ranks = true"}}) {
+    try {
+      (void)make_all2all_group(backend, cfg, world);
+      ADD_FAILURE() << "expected a ConfigError naming combine";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("combine = push"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bound), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -102,7 +102,7 @@ __device__ __forceinline__ PartialT* pushed_row(const CombineCall& c, uint8_t* o
 }
 
 // Push mode, token-major: one warp per row copies the partial to its token's rank, 4 vectors
-// per lane loaded before any is stored. Rows of masked ranks stay home.
+// per lane loaded before any is stored. (Push excludes rank masking: every rank is live.)
 __device__ __forceinline__ void push_rows(const CombineCall& c, const int4* src) {
   const Layout& L = c.p.common.layout;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -110,10 +110,8 @@ __device__ __forceinline__ void push_rows(const CombineCall& c, const int4* src)
   const int vecs = c.p.common.shape.hidden / 8;
   const int32_t* src_rank = at<int32_t>(c.local(), L.recv_src_rank);
   const int32_t* src_idx = at<int32_t>(c.local(), L.recv_src_idx);
-  const uint64_t masked = __shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
   for (int j = c.b * num_warps + warp; j < c.M; j += c.nb * num_warps) {
     const int owner = src_rank[j];
-    if ((masked >> owner) & 1) continue;
     int4* dst = reinterpret_cast<int4*>(
         pushed_row<__nv_bfloat16>(c, c.peers[owner], c.rank(), src_idx[j]));
     const int4* row = src + size_t(j) * vecs;
@@ -170,16 +168,12 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
     const float* rw = at<float>(c.local(), L.recv_topk_w);
     const int32_t* src_rank = at<int32_t>(c.local(), L.recv_src_rank);
     const int32_t* src_idx = at<int32_t>(c.local(), L.recv_src_idx);
-    const uint64_t masked = push ? dev::masked_ranks(c.wait()) : 0;
     const int e0 = c.rank() * S.num_local;
     for (int j = b * num_warps + warp; j < M; j += nb * num_warps) {
-      // This row's f32 partial: here, or (push) at its token's rank; rows of masked ranks stay.
-      PartialT* out_row = partials + size_t(j) * H;
-      if (push) {
-        const int owner = src_rank[j];
-        if ((masked >> owner) & 1) continue;
-        out_row = pushed_row<PartialT>(c, c.peers[owner], c.rank(), src_idx[j]);
-      }
+      // This row's f32 partial: here, or (push) at its token's rank.
+      PartialT* out_row =
+          push ? pushed_row<PartialT>(c, c.peers[src_rank[j]], c.rank(), src_idx[j])
+               : partials + size_t(j) * H;
       for (int v = lane; v < vecs; v += kWarpSize) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int k = 0; k < K; ++k) {
@@ -197,6 +191,12 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
         dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
       }
     }
+  }
+  if (push) {
+    // This block's rows went to other ranks' memory (other GPUs' too): ordered at system scope
+    // before the ticket that lets the last block tell them.
+    __syncthreads();
+    if (threadIdx.x == 0) dev::fence_acq_rel_sys();
   }
   if (dev::last_block(&c.state()->combine_ready_ticket, c.nb)) tell_all(c, L.ready);
 }

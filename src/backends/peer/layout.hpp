@@ -104,8 +104,8 @@ struct Layout {
 Layout make_layout(const EpConfig& cfg, const Algorithm& algo, bool push);
 
 // Whether combine pushes: cfg.combine, with kAuto resolved by where the ranks' memory lives
-// (`one_gpu`: every rank's on this rank's GPU, where pulling moves the fewest bytes). The naive
-// backend's combine is an all-reduce: never.
+// (`one_gpu`: every rank's on this rank's GPU, where pulling moves the fewest bytes). Never for
+// the naive backend (its combine is an all-reduce) nor with mask_failed_ranks.
 bool combine_pushes(const EpConfig& cfg, const Algorithm& algo, bool one_gpu);
 
 }  // namespace epx::peer

@@ -28,7 +28,7 @@ namespace peer {
 
 
 bool combine_pushes(const EpConfig& cfg, const Algorithm& algo, bool one_gpu) {
-  if (algo.all_reduce) return false;
+  if (algo.all_reduce || cfg.mask_failed_ranks) return false;
   return cfg.combine == CombineMode::kPush || (cfg.combine == CombineMode::kAuto && !one_gpu);
 }
 
@@ -54,7 +54,8 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo, bool push) {
   L.recv_src_idx = carve(c, cap * sizeof(int32_t));
   L.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
   L.recv_topk_w = carve(c, cap * K * sizeof(float));
-  L.partials = carve(c, cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  // (expert-major push folds each row straight into its token's rank: no partials here)
+  L.partials = carve(c, em && push ? 0 : cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
   L.pushed = carve(c, push ? cap * H * (em ? sizeof(float) : sizeof(uint16_t)) : 0);
   L.reduced = carve(c, algo.all_reduce ? cap * H * sizeof(uint16_t) : 0);
   L.sym_slot_bytes = c - sym_slot0;
@@ -431,6 +432,10 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   // The naive combine is an all-reduce over every rank's rows: nothing to push.
   EPX_CHECK(cfg.combine != CombineMode::kPush || !algo.all_reduce, ConfigError, "combine",
             to_string(cfg.combine), "auto or pull with backend naive (its combine is an all-reduce)");
+  // A masked sender's reserved rows may carry no metadata (it stopped mid-round): push would
+  // write their stale partials into live ranks. Masking pulls.
+  EPX_CHECK(cfg.combine != CombineMode::kPush || !cfg.mask_failed_ranks, ConfigError, "combine",
+            to_string(cfg.combine), "auto or pull with mask_failed_ranks = true");
   // The naive all-reduce orders its rows (every rank must hold the same rows): no masking.
   EPX_CHECK(!cfg.mask_failed_ranks || algo.backend != Backend::kNaive, ConfigError,
             "mask_failed_ranks", "true", "false with backend naive (its rows are ordered)");
