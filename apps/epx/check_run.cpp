@@ -71,6 +71,7 @@ nlohmann::json options_json(const testing::CheckOptions& o, const CheckRunFlags&
           {"deterministic", cfg.deterministic},
           {"rounds_in_flight", cfg.rounds_in_flight},
           {"worst_case_output", cfg.worst_case_output},
+          {"combine", to_string(cfg.combine)},
           {"timeout_ms", cfg.timeout_ms},
           {"routing", f.routing},
           {"seed", o.seed},
@@ -121,10 +122,10 @@ int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f,
   const EpConfig& cfg = o.cfg;
   fmt::print(
       "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
-      "layout {}, scales {}, routing {}, seed {}\n",
+      "layout {}, scales {}, combine {}, routing {}, seed {}\n",
       to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk, f.tokens,
       cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
-      to_string(cfg.scale_layout), f.routing, o.seed);
+      to_string(cfg.scale_layout), to_string(cfg.combine), f.routing, o.seed);
   const auto t0 = std::chrono::steady_clock::now();
   const testing::CheckReport rep = testing::run_check(o);
   const double secs = seconds_since(t0);
@@ -158,10 +159,11 @@ int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const
   if (lead) {
     fmt::print(
         "epx check: {} world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
-        "tokens {}, max {}, dtype {}, layout {}, scales {}, routing {}, seed {}\n",
+        "tokens {}, max {}, dtype {}, layout {}, scales {}, combine {}, routing {}, seed {}\n",
         to_string(kind), world.size(), to_string(o.backend), cfg.world_size, cfg.hidden,
         cfg.num_experts, cfg.topk, f.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
-        to_string(cfg.layout), to_string(cfg.scale_layout), f.routing, o.seed);
+        to_string(cfg.layout), to_string(cfg.scale_layout), to_string(cfg.combine), f.routing,
+        o.seed);
     std::fflush(stdout);
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -218,7 +220,7 @@ bool same_check(const testing::CheckOptions& a, const testing::CheckOptions& b) 
          x.max_tokens_per_rank == y.max_tokens_per_rank && x.dtype == y.dtype &&
          x.scale_layout == y.scale_layout && x.layout == y.layout &&
          x.deterministic == y.deterministic && x.rounds_in_flight == y.rounds_in_flight &&
-         x.worst_case_output == y.worst_case_output &&
+         x.worst_case_output == y.worst_case_output && x.combine == y.combine &&
          a.gpus == b.gpus && a.backend == b.backend && a.tokens == b.tokens &&
          a.routing == b.routing && a.seed == b.seed && a.iters == b.iters &&
          a.graph_replays == b.graph_replays && a.verify_every == b.verify_every &&

@@ -140,6 +140,7 @@ std::string in_flag_names(const std::string& message, const char* max_tokens_fla
                                  {"dtype", "--dtype"},
                                  {"layout", "--layout"},
                                  {"scale_layout", "--scale-layout"},
+                                 {"combine", "--combine"},
                                  {"timeout_ms", "--timeout-ms"}});
 }
 
@@ -212,6 +213,7 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.deterministic = deterministic;
   cfg.rounds_in_flight = rounds_in_flight;
   cfg.worst_case_output = worst_case_output;
+  cfg.combine = parse_as_flag(parse_combine_mode, combine, "combine", "--combine");
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -259,6 +261,10 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
   c->add_flag("--worst-case-output", f.worst_case_output,
               "high_throughput: receive areas for world x max tokens rows, so that dispatch never "
               "reads a count back on the host (CUDA graphs); default: sized per call");
+  c->add_option("--combine", f.combine,
+                "auto | pull | push: how combine moves the partials (low_latency, "
+                "allgather_reducescatter); auto pulls when every rank is on one GPU")
+      ->capture_default_str();
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");
 }

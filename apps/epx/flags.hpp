@@ -83,6 +83,7 @@ struct ShapeFlags {
   bool deterministic = false;  // --deterministic: rows in (source rank, source index) order
   int rounds_in_flight = 1;    // --rounds-in-flight
   bool worst_case_output = false;  // --worst-case-output (high_throughput)
+  std::string combine = "auto";    // --combine: auto | pull | push
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

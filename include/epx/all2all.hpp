@@ -144,10 +144,11 @@ class All2All {
   // their receive halves, on one stream) — except dispatch_send with ordered rows
   // (cfg.deterministic, and the naive backend), which exchanges counts with every peer first; a
   // receive half waits for every peer's send half of the round, then lays the rows out
-  // (dispatch) or pulls and sums the partials (combine). Each send
-  // half must be followed by its receive half before the next op (StateError otherwise);
+  // (dispatch) or pulls and sums the partials (combine; with push combine, EpConfig::combine,
+  // combine_send writes them into their tokens' ranks and combine_recv sums them locally). Each
+  // send half must be followed by its receive half before the next op (StateError otherwise);
   // dispatch_recv's result is that of dispatch(). Between combine_send and combine_recv the
-  // partials must stay as they are: peers read them.
+  // partials must stay as they are: peers read them (pull combine).
   virtual void dispatch_send(const DispatchInput& input, cudaStream_t stream) = 0;
   virtual DispatchResult dispatch_recv(cudaStream_t stream) = 0;
   virtual void combine_send(const void* expert_out, cudaStream_t stream) = 0;
@@ -174,7 +175,9 @@ class All2All {
   virtual void clear_mask(cudaStream_t stream) = 0;
 };
 
-// Bytes of device memory one rank's object needs for `cfg` (the one sizing function).
+// Bytes of device memory one rank's object needs for `cfg` (the one sizing function), with
+// CombineMode::kAuto as on ranks that share one GPU (pull); a world over several GPUs resolves it
+// to push, which adds its area (EpConfig::combine).
 size_t buffer_bytes(Backend backend, const EpConfig& cfg);
 size_t low_latency_buffer_bytes(const EpConfig& cfg);
 

@@ -36,6 +36,17 @@ enum class OutputLayout {
   kExpertMajor,  // recv_x[E/W, W*max_tokens, H], one row per (source token, local expert)
 };
 
+// How combine moves each partial to its token's rank (low_latency and allgather_reducescatter).
+enum class CombineMode {
+  kAuto,  // pull when every rank's memory is on this rank's GPU, push when a peer's is not
+  kPull,  // each rank publishes its partials; the token's rank reads them from the ranks that
+          // hold them (round-trip reads; on one GPU the fewest bytes)
+  kPush,  // each rank writes each partial into the token's rank (posted writes, which beat
+          // round-trip reads over NVLink), then flags it; the token's rank sums from its own
+          // memory. Holds one more area per round: world_size * max_tokens_per_rank rows of
+          // hidden bf16 (f32 for the expert-major layout)
+};
+
 enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughput };
 
 // The baselines deliver every token of every rank (that is what they are); low_latency and
@@ -74,6 +85,10 @@ struct EpConfig {
   // counts, reads the round's row count back on the host (the host waits for the peers' counts)
   // and sizes those areas to it: memory follows the rows actually received.
   bool worst_case_output = false;
+  // Pull or push combine (CombineMode); the sums, in rank order, are the same bits either way.
+  // naive (an all-reduce), high_throughput and mask_failed_ranks take kAuto (which then pulls)
+  // or kPull only.
+  CombineMode combine = CombineMode::kAuto;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
@@ -137,8 +152,10 @@ const char* to_string(Backend b);
 const char* to_string(DispatchDtype d);
 const char* to_string(ScaleLayout s);
 const char* to_string(OutputLayout l);
+const char* to_string(CombineMode m);
 DispatchDtype parse_dispatch_dtype(const std::string& name);
 OutputLayout parse_output_layout(const std::string& name);
 ScaleLayout parse_scale_layout(const std::string& name);
+CombineMode parse_combine_mode(const std::string& name);
 
 }  // namespace epx

@@ -42,6 +42,7 @@ class ConfigValues(NamedTuple):
     rounds_in_flight: int
     mask_failed_ranks: bool
     worst_case_output: bool
+    combine: str
     timeout_ms: int
     capacity: int
     num_local_experts: int

@@ -37,7 +37,8 @@ constexpr std::array<IntField, 8> kIntFields{{
 }};
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
-    "layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, timeout_ms";
+    "layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, combine, "
+    "timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
   for (const IntField& f : kIntFields) {
@@ -58,6 +59,8 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
     c.mask_failed_ranks = bool_arg("EpConfig", key, v);
   } else if (key == "worst_case_output") {
     c.worst_case_output = bool_arg("EpConfig", key, v);
+  } else if (key == "combine") {
+    c.combine = parse_combine_mode(str_arg("EpConfig", key, v));
   } else {
     EPX_CHECK(false, ConfigError, "EpConfig key", "'" + key + "'",
               std::string("one of ") + kEpConfigKeys);
@@ -68,12 +71,13 @@ std::string ep_repr(const EpConfig& c) {
   return fmt::format(
       "EpConfig(rank={}, world_size={}, hidden={}, num_experts={}, topk={}, "
       "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', layout='{}', deterministic={}, "
-      "rounds_in_flight={}, mask_failed_ranks={}, worst_case_output={}, timeout_ms={})",
+      "rounds_in_flight={}, mask_failed_ranks={}, worst_case_output={}, combine='{}', "
+      "timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
       to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
       c.deterministic ? "True" : "False", c.rounds_in_flight,
       c.mask_failed_ranks ? "True" : "False", c.worst_case_output ? "True" : "False",
-      c.timeout_ms);
+      to_string(c.combine), c.timeout_ms);
 }
 
 void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {
@@ -199,6 +203,11 @@ void bind_config(nb::module_& m) {
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "worst_case_output", v); },
       "high_throughput: receive areas for world_size x max_tokens_per_rank rows (fixed "
       "shapes, no host read of the row count, capturable); required from Python.");
+  ep.def_prop_rw(
+      "combine", [](const EpConfig& c) { return std::string(to_string(c.combine)); },
+      [](EpConfig& c, nb::handle v) { set_ep_field(c, "combine", v); },
+      "'auto', 'pull' or 'push': how combine moves the partials (low_latency, "
+      "allgather_reducescatter); 'auto' pulls when every rank is on one GPU, pushes otherwise.");
 
   nb::class_<LaunchConfig>(m, "LaunchConfig",
                            "Launch shape of one op; 0 = chosen per world and shape.")

@@ -50,6 +50,11 @@ constexpr std::array<NamedValue<OutputLayout>, 2> kOutputLayoutNames{{
     {OutputLayout::kTokenMajor, "token"},
     {OutputLayout::kExpertMajor, "expert"},
 }};
+constexpr std::array<NamedValue<CombineMode>, 3> kCombineModeNames{{
+    {CombineMode::kAuto, "auto"},
+    {CombineMode::kPull, "pull"},
+    {CombineMode::kPush, "push"},
+}};
 
 template <typename Enum, size_t N>
 const char* name_of(const std::array<NamedValue<Enum>, N>& table, Enum v) {
@@ -99,6 +104,7 @@ const char* to_string(Backend b) { return name_of(kBackendNames, b); }
 const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
 const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
+const char* to_string(CombineMode m) { return name_of(kCombineModeNames, m); }
 
 Backend parse_backend(const std::string& name) { return detail::parse_backend_as("backend", name); }
 DispatchDtype parse_dispatch_dtype(const std::string& name) {
@@ -109,6 +115,9 @@ OutputLayout parse_output_layout(const std::string& name) {
 }
 ScaleLayout parse_scale_layout(const std::string& name) {
   return parse_named(kScaleLayoutNames, "scale_layout", name);
+}
+CombineMode parse_combine_mode(const std::string& name) {
+  return parse_named(kCombineModeNames, "combine", name);
 }
 
 // ---- EpConfig -------------------------------------------------------------------------------
@@ -134,6 +143,8 @@ void EpConfig::validate() const {
             fmt::format("one of {}", list_names(kScaleLayoutNames)));
   EPX_CHECK(is_named(kOutputLayoutNames, layout), ConfigError, "layout", static_cast<int>(layout),
             fmt::format("one of {}", list_names(kOutputLayoutNames)));
+  EPX_CHECK(is_named(kCombineModeNames, combine), ConfigError, "combine", static_cast<int>(combine),
+            fmt::format("one of {}", list_names(kCombineModeNames)));
   // fp8 rows carry one f32 scale per 1x128 block; a partial block has no defined scale.
   EPX_CHECK(!wire_fp8() || hidden % kFp8BlockSize == 0, ConfigError, "hidden", hidden,
             fmt::format("a multiple of kFp8BlockSize = {} for dtype {}", kFp8BlockSize,

@@ -181,6 +181,10 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   // in eager calls too; else sized per call.
   cfg.worst_case_output = ht && (o.graph_replays > 0 || d.odds(1, 3));
   o.seed = fuzz_case_seed(seed, index);
+  // A third of the cases of the backends that may push combine through push (drawn last, so
+  // that the earlier draws of a seed stay what they were).
+  const bool may_push = !ht && o.backend != Backend::kNaive;
+  cfg.combine = may_push && d.odds(1, 3) ? CombineMode::kPush : CombineMode::kAuto;
 
   const std::string tokens = fmt::format("{}", fmt::join(o.tokens, ","));
   const std::string calls =
@@ -189,13 +193,13 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   const std::string scales =
       cfg.wire_fp8() ? fmt::format(" {}-major scales", to_string(cfg.scale_layout)) : "";
   c.description = fmt::format(
-      "W{} H{} E{} K{} tokens {} (max {}) {} {}-major{} routing {} {}{}{} rounds {} {} ({})", W,
+      "W{} H{} E{} K{} tokens {} (max {}) {} {}-major{} routing {} {}{}{}{} rounds {} {} ({})", W,
       cfg.hidden, cfg.num_experts, cfg.topk, tokens, max_tokens, to_string(cfg.dtype),
       to_string(cfg.layout), scales, routing_flag(o.routing), to_string(o.backend),
       cfg.deterministic   ? " deterministic"
       : cfg.worst_case_output ? " worst-case-output"
                               : "",
-      o.ids_int64 ? " ids64" : "",
+      o.ids_int64 ? " ids64" : "", cfg.combine == CombineMode::kPush ? " push" : "",
       cfg.rounds_in_flight, to_string(c.mode), calls);
 
   std::string cmd = fmt::format(
@@ -206,6 +210,7 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       to_string(cfg.layout), to_string(cfg.scale_layout), routing_flag(o.routing),
       to_string(o.backend), cfg.rounds_in_flight, o.seed, o.iters);
   if (o.graph_replays > 0) cmd += fmt::format(" --graph {}", o.graph_replays);
+  if (cfg.combine == CombineMode::kPush) cmd += " --combine push";
   for (const auto& [on, flag] : {std::pair{cfg.deterministic, " --deterministic"},
                                  std::pair{o.ids_int64, " --ids64"}, std::pair{o.mixed, " --mixed"},
                                  std::pair{o.one_launch, " --one-launch"},

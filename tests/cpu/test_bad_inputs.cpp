@@ -303,6 +303,9 @@ void Catalogue::build() {
   config("config.layout_not_an_enum", "layout = OutputLayout(5)",
          [](EpConfig& c) { c.layout = static_cast<OutputLayout>(5); },
          {"layout = 5", "one of token, expert"});
+  config("config.combine_not_an_enum", "combine = CombineMode(9)",
+         [](EpConfig& c) { c.combine = static_cast<CombineMode>(9); },
+         {"combine = 9", "one of auto, pull, push"});
   config("config.scale_layout_not_an_enum", "scale_layout = ScaleLayout(-1)",
          [](EpConfig& c) { c.scale_layout = static_cast<ScaleLayout>(-1); },
          {"scale_layout = -1", "one of row, column"});
@@ -601,6 +604,8 @@ void Catalogue::build() {
       {"--overlap with --graph-scope world", "expected --graph-scope rank"});
   cli("cli.check.rounds_in_flight_three", {"check", "--rounds-in-flight", "3"},
       {"rounds_in_flight = 3", "[1, kMaxRoundsInFlight = 2]"});
+  cli("cli.check.combine_sideways", {"check", "--combine", "sideways"},
+      {"--combine = \"sideways\"", "expected one of auto, pull, push"});
   cli("cli.launch.ranks_above_64", {"launch", "-n", "65", "--", "true"},
       {"-n = 65", "[1, kMaxRanks = 64]"});
   cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"},

@@ -23,7 +23,8 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
   for (const char* field : {"backend=low_latency\n", "world_size=3\n", "hidden=7168\n",
                             "num_experts=48\n", "topk=8\n", "max_tokens_per_rank=128\n",
                             "dtype=bf16-to-fp8\n", "scale_layout=row\n", "layout=token\n",
-                            "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n", "timeout_ms=10000\n"}) {
+                            "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n", "combine=auto\n",
+                            "timeout_ms=10000\n"}) {
     EXPECT_NE(text.find(field), std::string::npos) << field << " in\n" << text;
   }
   EXPECT_EQ(text.find("\nrank="), std::string::npos);

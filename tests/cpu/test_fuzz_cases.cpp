@@ -65,6 +65,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   shape.rounds_in_flight = std::stoi(take("--rounds-in-flight"));
   shape.deterministic = has("--deterministic");
   shape.worst_case_output = has("--worst-case-output");
+  if (f.count("--combine") != 0) shape.combine = take("--combine");
   const EpConfig cfg = shape.config(1);  // as `epx check` builds it (--max-tokens given)
   EXPECT_EQ(cfg.world_size, o.cfg.world_size) << c.command;
   EXPECT_EQ(cfg.hidden, o.cfg.hidden) << c.command;
@@ -77,6 +78,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   EXPECT_EQ(cfg.rounds_in_flight, o.cfg.rounds_in_flight) << c.command;
   EXPECT_EQ(cfg.deterministic, o.cfg.deterministic) << c.command;
   EXPECT_EQ(cfg.worst_case_output, o.cfg.worst_case_output) << c.command;
+  EXPECT_EQ(cfg.combine, o.cfg.combine) << c.command;
   const std::string tokens = take("--tokens");
   EXPECT_EQ(cli::tokens_per_rank(cli::parse_token_counts(tokens, "--tokens"), cfg.world_size,
                                  "--tokens", tokens),
@@ -178,6 +180,7 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
   bool empty_rank = false, full_rank = false, one_launch_replayed = false, halves_replayed = false;
   bool expert_rounds2 = false, halves_rounds2 = false, mixed_rounds2 = false;
   bool ht_replayed = false, ht_exact_eager = false, ht_one_launch = false;
+  bool push_expert = false, push_replayed = false, push_agrs = false;
   for (int i = 0; i < kCases; ++i) {
     const FuzzCase c = make_fuzz_case(1, i);
     const CheckOptions& o = c.options;
@@ -206,7 +209,13 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
     ht_replayed |= ht && o.graph_replays > 0;
     ht_exact_eager |= ht && !o.cfg.worst_case_output && o.iters > 0;
     ht_one_launch |= ht && o.one_launch;
+    const bool push = o.cfg.combine == CombineMode::kPush;
+    EXPECT_TRUE(!push || (!ht && o.backend != Backend::kNaive)) << c.description;
+    push_expert |= push && o.cfg.layout == OutputLayout::kExpertMajor;
+    push_replayed |= push && o.graph_replays > 0;
+    push_agrs |= push && o.backend == Backend::kAllgatherReduceScatter;
   }
+  EXPECT_TRUE(push_expert && push_replayed && push_agrs);
   EXPECT_TRUE(ht_replayed && ht_exact_eager && ht_one_launch);
   EXPECT_EQ(worlds, (std::set<int>{1, 2, 3, 4, 8, 16}));
   EXPECT_EQ(backends.size(), 4u);

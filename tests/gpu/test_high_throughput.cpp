@@ -225,6 +225,9 @@ TEST(HighThroughput, RefusesWhatItCannotDo) {
   EpConfig r2 = c;
   r2.rounds_in_flight = 2;
   refuses(r2, {}, "rounds_in_flight");
+  EpConfig push = c;
+  push.combine = CombineMode::kPush;
+  refuses(push, {}, "combine = push");
   LaunchConfigs odd;
   odd.dispatch.num_blocks = 3;
   refuses(c, odd, "dispatch.num_blocks");

@@ -192,6 +192,88 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CheckCase, ::testing::ValuesIn(kCases),
                            return std::string(i.param.name);
                          });
 
+// Push combine (EpConfig::combine = push): every rank writes each partial into its token's rank,
+// which sums from its own memory. The reference's bits, as pull gives, on token- and expert-major
+// shapes, worlds of 1 to 8, empty ranks, skewed, masked and one-expert routing, and under
+// allgather_reducescatter; then one launch, graph replays mixed with eager calls, the halves and
+// two rounds in flight.
+class PushCase : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
+
+TEST_P(PushCase, MatchesReference) {
+  REQUIRE_GPU();
+  const auto [backend, index] = GetParam();
+  auto o = options_for(kCases[index]);
+  o.backend = backend;
+  o.cfg.combine = CombineMode::kPush;
+  const auto rep = testing::run_check(o);
+  EXPECT_TRUE(rep.ok) << describe(rep);
+  EXPECT_EQ(rep.calls, kCases[index].iters);
+}
+
+INSTANTIATE_TEST_SUITE_P(Combine, PushCase,
+                         ::testing::Values(std::tuple{Backend::kLowLatency, 0},
+                                           std::tuple{Backend::kLowLatency, 3},
+                                           std::tuple{Backend::kLowLatency, 5},
+                                           std::tuple{Backend::kLowLatency, 6},
+                                           std::tuple{Backend::kLowLatency, 8},
+                                           std::tuple{Backend::kLowLatency, 12},
+                                           std::tuple{Backend::kLowLatency, 13},
+                                           std::tuple{Backend::kAllgatherReduceScatter, 4},
+                                           std::tuple{Backend::kAllgatherReduceScatter, 13}),
+                         [](const ::testing::TestParamInfo<std::tuple<Backend, int>>& i) {
+                           return std::string(to_string(std::get<0>(i.param))) + "_" +
+                                  kCases[std::get<1>(i.param)].name;
+                         });
+
+TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
+  REQUIRE_GPU();
+  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
+  base.cfg.combine = CombineMode::kPush;
+  base.iters = 1;
+  auto one = base;
+  one.one_launch = true;
+  one.iters = 2;
+  auto graph = base;
+  graph.graph_replays = 20;
+  graph.mixed = true;
+  auto halves = base;
+  halves.halves = true;
+  halves.iters = 2;
+  auto rounds = base;
+  rounds.cfg.rounds_in_flight = 2;
+  rounds.graph_replays = 10;
+  rounds.iters = 2;
+  for (const auto& [what, o] : {std::pair{"one launch", one}, std::pair{"graph, mixed", graph},
+                                std::pair{"halves", halves}, std::pair{"two rounds", rounds}}) {
+    const auto rep = testing::run_check(o);
+    EXPECT_TRUE(rep.ok) << what << describe(rep);
+    EXPECT_GT(rep.calls, 0) << what;
+  }
+}
+
+// Push is refused by name where it cannot work: naive's combine is an all-reduce over every
+// rank's rows, and a masked sender's reserved rows may carry no metadata.
+TEST(PushCombine, RefusedWithNaiveAndWithMasking) {
+  REQUIRE_GPU();
+  EpConfig c = gpu_test::small_config();
+  c.world_size = 2;
+  c.combine = CombineMode::kPush;
+  InProcessWorld world(2);
+  EpConfig masked = c;
+  masked.mask_failed_ranks = true;
+  for (const auto& [backend, cfg, bound] :
+       {std::tuple{Backend::kNaive, c, "backend naive"},
+        std::tuple{Backend::kLowLatency, masked, "mask_failed_ranks = true"}}) {
+    try {
+      (void)make_all2all_group(backend, cfg, world);
+      ADD_FAILURE() << "expected a ConfigError naming combine";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("combine = push"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bound), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The baselines on every token-major case: same contract (every token delivered), same bits.
 class BaselineCase : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
 

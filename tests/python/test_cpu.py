@@ -26,6 +26,8 @@ def test_ep_config_by_keyword():
     assert c.capacity == 8 * 128 and c.num_local_experts == 8 and c.num_scale_groups == 32
     assert c.replace(hidden=2048).hidden == 2048 and c.hidden == 4096
     assert "hidden=4096" in repr(c)
+    assert c.combine == "auto" and c.replace(combine="push").combine == "push"
+    assert "combine='auto'" in repr(c)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,7 @@ def test_ep_config_by_keyword():
         ({"dtype": "fp16"}, "dtype"),
         ({"layout": "rows"}, "layout"),
         ({"deterministic": 1}, "EpConfig.deterministic = 1 (int), expected True or False"),
+        ({"combine": "sideways"}, 'combine = "sideways", expected one of auto, pull, push'),
     ],
 )
 def test_ep_config_refuses_bad_keywords(fields, message):

@@ -157,6 +157,26 @@ def test_round_every_dtype_and_layout(gpu, dtype, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_push_combine_equals_pull(gpu, layout):
+    """combine='push' (each rank writes its partials into the token's rank) gives the bits of
+    combine='pull' on the same inputs."""
+    W = 3
+    pull = Ranks(small_config(dtype="bf16-to-fp8", layout=layout, num_experts=24), W)
+    push = Ranks(small_config(dtype="bf16-to-fp8", layout=layout, num_experts=24,
+                              combine="push"), W)
+    pull.warm_up_experts(gpu)
+    push.warm_up_experts(gpu)
+    for seed, counts in enumerate([(64, 0, 7), (1, 64, 33)]):
+        inputs = [ref.make_inputs(pull.cfg, r, counts[r], seed, gpu) for r in range(W)]
+        _, y_pull = pull.round(inputs)
+        ds, y_push = push.round(inputs)
+        check_dispatch(push, inputs, ds)
+        check_combine(push, inputs, y_push)
+        for a, b in zip(y_pull, y_push):
+            assert pull.torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_halves_on_one_stream_equal_the_whole_ops(gpu, layout):
     """Every rank's send half, then every rank's receive half, all on one stream: a send half
     never waits (else this would time out), and the results are those of the whole ops."""

@@ -124,6 +124,9 @@ void validate_for(const EpConfig& cfg) {
   EPX_CHECK(!cfg.mask_failed_ranks, ConfigError, "mask_failed_ranks", "true",
             "false for backend high_throughput (its rows are ordered: every rank's counts are "
             "needed)");
+  EPX_CHECK(cfg.combine != CombineMode::kPush, ConfigError, "combine", to_string(cfg.combine),
+            "auto or pull for backend high_throughput (its combine pulls in an in-process group "
+            "and moves partials through its rings between processes)");
 }
 
 class HtAll2All final : public All2All {

@@ -4,11 +4,13 @@
 // each rank, in two phases:
 //   A. publish: when the expert stage wrote its partials into combine_buffer(), block 0 tells
 //               every rank at once that they are ready; otherwise the partials are copied in (or
-//               folded from expert rows in f32) first and the last block tells them.
+//               folded from expert rows in f32) first and the last block tells them. Push mode
+//               (Shape::push) writes each row's partial into its token's rank instead, and the
+//               last block tells every rank that its partials are there.
 //   B. pull:    once every rank has published, one warp per (token, column chunk) reads the
 //               partial of each rank that got the token, in rank order, sums in f32 and writes
-//               bf16. The naive backend instead all-reduces every row over the ranks and takes
-//               its own tokens' rows.
+//               bf16 (push mode: from this rank's own memory). The naive backend instead
+//               all-reduces every row over the ranks and takes its own tokens' rows.
 // A is the send half, B the receive half (Half): launched apart, compute may run between them.
 // Combine serves the round whose rows its buffer slot holds (RoundState, written by that round's
 // dispatch): its flags carry that round, so a combine needs no state of its own. Every wait is
@@ -89,10 +91,51 @@ __device__ inline bool publish_and_wait_all(const CombineCall& c, int32_t* ticke
 
 // ---- A. publish ------------------------------------------------------------------------------
 
+// Push mode: where rank `rank`'s partial of token n of rank `owner` goes, in the owner's buffer
+// (Layout::pushed, [W][max_tokens][H]).
+template <typename PartialT>
+__device__ __forceinline__ PartialT* pushed_row(const CombineCall& c, uint8_t* owner_buf, int rank,
+                                                int n) {
+  const Shape& S = c.p.common.shape;
+  return at<PartialT>(owner_buf, c.p.common.layout.pushed) +
+         (size_t(rank) * S.max_tokens + n) * S.hidden;
+}
+
+// Push mode, token-major: one warp per row copies the partial to its token's rank, 4 vectors
+// per lane loaded before any is stored. (Push excludes rank masking: every rank is live.)
+__device__ __forceinline__ void push_rows(const CombineCall& c, const int4* src) {
+  const Layout& L = c.p.common.layout;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int vecs = c.p.common.shape.hidden / 8;
+  const int32_t* src_rank = at<int32_t>(c.local(), L.recv_src_rank);
+  const int32_t* src_idx = at<int32_t>(c.local(), L.recv_src_idx);
+  for (int j = c.b * num_warps + warp; j < c.M; j += c.nb * num_warps) {
+    const int owner = src_rank[j];
+    int4* dst = reinterpret_cast<int4*>(
+        pushed_row<__nv_bfloat16>(c, c.peers[owner], c.rank(), src_idx[j]));
+    const int4* row = src + size_t(j) * vecs;
+    for (int v0 = lane; v0 < vecs; v0 += 4 * kWarpSize) {
+      int4 t[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int v = v0 + u * kWarpSize;
+        if (v < vecs) t[u] = __ldcg(row + v);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int v = v0 + u * kWarpSize;
+        if (v < vecs) dst[v] = t[u];
+      }
+    }
+  }
+}
+
 // Token-major: the caller's bf16 partials [M][H], copied into this rank's partials area unless
 // the caller wrote them there (combine_buffer()). Expert-major: expert rows folded into one f32
 // partial per token-major row, p = sum_k fmaf(w_k, out, p). After: this rank's partials [M][H]
-// are complete and every rank has been (or, from the last block to finish, will be) told so.
+// are complete (push mode: written into their tokens' ranks) and every rank has been (or, from
+// the last block to finish, will be) told so.
 template <typename PartialT>
 __device__ __forceinline__ void publish_partials(const CombineCall& c) {
   const Shape& S = c.p.common.shape;
@@ -103,8 +146,11 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
   const int nb = c.nb, b = c.b;
   PartialT* partials = at<PartialT>(c.local(), L.partials);
   const int vecs = H / 8;  // 8 elements per lane step
+  const bool push = c.p.common.shape.push;
   if constexpr (sizeof(PartialT) == 2) {
-    if (c.me.expert_out == partials) {
+    if (push) {
+      push_rows(c, static_cast<const int4*>(c.me.expert_out));
+    } else if (c.me.expert_out == partials) {
       // The expert stage wrote them in place and finished before this kernel: publish now.
       if (b == 0) tell_all(c, L.ready);
       return;
@@ -120,8 +166,14 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
     const int32_t* row_slot = at<int32_t>(c.local(), L.row_expert_slot);
     const int32_t* rids = at<int32_t>(c.local(), L.recv_topk_ids);
     const float* rw = at<float>(c.local(), L.recv_topk_w);
+    const int32_t* src_rank = at<int32_t>(c.local(), L.recv_src_rank);
+    const int32_t* src_idx = at<int32_t>(c.local(), L.recv_src_idx);
     const int e0 = c.rank() * S.num_local;
     for (int j = b * num_warps + warp; j < M; j += nb * num_warps) {
+      // This row's f32 partial: here, or (push) at its token's rank.
+      PartialT* out_row =
+          push ? pushed_row<PartialT>(c, c.peers[src_rank[j]], c.rank(), src_idx[j])
+               : partials + size_t(j) * H;
       for (int v = lane; v < vecs; v += kWarpSize) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int k = 0; k < K; ++k) {
@@ -134,11 +186,17 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, f[i], acc[i]);
         }
-        float4* dst = reinterpret_cast<float4*>(partials + size_t(j) * H + v * 8);
+        float4* dst = reinterpret_cast<float4*>(out_row + v * 8);
         dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
       }
     }
+  }
+  if (push) {
+    // This block's rows went to other ranks' memory (other GPUs' too): ordered at system scope
+    // before the ticket that lets the last block tell them.
+    __syncthreads();
+    if (threadIdx.x == 0) dev::fence_acq_rel_sys();
   }
   if (dev::last_block(&c.state()->combine_ready_ticket, c.nb)) tell_all(c, L.ready);
 }
@@ -149,6 +207,7 @@ __device__ __forceinline__ void publish_partials(const CombineCall& c) {
 // issues the loads of up to kBatch ranks before it adds any of them (the adds stay in rank
 // order), so several remote reads are in flight per lane instead of one. After: y[n] = the sum,
 // in rank order, of the partials of the ranks that got token n (0 for a token sent nowhere).
+// Push mode reads the same partials from this rank's own pushed area.
 template <typename PartialT>
 __device__ __forceinline__ void pull_partials(const CombineCall& c) {
   const Shape& S = c.p.common.shape;
@@ -166,6 +225,7 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
   // Masked ranks' partials are left out (their contribution is dropped).
   // (Read once per warp, so that every lane skips the same ranks.)
   const uint64_t live = ~__shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
+  const bool push = S.push;
   for (int item = b * num_warps + warp; item < N * chunks; item += nb * num_warps) {
     const int n = item / chunks, chunk = item % chunks;
     const RankSlots slots = load_rank_slots(send_slot, n, W, lane);
@@ -188,8 +248,10 @@ __device__ __forceinline__ void pull_partials(const CombineCall& c) {
             m &= m - 1;
             const int slot = slots.of(r);
             if (active) {
-              const int4* src = reinterpret_cast<const int4*>(at<PartialT>(c.peers[r], L.partials) +
-                                                              size_t(slot) * H + v * 8);
+              const PartialT* from =
+                  push ? pushed_row<PartialT>(c, c.local(), r, n)
+                       : at<PartialT>(c.peers[r], L.partials) + size_t(slot) * H;
+              const int4* src = reinterpret_cast<const int4*>(from + v * 8);
 #pragma unroll
               for (int t = 0; t < kVecInts; ++t)
                 raw[i][t] = __ldcg(src + t);  // read once: not in L1

@@ -59,6 +59,8 @@ struct Layout {
   size_t recv_topk_ids;  // int32 [cap][K]
   size_t recv_topk_w;    // f32 [cap][K]
   size_t partials;       // [cap][H] bf16 (token-major) or f32 (expert-major, folded)
+  size_t pushed;         // push combine: [W][max_tokens][H] as partials: rank q's partial of
+                         // this rank's token n at [q][n] (0 bytes for pull)
   size_t reduced;        // all-reduce: bf16 [cap][H], rows of this rank's reduce-scatter chunk
   size_t sym_slot_bytes;
   size_t symmetric_end;
@@ -88,7 +90,7 @@ struct Layout {
     Layout l = *this;
     const size_t s = size_t(slot) * sym_slot_bytes, t = size_t(slot) * local_slot_bytes;
     for (size_t* f : {&l.recv_x, &l.recv_scales, &l.recv_src_rank, &l.recv_src_idx,
-                      &l.recv_topk_ids, &l.recv_topk_w, &l.partials, &l.reduced})
+                      &l.recv_topk_ids, &l.recv_topk_w, &l.partials, &l.pushed, &l.reduced})
       *f += s;
     for (size_t* f : {&l.round, &l.send_slot, &l.expert_counts, &l.row_expert_slot, &l.expert_x,
                       &l.expert_scales, &l.expert_src_rank, &l.expert_src_idx,
@@ -98,6 +100,12 @@ struct Layout {
   }
 };
 
-Layout make_layout(const EpConfig& cfg, const Algorithm& algo);
+// `push`: combine pushes the partials (the `pushed` area exists), see combine_pushes().
+Layout make_layout(const EpConfig& cfg, const Algorithm& algo, bool push);
+
+// Whether combine pushes: cfg.combine, with kAuto resolved by where the ranks' memory lives
+// (`one_gpu`: every rank's on this rank's GPU, where pulling moves the fewest bytes). Never for
+// the naive backend (its combine is an all-reduce) nor with mask_failed_ranks.
+bool combine_pushes(const EpConfig& cfg, const Algorithm& algo, bool one_gpu);
 
 }  // namespace epx::peer

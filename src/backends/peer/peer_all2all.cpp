@@ -27,7 +27,12 @@ namespace epx {
 namespace peer {
 
 
-Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
+bool combine_pushes(const EpConfig& cfg, const Algorithm& algo, bool one_gpu) {
+  if (algo.all_reduce || cfg.mask_failed_ranks) return false;
+  return cfg.combine == CombineMode::kPush || (cfg.combine == CombineMode::kAuto && !one_gpu);
+}
+
+Layout make_layout(const EpConfig& cfg, const Algorithm& algo, bool push) {
   const size_t W = cfg.world_size, K = cfg.topk, H = cfg.hidden, cap = cfg.capacity();
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
   const size_t row = cfg.wire_row_bytes();
@@ -49,7 +54,9 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo) {
   L.recv_src_idx = carve(c, cap * sizeof(int32_t));
   L.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
   L.recv_topk_w = carve(c, cap * K * sizeof(float));
-  L.partials = carve(c, cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  // (expert-major push folds each row straight into its token's rank: no partials here)
+  L.partials = carve(c, em && push ? 0 : cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  L.pushed = carve(c, push ? cap * H * (em ? sizeof(float) : sizeof(uint16_t)) : 0);
   L.reduced = carve(c, algo.all_reduce ? cap * H * sizeof(uint16_t) : 0);
   L.sym_slot_bytes = c - sym_slot0;
   c += (R - 1) * L.sym_slot_bytes;
@@ -83,9 +90,11 @@ class PeerAll2All final : public All2All {
  public:
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
-  PeerAll2All(const EpConfig& cfg, const Algorithm& algo, SymmetricBuffer buf, LaunchConfigs launch)
-      : cfg_(cfg), algo_(algo), layout_(make_layout(cfg, algo)), buf_(std::move(buf)), launch_(launch),
-        status_(cfg, buf_.device()), host_status_dev_(status_.device_mirror()) {
+  PeerAll2All(const EpConfig& cfg, const Algorithm& algo, bool push, SymmetricBuffer buf,
+              LaunchConfigs launch)
+      : cfg_(cfg), algo_(algo), push_(push), layout_(make_layout(cfg, algo, push)),
+        buf_(std::move(buf)), launch_(launch), status_(cfg, buf_.device()),
+        host_status_dev_(status_.device_mirror()) {
 #if EPX_MEASUREMENT
     clock_ = make_phase_clock(buf_.device());
 #endif
@@ -333,6 +342,7 @@ class PeerAll2All final : public All2All {
                  // the naive all-reduce needs every rank to hold the same rows in the same order
                  .ordered = cfg_.deterministic || algo_.all_reduce,
                  .mask_failed = cfg_.mask_failed_ranks,
+                 .push = push_,
 #if EPX_MEASUREMENT
                  .ablate = ablate_,
 #endif
@@ -365,6 +375,7 @@ class PeerAll2All final : public All2All {
 
   EpConfig cfg_;
   Algorithm algo_;
+  bool push_;  // combine pushes (combine_pushes())
   Layout layout_;
   SymmetricBuffer buf_;
   LaunchConfigs launch_;
@@ -418,6 +429,13 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   EPX_CHECK(cfg.layout != OutputLayout::kExpertMajor || cfg.num_local_experts() <= kMaxExpertMajorLocal,
             ConfigError, "num_experts / world_size", cfg.num_local_experts(),
             fmt::format("at most {} for the expert-major layout", kMaxExpertMajorLocal));
+  // The naive combine is an all-reduce over every rank's rows: nothing to push.
+  EPX_CHECK(cfg.combine != CombineMode::kPush || !algo.all_reduce, ConfigError, "combine",
+            to_string(cfg.combine), "auto or pull with backend naive (its combine is an all-reduce)");
+  // A masked sender's reserved rows may carry no metadata (it stopped mid-round): push would
+  // write their stale partials into live ranks. Masking pulls.
+  EPX_CHECK(cfg.combine != CombineMode::kPush || !cfg.mask_failed_ranks, ConfigError, "combine",
+            to_string(cfg.combine), "auto or pull with mask_failed_ranks = true");
   // The naive all-reduce orders its rows (every rank must hold the same rows): no masking.
   EPX_CHECK(!cfg.mask_failed_ranks || algo.backend != Backend::kNaive, ConfigError,
             "mask_failed_ranks", "true", "false with backend naive (its rows are ordered)");
@@ -543,7 +561,10 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
   cfg.world_size = world.size();
   cfg.rank = 0;
   validate_for(cfg, algo);
-  const Layout L = make_layout(cfg, algo);
+  bool one_gpu = true;
+  for (int r = 1; r < world.size(); ++r) one_gpu = one_gpu && world.device_of(r) == world.device_of(0);
+  const bool push = combine_pushes(cfg, algo, one_gpu);
+  const Layout L = make_layout(cfg, algo, push);
   for (int r = 0; r < world.size(); ++r) preload_kernels(world.device_of(r));
   auto bufs = SymmetricBuffer::create_in_process(world, L.total);
   // Identity of this group for launches that serve several of its ranks.
@@ -557,7 +578,7 @@ std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base
     // bound by the latency of remote reads and gains from more warps in flight.
     LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", r, world.size(), kDefaultDispatchWarps),
                      resolve(launch.combine, budget, "combine", r, world.size(), kDefaultCombineWarps)};
-    auto rank = std::make_unique<PeerAll2All>(rc, algo, std::move(bufs[r]), lc);
+    auto rank = std::make_unique<PeerAll2All>(rc, algo, push, std::move(bufs[r]), lc);
     rank->set_launch_group(group);
     out.push_back(std::move(rank));
   }
@@ -593,10 +614,12 @@ std::unique_ptr<All2All> make_process_rank(const EpConfig& base, World& world,
   const int sharing = world.ranks_on_device();
   LaunchConfigs lc{resolve(launch.dispatch, budget, "dispatch", cfg.rank, sharing, kDefaultDispatchWarps),
                    resolve(launch.combine, budget, "combine", cfg.rank, sharing, kDefaultCombineWarps)};
-  const Layout L = make_layout(cfg, algo);
+  // Every rank sees the same: all ranks on one GPU or not.
+  const bool push = combine_pushes(cfg, algo, world.ranks_on_device() == world.size());
+  const Layout L = make_layout(cfg, algo, push);
   preload_kernels(world.device());
   SymmetricBuffer buf = create_buffer(world, L.total);
-  return std::make_unique<PeerAll2All>(cfg, algo, std::move(buf), lc);
+  return std::make_unique<PeerAll2All>(cfg, algo, push, std::move(buf), lc);
 }
 
 }  // namespace
@@ -634,7 +657,7 @@ int32_t ablate_from_env() {
 #endif
 
 size_t buffer_bytes(const EpConfig& cfg, const Algorithm& algo) {
-  return make_layout(cfg, algo).total;
+  return make_layout(cfg, algo, combine_pushes(cfg, algo, true)).total;
 }
 
 }  // namespace peer
