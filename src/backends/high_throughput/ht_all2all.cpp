@@ -27,13 +27,14 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   if (direct) dispatch_ring = combine_ring = 0;
   HtLayout L{};
   L.channels = channels;
+  L.segments = direct ? 2 * channels : channels;
   L.direct = direct;
   L.dispatch_ring = dispatch_ring;
   L.combine_ring = combine_ring;
   // payload, f32 scales, int32 ids, f32 weights, int32 source index; 16-byte rows
   L.dispatch_slot = (size_t(cfg.wire_row_bytes()) + G * 4 + K * 8 + 4 + 15) / 16 * 16;
   size_t c = 0;
-  L.counts = carve(c, 2 * W * C * sizeof(uint64_t));
+  L.counts = carve(c, 2 * W * size_t(L.segments) * sizeof(uint64_t));
   L.expert_rows = carve(c, 2 * size_t(cfg.num_local_experts()) * sizeof(int32_t));
   L.dtail = carve(c, C * W * sizeof(uint64_t));
   L.dhead = carve(c, C * W * sizeof(uint64_t));
@@ -48,8 +49,8 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.state = carve(c, sizeof(HtState));
   L.status = carve(c, sizeof(DeviceStatus));
   L.token_mask = carve(c, size_t(cfg.max_tokens_per_rank) * sizeof(uint64_t));
-  L.seg_offset = carve(c, W * C * sizeof(int32_t));
-  L.seg_count = carve(c, W * C * sizeof(int32_t));
+  L.seg_offset = carve(c, W * size_t(L.segments) * sizeof(int32_t));
+  L.seg_count = carve(c, W * size_t(L.segments) * sizeof(int32_t));
   L.dsent = carve(c, C * W * sizeof(uint64_t));
   L.drecv = carve(c, C * W * sizeof(uint64_t));
   L.csent = carve(c, C * W * sizeof(uint64_t));
@@ -229,7 +230,7 @@ class HtAll2All final : public All2All {
     p.ranks[0] = prepare_dispatch(in, stream);
     p.common = common(1);
     EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
-    launch_ht_count(p, layout_.channels, launch_.dispatch.warps_per_block, stream);
+    launch_ht_count(p, launch_.dispatch.warps_per_block, stream);
     if (!cfg_.worst_case_output) {
       read_rows_back(stream);
       EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -490,7 +491,7 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   const int channels = first.layout().channels,
             warps = first.launch_configs().dispatch.warps_per_block;
   EPX_CUDA_CHECK(cudaSetDevice(first.device()));
-  launch_ht_count(p, channels, warps, stream);
+  launch_ht_count(p, warps, stream);
   if (!first.config().worst_case_output) {
     for (HtAll2All* r : rs) r->read_rows_back(stream);
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));

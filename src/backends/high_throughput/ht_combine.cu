@@ -242,7 +242,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
   const HtLayout& L = cm.layout;
-  const int W = S.world, C = L.channels, s = me.rank, c = b / 2, H = S.hidden;
+  const int W = S.world, C = L.channels, s = me.rank, H = S.hidden;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   const int N = at<HtState>(me.local, L.state)->num_tokens;
@@ -258,7 +258,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
       continue;
     }
     part[r] = reinterpret_cast<const uint8_t*>(ptr);
-    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * C + c);
+    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * L.segments + b);
   }
   __syncthreads();
   if (failed) return;

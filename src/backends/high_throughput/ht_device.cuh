@@ -39,6 +39,12 @@ __device__ __forceinline__ TokenRange half_channel(int N, int channels, int b) {
   return b % 2 == 0 ? TokenRange{c0, mid} : TokenRange{mid, c1};
 }
 
+// Segment c's tokens (HtLayout::segments): channel c, or in direct mode half channel c.
+__device__ __forceinline__ TokenRange segment_tokens(int N, int channels, bool direct, int c) {
+  return direct ? half_channel(N, channels, c)
+                : TokenRange{channel_begin(N, channels, c), channel_begin(N, channels, c + 1)};
+}
+
 // Which rank of a launch this block serves, and its block among that rank's nb.
 struct HtBlock {
   int slot;

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const HtLayout& L = cm.layout;
   const HtBlock hb = ht_block(cm.num_ranks);
   const HtDispatchRank& me = p.ranks[hb.slot];
-  const int c = hb.b, C = L.channels;
+  const int c = hb.b, SEG = L.segments;
   HtState* st = at<HtState>(me.local, L.state);
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, cm);
   if (dev::aborted(w)) return;
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int par = int(epoch & 1);
   const int W = S.world, K = S.topk, E = S.num_experts, num_local = S.num_local;
   const int N = me.num_tokens;
-  const int t0 = channel_begin(N, C, c), t1 = channel_begin(N, C, c + 1);
+  const auto [t0, t1] = segment_tokens(N, L.channels, L.direct, c);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
   if (threadIdx.x == 0) failed = 0;
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // The expert pairs above are ordered before each count by the fence and the release.
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     dev::fence_acq_rel_sys();
-    dev::st_release_sys(at<uint64_t>(cm.peers[r], L.counts) + (size_t(par) * W + me.rank) * C + c,
+    dev::st_release_sys(at<uint64_t>(cm.peers[r], L.counts) + (size_t(par) * W + me.rank) * SEG + c,
                         (uint64_t(epoch) << 32) | uint32_t(count[r]));
   }
   EPX_PHASE_MARK_SYNC(cm, CountPhase::kCounted);
@@ -174,14 +174,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   if (c != 0) return;
 
-  // Block 0: every (source, channel) count of the round -> the receive area's segments.
-  const uint64_t* counts = at<uint64_t>(me.local, L.counts) + size_t(par) * W * C;  // [q][c]
+  // Block 0: every (source, segment) count of the round -> the receive area's segments.
+  const uint64_t* counts = at<uint64_t>(me.local, L.counts) + size_t(par) * W * SEG;  // [q][c]
   int32_t* seg_count = at<int32_t>(me.local, L.seg_count);
   int32_t* seg_offset = at<int32_t>(me.local, L.seg_offset);
-  for (int i = threadIdx.x; i < W * C; i += blockDim.x) {
+  for (int i = threadIdx.x; i < W * SEG; i += blockDim.x) {
     uint64_t seen = 0;
     const bool ok = dev::bounded_wait(
-        w, Phase::kDispatchCounts, i / C, epoch,
+        w, Phase::kDispatchCounts, i / SEG, epoch,
         [&] {
           seen = dev::ld_acquire_sys(counts + i);
           return uint32_t(seen >> 32) == epoch;
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   if (threadIdx.x == 0) {
     int32_t run = 0;
-    for (int i = 0; i < W * C; ++i) {
+    for (int i = 0; i < W * SEG; ++i) {
       seg_offset[i] = run;
       run += seg_count[i];
     }
@@ -646,9 +646,9 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
   const HtLayout& L = cm.layout;
-  const int W = S.world, C = L.channels, s = me.rank, c = b / 2;
+  const int W = S.world, C = L.channels, s = me.rank;
   const int N = me.num_tokens;
-  const auto [t0, t1] = half_channel(N, C, b);
+  const auto [t0, t1] = half_channel(N, C, b);  // segment b
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
@@ -661,7 +661,7 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
     area[r] = reinterpret_cast<uint8_t*>(ptr);
     const int rows = int(dev::ld_acquire_sys(reinterpret_cast<const uint64_t*>(&pub->area_rows)));
     rl[r] = rows_layout(rows, S.wire_row_bytes, S.groups, S.topk, S.hidden);
-    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * C + c);
+    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * L.segments + b);
   }
   __syncthreads();
   if (failed) return;
@@ -743,8 +743,9 @@ void load_ht_dispatch_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kBF16ToFP8>));
 }
 
-void launch_ht_count(const HtDispatchParams& p, int channels, int warps, cudaStream_t stream) {
-  ht_count_kernel<<<dim3(channels * p.common.num_ranks), dim3(warps * kWarpSize), 0, stream>>>(p);
+void launch_ht_count(const HtDispatchParams& p, int warps, cudaStream_t stream) {
+  const dim3 grid(p.common.layout.segments * p.common.num_ranks);
+  ht_count_kernel<<<grid, dim3(warps * kWarpSize), 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

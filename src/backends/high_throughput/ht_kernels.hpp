@@ -147,9 +147,10 @@ static_assert(std::is_trivially_copyable_v<HtCombineParams> && sizeof(HtCombineP
 // Load the kernels on the current device (see peer::preload_kernels for why up front).
 void load_ht_dispatch_kernels();
 void load_ht_combine_kernels();
-// `channels` per rank: count launches one block per channel, transfer and combine two (a sending
-// and a receiving block), each of `warps` warps.
-void launch_ht_count(const HtDispatchParams& p, int channels, int warps, cudaStream_t stream);
+// `channels` per rank: count launches one block per segment (HtLayout::segments: a channel, or
+// in direct mode a half channel), transfer and combine two per channel (a sending and a receiving
+// block, or in direct mode one per half channel), each of `warps` warps.
+void launch_ht_count(const HtDispatchParams& p, int warps, cudaStream_t stream);
 void launch_ht_transfer(const HtDispatchParams& p, DispatchDtype dtype, int channels, int warps,
                         cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream);

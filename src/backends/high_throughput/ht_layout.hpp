@@ -41,6 +41,10 @@ struct HtPublished {
 
 struct HtLayout {
   int channels = 0;  // C: token ranges of a rank that move independently
+  // Token ranges of a rank counted and laid out apart, one per count block: the C channels, or
+  // in direct mode the 2C half channels that the transfer and combine blocks walk (so that the
+  // count kernel has as many blocks as they do).
+  int segments = 0;
   // Direct mode (in-process worlds: every rank's memory is addressable by every kernel): rows and
   // partials go straight to and from the receive areas at the offsets of the count exchange, no
   // rings (their sizes are 0).
@@ -49,7 +53,7 @@ struct HtLayout {
   int combine_ring = 0;      // rows per combine ring
   size_t dispatch_slot = 0;  // bytes of one dispatch ring row: payload, scales, ids, weights, index
   // symmetric part
-  size_t counts;  // uint64 [2][W][C]: (epoch << 32 | rows) that sender q's channel c sends here
+  size_t counts;  // uint64 [2][W][segments]: (epoch << 32 | rows) that q's segment c sends here
   size_t expert_rows;  // int32 [2][E/W]: (token, local expert) pairs of the round, by parity
   size_t dtail;        // uint64 [C][W]: rows sender q has written into ring (q -> this rank, c)
   size_t dhead;        // uint64 [C][W]: rows receiver r has read from ring (this rank -> r, c)
@@ -65,8 +69,8 @@ struct HtLayout {
   size_t state;          // HtState
   size_t status;         // DeviceStatus
   size_t token_mask;     // uint64 [max_tokens]: destination ranks of each token of the round
-  size_t seg_offset;     // int32 [W][C]: first received row of segment (q, c)
-  size_t seg_count;      // int32 [W][C]: rows of segment (q, c)
+  size_t seg_offset;     // int32 [W][segments]: first received row of segment (q, c)
+  size_t seg_count;      // int32 [W][segments]: rows of segment (q, c)
   size_t dsent;          // uint64 [C][W]: rows this rank has written into ring (this -> r, c)
   size_t drecv;          // uint64 [C][W]: rows this rank has read from ring (q -> this, c)
   size_t csent;          // uint64 [C][W]
