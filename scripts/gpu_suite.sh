@@ -75,6 +75,12 @@ run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 
 # Two rounds in flight: every call dispatches two rounds before combining either.
 run check_t128_rounds2_mixed $E --tokens 128 --rounds-in-flight 2 --graph 100 --mixed --iters 2
 run check_t128_rounds2_expert $E --tokens 128 --layout expert --rounds-in-flight 2 --graph 20 --iters 2
+# Push combine (each rank writes its partials into the token's rank; the default only across GPUs).
+run check_t128_push_mixed $E --tokens 128 --combine push --graph 100 --mixed --iters 2
+run check_t128_push_expert_rounds2 $E --tokens 128 --layout expert --combine push \
+  --rounds-in-flight 2 --graph 20 --iters 2
+run check_w3_push_odd $E --world 3 --hidden 2176 --experts 24 --topk 5 --tokens 33,0,17 \
+  --combine push --backend allgather_reducescatter --iters 2
 [ -z "$quick" ] && run check_t1024_graph100 $E --tokens 1024 --graph 100 --iters 1
 [ -z "$quick" ] && run check_t1024_mixed $E --tokens 1024 --graph 50 --mixed --iters 1
 
@@ -129,6 +135,7 @@ done
 run ipc_example_n2_cuda_ipc $L -n 2 -- "$build/example_ipc_ranks" cuda-ipc
 run ipc_n2_t128_mixed $L -n 2 -- $EI --world 2 --tokens 128 --graph 10 --mixed --iters 1
 run ipc_n2_t128_naive $L -n 2 -- $EI --world 2 --tokens 128 --backend naive --iters 1
+run ipc_n2_t128_push $L -n 2 -- $EI --world 2 --tokens 128 --combine push --graph 10 --iters 2
 run ipc_n2_t1024_ht $L -n 2 -- $EI --world 2 --tokens 1024 --backend high_throughput --iters 2
 run ipc_n4_ht_worst_case_graph $L -n 4 -- $EI --world 4 --tokens 256 --backend high_throughput \
   --worst-case-output --graph 10 --iters 1
