@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,17 @@ namespace {
   } while (0)
 
 using Clock = std::chrono::steady_clock;
+
+// The epx binary: where the build put it, or (binaries copied to another machine without their
+// build tree) beside the folder of this test binary, as <build>/epx is beside <build>/tests/.
+const std::string& epx_cli() {
+  static const std::string path = [] {
+    if (::access(EPX_CLI_PATH, X_OK) == 0) return std::string(EPX_CLI_PATH);
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    return (std::filesystem::path(self).parent_path().parent_path() / "epx").string();
+  }();
+  return path;
+}
 
 struct CommandResult {
   int status = 0;
@@ -100,8 +112,8 @@ CommandResult run_command(const std::vector<std::string>& argv,
 
 // epx launch -n W -- epx check --world-kind ipc --world W <args>
 std::vector<std::string> launched_check(int ranks, const std::vector<std::string>& args) {
-  std::vector<std::string> argv{EPX_CLI_PATH, "launch", "-n", std::to_string(ranks), "--",
-                                EPX_CLI_PATH, "check", "--world-kind", "ipc",
+  std::vector<std::string> argv{epx_cli(), "launch", "-n", std::to_string(ranks), "--",
+                                epx_cli(), "check", "--world-kind", "ipc",
                                 "--world", std::to_string(ranks)};
   argv.insert(argv.end(), args.begin(), args.end());
   return argv;
@@ -155,9 +167,9 @@ TEST(IpcCheck, BaselineBackends) {
 TEST(IpcCheck, ConfigMismatchIsRefusedOnEveryRank) {
   REQUIRE_GPU();
   const std::string script =
-      std::string("h=2048; [ \"$EPX_RANK\" = 1 ] && h=4096; exec '") + EPX_CLI_PATH +
+      std::string("h=2048; [ \"$EPX_RANK\" = 1 ] && h=4096; exec '") + epx_cli() +
       "' check --world-kind ipc --world 2 --hidden $h --experts 16 --topk 4 --tokens 7";
-  const auto r = run_command({EPX_CLI_PATH, "launch", "-n", "2", "--", "/bin/sh", "-c", script},
+  const auto r = run_command({epx_cli(), "launch", "-n", "2", "--", "/bin/sh", "-c", script},
                              {{"EPX_TIMEOUT_MS", "3000"}}, 60);
   EXPECT_EQ(exit_code(r), 2) << r.out << r.err;
   EXPECT_NE(r.err.find("hidden: rank 0 has 2048, rank 1 has 4096"), std::string::npos)
@@ -170,11 +182,11 @@ TEST(IpcCheck, ConfigMismatchIsRefusedOnEveryRank) {
 TEST(IpcCheck, MissingRankIsATimeoutNotAHang) {
   REQUIRE_GPU();
   const std::string script = std::string("[ \"$EPX_RANK\" = 1 ] && exit 0; exec '") +
-                             EPX_CLI_PATH +
+                             epx_cli() +
                              "' check --world-kind ipc --world 2 --hidden 2048 --experts 16 "
                              "--topk 4 --tokens 7";
   const int timeout_ms = 2000;
-  const auto r = run_command({EPX_CLI_PATH, "launch", "-n", "2", "--", "/bin/sh", "-c", script},
+  const auto r = run_command({epx_cli(), "launch", "-n", "2", "--", "/bin/sh", "-c", script},
                              {{"EPX_TIMEOUT_MS", std::to_string(timeout_ms)}}, 60);
   EXPECT_EQ(exit_code(r), 2) << r.out << r.err;
   EXPECT_NE(r.err.find("[rank 0] epx: timeout error"), std::string::npos) << r.out << r.err;
