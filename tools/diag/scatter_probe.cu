@@ -27,7 +27,11 @@
 // into consecutive rows of one output, one 16-byte store per lane, with its scales, no
 // quantisation): the time no scatter design can beat on this byte mix. Two more split the gap
 // between v16 and stream into its two causes: `v16_nq` (v16's scatter without the quantisation:
-// the bytes mixed as stream mixes them) and `stream_q` (stream with v16's quantisation).
+// the bytes mixed as stream mixes them) and `stream_q` (stream with v16's quantisation). And two
+// say whether the cost of the scatter is in the kernel or in where its rows fall: `v16_ord` (v16
+// with its rows renumbered so that they fall as stream's do: one area, a token's rows
+// consecutive) and `v16_il` (v16 with the destinations' areas interleaved row by row: as many
+// streams of rows per block as v16, but side by side).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -281,9 +285,15 @@ __global__ void __launch_bounds__(kWarps * 32) stream_mix(Args a) {
   }
 }
 
+// Where a variant's rows go: each destination's own area (the dispatch's layout), or the same
+// kernel with its rows renumbered so that its writes fall as stream_mix's do (one area, a token's
+// rows consecutive), or with the destinations' areas interleaved row by row.
+enum class Rows { kAreas, kInOrder, kInterleaved };
+
 struct Variant {
   const char* name;
   void (*kernel)(Args);
+  Rows rows = Rows::kAreas;
 };
 
 // Sorted times in us of `iters` timed calls of launch() on the default stream, after `warmup`
@@ -321,6 +331,8 @@ int main(int argc, char** argv) {
       {"v8_s8", scatter_registers<8, 8, Hint::kNone>},
       {"bulk", scatter_bulk},
       {"v16_nq", scatter_registers<16, 2, Hint::kNone, false>},
+      {"v16_ord", scatter_registers<16, 2, Hint::kNone>, Rows::kInOrder},
+      {"v16_il", scatter_registers<16, 2, Hint::kNone>, Rows::kInterleaved},
   };
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -403,7 +415,20 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> first_out, first_sc;
     const size_t out_bytes = size_t(kRanks) * cap * kHidden;
     const size_t sc_bytes = size_t(kRanks) * cap * kGroups * sizeof(float);
+    // The renumbered tables: entry = the row in one area of kRanks * cap rows, minus r * cap
+    // (the kernel adds r * cap back; size_t arithmetic wraps a negative entry correctly).
+    std::vector<int32_t> in_order(slot.size(), -1), interleaved(slot.size(), -1);
+    for (int t = 0, row = 0; t < rows_in; ++t)
+      for (int r = 0; r < kRanks; ++r) {
+        const int32_t s = slot[size_t(t) * kRanks + r];
+        if (s < 0) continue;
+        in_order[size_t(t) * kRanks + r] = row++ - r * cap;
+        interleaved[size_t(t) * kRanks + r] = s * kRanks + r - r * cap;
+      }
     for (const Variant& v : variants) {
+      const std::vector<int32_t>& table =
+          v.rows == Rows::kInOrder ? in_order : v.rows == Rows::kInterleaved ? interleaved : slot;
+      CHECK(cudaMemcpy(dslot, table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
       CHECK(cudaMemset(a.out, 0, out_bytes));
       CHECK(cudaMemset(a.scales, 0, sc_bytes));
       const std::vector<float> ms = time_us(
@@ -415,6 +440,10 @@ int main(int argc, char** argv) {
       const char* same = "reference";
       if (std::strcmp(v.name, "v16_nq") == 0) {
         same = "(no quantisation: bytes not compared)";
+      } else if (v.rows == Rows::kInOrder) {
+        same = "(v16, rows renumbered in stream order)";
+      } else if (v.rows == Rows::kInterleaved) {
+        same = "(v16, the areas interleaved row by row)";
       } else if (first_out.empty()) {
         first_out = out;
         first_sc = sc;
@@ -425,6 +454,7 @@ int main(int argc, char** argv) {
       std::printf("  %-8s median %9.2f us  p90 %9.2f us  %.3f x floor  %s\n", v.name, med,
                   ms[ms.size() * 9 / 10], med / floor_us, same);
     }
+    CHECK(cudaMemcpy(dslot, slot.data(), slot.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     // The byte mix in order (stream_mix): the same reads and writes, no scatter.
     {
       std::vector<int32_t> first_row(size_t(rows_in) + 1, 0);
