@@ -31,7 +31,9 @@
 // say whether the cost of the scatter is in the kernel or in where its rows fall: `v16_ord` (v16
 // with its rows renumbered so that they fall as stream's do: one area, a token's rows
 // consecutive) and `v16_il` (v16 with the destinations' areas interleaved row by row: as many
-// streams of rows per block as v16, but side by side).
+// streams of rows per block as v16, but side by side). `stage8` and `stage24` quantise a batch
+// of 8 or 24 of the block's tokens into shared memory, then write the batch one destination at a
+// time: contiguous runs of rows instead of pieces of rows at each destination.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -174,6 +176,81 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
   }
 }
 
+// Staged variant: the block quantises a batch of kT of its tokens into shared memory (v16's
+// quantisation), then writes the batch destination by destination: the batch's rows at one
+// destination are consecutive (rows are in (source, token) order there), so all the block's
+// warps write one contiguous run of rows at a time instead of a piece of each token's row at
+// each of its destinations.
+constexpr int kStageItem = 32 * 16;                 // values per warp item (16 per lane)
+constexpr int kStageItems = kHidden / kStageItem;  // 14
+static_assert(kHidden % kStageItem == 0, "whole items");
+template <int kT>
+constexpr size_t staged_smem_bytes() {
+  return size_t(kT) * kHidden + size_t(kT) * kGroups * sizeof(float) +
+         size_t(kRanks) * (kT + 2) * sizeof(int32_t);
+}
+
+template <int kT>
+__global__ void __launch_bounds__(kWarps * 32) scatter_staged(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* rows = smem;                                                   // [kT][kHidden] fp8
+  float* sc = reinterpret_cast<float*>(smem + size_t(kT) * kHidden);      // [kT][kGroups]
+  int32_t* list = reinterpret_cast<int32_t*>(sc + size_t(kT) * kGroups);  // [kRanks][kT]
+  int32_t* first = list + kRanks * kT;                                    // [kRanks]
+  int32_t* count = first + kRanks;                                        // [kRanks]
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  for (int base = t0; base < t1; base += kT) {
+    const int nt = min(kT, t1 - base);
+    // The batch's tokens at each destination, in token order (one warp per destination).
+    if (warp < kRanks) {
+      const int r = warp;
+      const int s = lane < nt ? a.slot[size_t(rank * a.n + base + lane) * kRanks + r] : -1;
+      const uint32_t has = __ballot_sync(0xffffffffu, s >= 0);
+      if (s >= 0) list[r * kT + __popc(has & ((1u << lane) - 1))] = lane;
+      if (lane == 0) count[r] = __popc(has);
+      if (has != 0 && lane == __ffs(has) - 1) first[r] = s;
+    }
+    for (int it = warp; it < nt * kStageItems; it += kWarps) {
+      const int t = it / kStageItems, item = it % kStageItems;
+      const int col = item * kStageItem + lane * 16;
+      const int4* src =
+          reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
+      const int4 v0 = __ldg(src), v1 = __ldg(src + 1);
+      float f[16], g[8];
+      epx::dev::bf16x8_to_float(v0, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = g[i];
+      epx::dev::bf16x8_to_float(v1, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[8 + i] = g[i];
+      uint32_t q[4];
+      float scale;
+      quantize<16>(f, q, scale);
+      *reinterpret_cast<int4*>(rows + size_t(t) * kHidden + col) =
+          make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
+      if (lane % 8 == 0) sc[t * kGroups + col / 128] = scale;
+    }
+    __syncthreads();
+    constexpr int kRowVecs = kHidden / 16;
+    for (int r = 0; r < kRanks; ++r) {
+      const int c = count[r];
+      if (c == 0) continue;
+      int4* out = reinterpret_cast<int4*>(a.out + (size_t(r) * a.cap + first[r]) * kHidden);
+      for (int u = threadIdx.x; u < c * kRowVecs; u += blockDim.x) {
+        const int j = u / kRowVecs, off = u % kRowVecs;
+        out[u] = reinterpret_cast<const int4*>(rows + size_t(list[r * kT + j]) * kHidden)[off];
+      }
+      float* out_sc = a.scales + (size_t(r) * a.cap + first[r]) * kGroups;
+      for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
+        out_sc[u] = sc[list[r * kT + u / kGroups] * kGroups + u % kGroups];
+    }
+    __syncthreads();
+  }
+}
+
 // Bulk variant: the warp quantises its item into shared memory, then lane 0 issues one bulk copy
 // per destination (and waits for the copies to have read shared memory before the next item).
 constexpr int kBulkSteps = 4, kBulkItem = kBulkSteps * 32 * 8;  // 1024 values = 1 KiB of fp8
@@ -294,6 +371,7 @@ struct Variant {
   const char* name;
   void (*kernel)(Args);
   Rows rows = Rows::kAreas;
+  size_t smem = 0;  // dynamic shared memory
 };
 
 // Sorted times in us of `iters` timed calls of launch() on the default stream, after `warmup`
@@ -333,6 +411,8 @@ int main(int argc, char** argv) {
       {"v16_nq", scatter_registers<16, 2, Hint::kNone, false>},
       {"v16_ord", scatter_registers<16, 2, Hint::kNone>, Rows::kInOrder},
       {"v16_il", scatter_registers<16, 2, Hint::kNone>, Rows::kInterleaved},
+      {"stage8", scatter_staged<8>, Rows::kAreas, staged_smem_bytes<8>()},
+      {"stage24", scatter_staged<24>, Rows::kAreas, staged_smem_bytes<24>()},
   };
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -426,13 +506,16 @@ int main(int argc, char** argv) {
         interleaved[size_t(t) * kRanks + r] = s * kRanks + r - r * cap;
       }
     for (const Variant& v : variants) {
+      if (v.smem > 0)
+        CHECK(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   int(v.smem)));
       const std::vector<int32_t>& table =
           v.rows == Rows::kInOrder ? in_order : v.rows == Rows::kInterleaved ? interleaved : slot;
       CHECK(cudaMemcpy(dslot, table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
       CHECK(cudaMemset(a.out, 0, out_bytes));
       CHECK(cudaMemset(a.scales, 0, sc_bytes));
       const std::vector<float> ms = time_us(
-          [&](int) { v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32>>>(a); }, 10,
+          [&](int) { v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32, v.smem>>>(a); }, 10,
           n > 1024 ? 50 : 200, e0, e1);
       std::vector<uint8_t> out(out_bytes), sc(sc_bytes);
       CHECK(cudaMemcpy(out.data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
