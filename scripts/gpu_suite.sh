@@ -50,7 +50,11 @@ if want gtest; then
 # GoogleTest suites: each test counts.
 for suite in epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gpu_tests; do
   [ -x "$build/tests/$suite" ] || continue
-  timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" --gtest_brief=1 >"$logs/$suite.log" 2>&1
+  # (every test's line with its time goes to the log; the slowest ten are printed)
+  timeout "${EPX_SUITE_TIMEOUT_S:-420}" "$build/tests/$suite" >"$logs/$suite.log" 2>&1
+  grep -E "^\[       OK \] .* \([0-9]+ ms\)$" "$logs/$suite.log" | sed -E 's/^\[       OK \] (.*) \(([0-9]+) ms\)$/\2 ms  \1/' |
+    sort -rn | head -10 | sed 's/^/    slowest: /'
+  grep -E "^\[==========\] .* ran\." "$logs/$suite.log" | sed 's/^/    /'
   grep -E "FAILED|gpu-suite:|^\[  (PASSED|FAILED)" "$logs/$suite.log" | head -40
   line=$(grep -E "^gpu-suite: " "$logs/$suite.log" | tail -n 1)
   p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed.*/\1/'); f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
