@@ -33,12 +33,18 @@
 // consecutive) and `v16_il` (v16 with the destinations' areas interleaved row by row: as many
 // streams of rows per block as v16, but side by side). `stage8` and `stage24` quantise a batch
 // of 8 or 24 of the block's tokens into shared memory, then write the batch one destination at a
-// time: contiguous runs of rows instead of pieces of rows at each destination.
+// time: contiguous runs of rows instead of pieces of rows at each destination. `v16_rr8` and
+// `v16_rr32`: v16 with the rank's blocks taking chunks of 8 or 32 tokens in turn, so that the
+// writers of one (source, destination) pair stay near each other (same rows, same bytes).
+// `v16_r8` and `v16_r32`: v16 with the rows at each destination ordered by round (8 or 32
+// tokens of each block), source, block, token. `piped4/8/12`: staging in two buffers of 4, 8 or
+// 12 tokens, the loads of one batch in flight while the block writes the one before.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -113,18 +119,28 @@ __device__ __forceinline__ void quantize(const float (&f)[kPer], uint32_t (&q)[k
 
 // Register variants: one warp per (token, item of kSteps x 32 lanes x kPer values). !kQuant (16
 // values per lane only): no quantisation, the two loaded vectors mixed into one (as stream_mix).
-template <int kPer, int kSteps, Hint kHint, bool kQuant = true>
+// kChunk > 0: the rank's blocks take chunks of kChunk tokens in turn instead of one contiguous
+// range each (the rows still fall at the same places).
+template <int kPer, int kSteps, Hint kHint, bool kQuant = true, int kChunk = 0>
 __global__ void __launch_bounds__(kWarps * 32) scatter_registers(Args a) {
   static_assert(kQuant || kPer == 16, "unquantised rows: 16 values per lane");
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
-  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  const int per_block = kChunk > 0 ? (a.n + kBlocksPerRank * kChunk - 1) /
+                                         (kBlocksPerRank * kChunk) * kChunk
+                                   : (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = kChunk > 0 ? 0 : min(a.n, b * per_block);
+  const int t1 = kChunk > 0 ? per_block : min(a.n, t0 + per_block);
   constexpr int kVecs = kPer / 8;  // 16-byte loads per lane and step
   constexpr int kItemValues = kSteps * 32 * kPer;
   constexpr int kItems = (kHidden + kItemValues - 1) / kItemValues;
   for (int it = warp; it < (t1 - t0) * kItems; it += kWarps) {
-    const int n = rank * a.n + t0 + it / kItems, item = it % kItems;
+    int local = t0 + it / kItems;
+    if constexpr (kChunk > 0) {
+      local = (local / kChunk * kBlocksPerRank + b) * kChunk + local % kChunk;
+      if (local >= a.n) continue;
+    }
+    const int n = rank * a.n + local, item = it % kItems;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.x + size_t(n) * kHidden);
     int4 v[kSteps][kVecs];
 #pragma unroll
@@ -185,7 +201,7 @@ constexpr int kStageItem = 32 * 16;                 // values per warp item (16 
 constexpr int kStageItems = kHidden / kStageItem;  // 14
 static_assert(kHidden % kStageItem == 0, "whole items");
 template <int kT>
-constexpr size_t staged_smem_bytes() {
+__host__ __device__ constexpr size_t staged_smem_bytes() {
   return size_t(kT) * kHidden + size_t(kT) * kGroups * sizeof(float) +
          size_t(kRanks) * (kT + 2) * sizeof(int32_t);
 }
@@ -246,6 +262,99 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_staged(Args a) {
       float* out_sc = a.scales + (size_t(r) * a.cap + first[r]) * kGroups;
       for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
         out_sc[u] = sc[list[r * kT + u / kGroups] * kGroups + u % kGroups];
+    }
+    __syncthreads();
+  }
+}
+
+// Pipelined staging: two batch buffers. In step k every warp issues the loads of its items of
+// batch k, then helps write batch k - 1 (destination by destination, as scatter_staged) while
+// those loads are in flight, then quantises batch k into the other buffer: reads and writes
+// overlap inside the block, one __syncthreads per step.
+template <int kT>
+__host__ __device__ constexpr size_t piped_smem_bytes() {
+  return 2 * staged_smem_bytes<kT>();
+}
+
+template <int kT>
+__global__ void __launch_bounds__(kWarps * 32) scatter_piped(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kItemsPerWarp = (kT * kStageItems + kWarps - 1) / kWarps;
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  const int batches = (t1 - t0 + kT - 1) / kT;
+  auto buffer = [&](int k) { return smem + size_t(k % 2) * staged_smem_bytes<kT>(); };
+  for (int k = 0; k <= batches; ++k) {
+    // Loads of batch k.
+    const int base = t0 + k * kT, nt = k < batches ? min(kT, t1 - base) : 0;
+    int4 v[kItemsPerWarp][2];
+#pragma unroll
+    for (int i = 0; i < kItemsPerWarp; ++i) {
+      const int it = warp + i * kWarps, t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
+      if (t < nt) {
+        const int4* src =
+            reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
+        v[i][0] = __ldg(src), v[i][1] = __ldg(src + 1);
+      }
+    }
+    // Batch k - 1 to its destinations.
+    if (k > 0) {
+      uint8_t* st = buffer(k - 1);
+      const uint8_t* rows = st;
+      const float* sc = reinterpret_cast<const float*>(st + size_t(kT) * kHidden);
+      const int32_t* list = reinterpret_cast<const int32_t*>(sc + size_t(kT) * kGroups);
+      const int32_t* first = list + kRanks * kT;
+      const int32_t* count = first + kRanks;
+      constexpr int kRowVecs = kHidden / 16;
+      for (int r = 0; r < kRanks; ++r) {
+        const int c = count[r];
+        if (c == 0) continue;
+        int4* out = reinterpret_cast<int4*>(a.out + (size_t(r) * a.cap + first[r]) * kHidden);
+        for (int u = threadIdx.x; u < c * kRowVecs; u += blockDim.x) {
+          const int j = u / kRowVecs, off = u % kRowVecs;
+          out[u] = reinterpret_cast<const int4*>(rows + size_t(list[r * kT + j]) * kHidden)[off];
+        }
+        float* out_sc = a.scales + (size_t(r) * a.cap + first[r]) * kGroups;
+        for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
+          out_sc[u] = sc[list[r * kT + u / kGroups] * kGroups + u % kGroups];
+      }
+    }
+    // Batch k quantised into the other buffer, with its lists.
+    if (k < batches) {
+      uint8_t* st = buffer(k);
+      uint8_t* rows = st;
+      float* sc = reinterpret_cast<float*>(st + size_t(kT) * kHidden);
+      int32_t* list = reinterpret_cast<int32_t*>(sc + size_t(kT) * kGroups);
+      int32_t* first = list + kRanks * kT;
+      int32_t* count = first + kRanks;
+      if (warp < kRanks) {
+        const int r = warp;
+        const int sl = lane < nt ? a.slot[size_t(rank * a.n + base + lane) * kRanks + r] : -1;
+        const uint32_t has = __ballot_sync(0xffffffffu, sl >= 0);
+        if (sl >= 0) list[r * kT + __popc(has & ((1u << lane) - 1))] = lane;
+        if (lane == 0) count[r] = __popc(has);
+        if (has != 0 && lane == __ffs(has) - 1) first[r] = sl;
+      }
+#pragma unroll
+      for (int i = 0; i < kItemsPerWarp; ++i) {
+        const int it = warp + i * kWarps, t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
+        if (t >= nt) continue;
+        float f[16], g[8];
+        epx::dev::bf16x8_to_float(v[i][0], g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = g[e];
+        epx::dev::bf16x8_to_float(v[i][1], g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[8 + e] = g[e];
+        uint32_t q[4];
+        float scale;
+        quantize<16>(f, q, scale);
+        *reinterpret_cast<int4*>(rows + size_t(t) * kHidden + col) =
+            make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
+        if (lane % 8 == 0) sc[t * kGroups + col / 128] = scale;
+      }
     }
     __syncthreads();
   }
@@ -365,7 +474,7 @@ __global__ void __launch_bounds__(kWarps * 32) stream_mix(Args a) {
 // Where a variant's rows go: each destination's own area (the dispatch's layout), or the same
 // kernel with its rows renumbered so that its writes fall as stream_mix's do (one area, a token's
 // rows consecutive), or with the destinations' areas interleaved row by row.
-enum class Rows { kAreas, kInOrder, kInterleaved };
+enum class Rows { kAreas, kInOrder, kInterleaved, kRounds8, kRounds32 };
 
 struct Variant {
   const char* name;
@@ -411,8 +520,15 @@ int main(int argc, char** argv) {
       {"v16_nq", scatter_registers<16, 2, Hint::kNone, false>},
       {"v16_ord", scatter_registers<16, 2, Hint::kNone>, Rows::kInOrder},
       {"v16_il", scatter_registers<16, 2, Hint::kNone>, Rows::kInterleaved},
+      {"v16_rr8", scatter_registers<16, 2, Hint::kNone, true, 8>},
+      {"v16_rr32", scatter_registers<16, 2, Hint::kNone, true, 32>},
+      {"v16_r8", scatter_registers<16, 2, Hint::kNone>, Rows::kRounds8},
+      {"v16_r32", scatter_registers<16, 2, Hint::kNone>, Rows::kRounds32},
       {"stage8", scatter_staged<8>, Rows::kAreas, staged_smem_bytes<8>()},
       {"stage24", scatter_staged<24>, Rows::kAreas, staged_smem_bytes<24>()},
+      {"piped4", scatter_piped<4>, Rows::kAreas, piped_smem_bytes<4>()},
+      {"piped8", scatter_piped<8>, Rows::kAreas, piped_smem_bytes<8>()},
+      {"piped12", scatter_piped<12>, Rows::kAreas, piped_smem_bytes<12>()},
   };
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -495,27 +611,52 @@ int main(int argc, char** argv) {
     std::vector<uint8_t> first_out, first_sc;
     const size_t out_bytes = size_t(kRanks) * cap * kHidden;
     const size_t sc_bytes = size_t(kRanks) * cap * kGroups * sizeof(float);
-    // The renumbered tables: entry = the row in one area of kRanks * cap rows, minus r * cap
-    // (the kernel adds r * cap back; size_t arithmetic wraps a negative entry correctly).
+    // The renumbered tables: entry = the row in one area of kRanks * cap rows; these variants
+    // run with cap = 0 so that the kernel's r * cap adds nothing. (An entry must stay >= 0: the
+    // kernels read a negative one as "not sent there".)
     std::vector<int32_t> in_order(slot.size(), -1), interleaved(slot.size(), -1);
     for (int t = 0, row = 0; t < rows_in; ++t)
       for (int r = 0; r < kRanks; ++r) {
         const int32_t s = slot[size_t(t) * kRanks + r];
         if (s < 0) continue;
-        in_order[size_t(t) * kRanks + r] = row++ - r * cap;
-        interleaved[size_t(t) * kRanks + r] = s * kRanks + r - r * cap;
+        in_order[size_t(t) * kRanks + r] = row++;
+        interleaved[size_t(t) * kRanks + r] = s * kRanks + r;
       }
+    // Rows at each destination ordered by (round, source rank, block, token), a round being T
+    // consecutive tokens of each block: the writers of one destination stay near each other.
+    auto by_rounds = [&](int tokens_per_round) {
+      std::vector<int32_t> table(slot.size(), -1);
+      const int per_block = (n + kBlocksPerRank - 1) / kBlocksPerRank;
+      for (int r = 0; r < kRanks; ++r) {
+        std::vector<std::array<int, 4>> keys;  // round, source, block, global token
+        for (int t = 0; t < rows_in; ++t) {
+          if (slot[size_t(t) * kRanks + r] < 0) continue;
+          const int s = t / n, local = t % n, b = local / per_block;
+          keys.push_back({(local - b * per_block) / tokens_per_round, s, b, t});
+        }
+        std::sort(keys.begin(), keys.end());
+        for (size_t i = 0; i < keys.size(); ++i) table[size_t(keys[i][3]) * kRanks + r] = int32_t(i);
+      }
+      return table;
+    };
+    const std::vector<int32_t> rounds8 = by_rounds(8), rounds32 = by_rounds(32);
     for (const Variant& v : variants) {
       if (v.smem > 0)
         CHECK(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    int(v.smem)));
       const std::vector<int32_t>& table =
-          v.rows == Rows::kInOrder ? in_order : v.rows == Rows::kInterleaved ? interleaved : slot;
+          v.rows == Rows::kInOrder       ? in_order
+          : v.rows == Rows::kInterleaved ? interleaved
+          : v.rows == Rows::kRounds8     ? rounds8
+          : v.rows == Rows::kRounds32    ? rounds32
+                                         : slot;
       CHECK(cudaMemcpy(dslot, table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      Args va = a;
+      if (v.rows == Rows::kInOrder || v.rows == Rows::kInterleaved) va.cap = 0;
       CHECK(cudaMemset(a.out, 0, out_bytes));
       CHECK(cudaMemset(a.scales, 0, sc_bytes));
       const std::vector<float> ms = time_us(
-          [&](int) { v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32, v.smem>>>(a); }, 10,
+          [&](int) { v.kernel<<<kRanks * kBlocksPerRank, kWarps * 32, v.smem>>>(va); }, 10,
           n > 1024 ? 50 : 200, e0, e1);
       std::vector<uint8_t> out(out_bytes), sc(sc_bytes);
       CHECK(cudaMemcpy(out.data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
@@ -525,6 +666,8 @@ int main(int argc, char** argv) {
         same = "(no quantisation: bytes not compared)";
       } else if (v.rows == Rows::kInOrder) {
         same = "(v16, rows renumbered in stream order)";
+      } else if (v.rows == Rows::kRounds8 || v.rows == Rows::kRounds32) {
+        same = "(v16, rows at each destination by round of 8 / 32 tokens per block)";
       } else if (v.rows == Rows::kInterleaved) {
         same = "(v16, the areas interleaved row by row)";
       } else if (first_out.empty()) {
