@@ -179,7 +179,8 @@ class FakeAll2All:
                     s = int(d.expert_counts[e])
                     d.expert_counts[e] += 1
                     if fp8:
-                        qv, sv = ref.quantize(xq[n:n + 1])
+                        quantize = ref.quantize_pow2 if c.round_scale else ref.quantize
+                        qv, sv = quantize(xq[n:n + 1])
                         d.expert_x[e, s], d.expert_scales[e, s] = qv[0], sv[0]
                     else:
                         d.expert_x[e, s] = xq[n]

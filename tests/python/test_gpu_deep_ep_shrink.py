@@ -27,7 +27,7 @@ CAP = WORLD * T
 G = H // 128
 TIMEOUT_MS = "500"
 
-# (use_fp8, round_scale); 'pow2' is DeepEP's round_scale, travelling as bf16 (its own shape).
+# (use_fp8, round_scale); 'pow2' is DeepEP's round_scale (fp8 on the wire, its own shape).
 MODES = {"bf16": (False, False), "fp8": (True, False), "pow2": (True, True)}
 
 
