@@ -15,7 +15,8 @@ start-up handshake) or an mpi4py communicator (``comm``).
 
 How DeepEP's low-latency mode maps onto epx:
 - One ``IpcWorld`` per Buffer (``epx.ipc_world_from_torch``), made by the constructor.
-- Per shape (hidden, num_experts, num_max_dispatch_tokens_per_rank, top-k, wire dtype), made on
+- Per shape (hidden, num_experts, num_max_dispatch_tokens_per_rank, top-k, wire dtype,
+  round_scale), made on
   the first dispatch of that shape (collective: every rank dispatches the same shapes in the same
   order): ``rounds_in_flight`` (default 2, DeepEP's two buffers) epx ``All2All`` objects of the
   ``low_latency`` backend in the expert-major layout, used in turn, so that a round's outputs stay
@@ -44,7 +45,7 @@ How DeepEP's low-latency mode maps onto epx:
 - Events and hooks: epx runs on torch's current stream and a dispatch is complete when its
   kernel is, so ``event`` (async_finish) is an event recorded after the call and ``hook``
   (return_recv_hook) runs the receive half: today the torch work that completes the outputs
-  (layout_range, the power-of-two cast, the statistics). With epx's send and receive halves the
+  (layout_range, the UE8M0 packing, the statistics). With epx's send and receive halves the
   receive kernel moves into the hook.
 
 Shrink mode (``Buffer(..., enable_shrink=True)``, DeepEP's rank masking) is epx's
@@ -234,7 +235,7 @@ class ElasticBuffer:
 
 class _Shape(NamedTuple):
     """What a dispatch's epx objects depend on. `wire` is the All2All dtype: 'bf16' (use_fp8
-    off, or the power-of-two cast done at the receiver) or 'bf16-to-fp8'."""
+    off) or 'bf16-to-fp8'; `round_scale`: the fp8 wire's scales are powers of two."""
 
     hidden: int
     num_experts: int
@@ -497,7 +498,7 @@ class Buffer:
         """Bytes of device memory a Buffer allocates per rank for one low-latency shape: the
         ``rounds_in_flight`` (2) All2All objects with bf16 rows (fp8 rows need less), at the
         largest top-k, plus the carrier of combine-time weights. Each further shape (another
-        hidden, expert count, token count, top-k or wire dtype) allocates its own."""
+        hidden, expert count, token count, top-k, wire dtype or round_scale) allocates its own."""
         topk = min(_epx.MAX_TOPK, num_experts)
         shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, "bf16")
         rows = buffer_bytes(_data_config(shape, num_ranks), _BACKEND)
@@ -792,9 +793,10 @@ class Buffer:
             rows_scales = out.expert_scales if ordered else torch.empty(
                 (L, G, cap), dtype=torch.float32, device=x.device).transpose(1, 2)
         slot.caller_row_of = None
+        ue8m0 = use_fp8 and use_ue8m0  # (scales exist only on an fp8 wire)
         if not use_fp8:
             recv_x = rows_x
-        elif not use_ue8m0:
+        elif not ue8m0:
             recv_x = (rows_x, rows_scales)
         else:
             s = torch.empty((L, G // _UE8M0_GROUPS, cap), dtype=torch.int32,
@@ -806,7 +808,7 @@ class Buffer:
             if not ordered:
                 self._order_rows(state, slot, out, rows_x, rows_scales, src_info)
             self._fill_layout_range(state, out, layout_range)
-            if use_ue8m0:
+            if ue8m0:
                 recv_x[1].copy_(_ue8m0_pack(rows_scales))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(out.expert_counts)

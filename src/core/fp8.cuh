@@ -3,7 +3,8 @@
 // rule is ref::quantize_fp8's (src/reference/numerics.cpp), bit for bit: over one block of
 // kFp8BlockSize values, a = amax > 0 ? amax : 1 (amax = max |x|, NaN never wins), scale = a / 448,
 // q = e4m3(x * (448 / a)) rounded to nearest even and saturated to +-448 (NaN -> 0x7F), all in
-// f32 with IEEE rounding. Included by .cu files only.
+// f32 with IEEE rounding; or, with round_scale, a power-of-two scale (fp8_block_scale_pow2).
+// Included by .cu files only.
 
 #include <cuda_fp8.h>
 

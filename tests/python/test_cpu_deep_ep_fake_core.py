@@ -73,8 +73,8 @@ class FakeWorld:
 
 class FakeConfig:
     def __init__(self, c, world_size, rank):
-        for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "layout",
-                  "deterministic", "mask_failed_ranks", "timeout_ms"):
+        for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "round_scale",
+                  "layout", "deterministic", "mask_failed_ranks", "timeout_ms"):
             setattr(self, f, getattr(c, f))
         self.world_size, self.rank = world_size, rank
         self.capacity = world_size * c.max_tokens_per_rank
