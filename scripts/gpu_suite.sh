@@ -79,6 +79,10 @@ run check_t128_expert_graph $E --tokens 128 --layout expert --graph 100 --iters 
 # Two rounds in flight: every call dispatches two rounds before combining either.
 run check_t128_rounds2_mixed $E --tokens 128 --rounds-in-flight 2 --graph 100 --mixed --iters 2
 run check_t128_rounds2_expert $E --tokens 128 --layout expert --rounds-in-flight 2 --graph 20 --iters 2
+# Power-of-two scales (round_scale), token- and expert-major.
+run check_t128_round_scale $E --tokens 128 --round-scale --iters 2
+run check_t128_round_scale_expert $E --tokens 128 --round-scale --layout expert --scale-layout column \
+  --iters 2
 # Push combine (each rank writes its partials into the token's rank; the default only across GPUs).
 run check_t128_push_mixed $E --tokens 128 --combine push --graph 100 --mixed --iters 2
 run check_t128_push_expert_rounds2 $E --tokens 128 --layout expert --combine push \
@@ -115,6 +119,7 @@ run ht_mixed_tokens $H --tokens 0,1,7,128,4096,3,0,1024 --max-tokens 4096 --iter
 run ht_w3_odd_fp8_col $H --world 3 --hidden 2176 --experts 24 --topk 5 --tokens 333,0,17 \
   --dtype fp8 --scale-layout column --iters 2
 run ht_w1 $H --world 1 --experts 8 --topk 2 --tokens 100 --iters 2
+run ht_round_scale $H --tokens 1024 --round-scale --iters 2
 run ht_t4096_one_launch $H --tokens 4096 --one-launch --iters 2
 run ht_worst_case_graph $H --worst-case-output --tokens 1024 --graph 50 --iters 1
 run ht_worst_case_mixed $H --worst-case-output --tokens 512 --graph 20 --mixed --iters 1

@@ -134,6 +134,7 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
                   {"dtype", to_string(cfg.dtype)},
                   {"layout", to_string(cfg.layout)},
                   {"scale_layout", to_string(cfg.scale_layout)},
+                  {"round_scale", cfg.round_scale},
                   {"combine", to_string(cfg.combine)},
                   {"routing", p.shape.routing_name}};
   doc["launch_configs"] = {{"source", p.launch.origin},

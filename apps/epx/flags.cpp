@@ -140,6 +140,7 @@ std::string in_flag_names(const std::string& message, const char* max_tokens_fla
                                  {"dtype", "--dtype"},
                                  {"layout", "--layout"},
                                  {"scale_layout", "--scale-layout"},
+                                 {"round_scale", "--round-scale"},
                                  {"combine", "--combine"},
                                  {"timeout_ms", "--timeout-ms"}});
 }
@@ -210,6 +211,7 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.dtype = parse_dtype_flag(dtype);
   cfg.layout = parse_layout_flag(layout);
   cfg.scale_layout = parse_scale_layout_flag(scale_layout);
+  cfg.round_scale = round_scale;
   cfg.deterministic = deterministic;
   cfg.rounds_in_flight = rounds_in_flight;
   cfg.worst_case_output = worst_case_output;
@@ -251,6 +253,8 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
       ->capture_default_str();
   c->add_option("--scale-layout", f.scale_layout, "row | column (received fp8 scales)")
       ->capture_default_str();
+  c->add_flag("--round-scale", f.round_scale,
+              "bf16-to-fp8: each 1x128 block's scale a power of two (DeepEP's round_scale)");
   c->add_flag("--deterministic", f.deterministic,
               "token-major rows in (source rank, source index) order on every call (the ranks "
               "exchange counts before any row moves)");

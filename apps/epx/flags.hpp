@@ -80,6 +80,7 @@ struct ShapeFlags {
   std::string dtype = "bf16-to-fp8";
   std::string layout = "token";
   std::string scale_layout = "row";
+  bool round_scale = false;    // --round-scale: power-of-two fp8 scales (bf16-to-fp8)
   bool deterministic = false;  // --deterministic: rows in (source rank, source index) order
   int rounds_in_flight = 1;    // --rounds-in-flight
   bool worst_case_output = false;  // --worst-case-output (high_throughput)

@@ -64,6 +64,10 @@ struct EpConfig {
   int max_tokens_per_rank = 128;
   DispatchDtype dtype = DispatchDtype::kBF16ToFP8;
   ScaleLayout scale_layout = ScaleLayout::kRowMajor;
+  // bf16-to-fp8 only: each 1x128 block's scale is a power of two (DeepEP's round_scale, what
+  // UE8M0-scaled GEMMs take): amax = max(max |x|, 1e-4), scale = 2^ceil(log2(amax / 448)), the
+  // fp8 values x / scale (exact division). Otherwise scale = amax / 448 (amax 0: 1 / 448).
+  bool round_scale = false;
   OutputLayout layout = OutputLayout::kTokenMajor;
   // Token-major rows ordered by (source rank, source index) on every call. Costs one exchange of
   // counts between the ranks before any row moves; without it each sender reserves its rows in

@@ -37,6 +37,7 @@ class ConfigValues(NamedTuple):
     max_tokens_per_rank: int
     dtype: str
     scale_layout: str
+    round_scale: bool
     layout: str
     deterministic: bool
     rounds_in_flight: int

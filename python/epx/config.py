@@ -26,7 +26,8 @@ def ep_config(**fields: Any) -> EpConfig:
     """EpConfig(**fields), validated: ConfigError names the first impossible field.
 
     Keys: rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype ('bf16',
-    'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), layout ('token', 'expert'),
+    'fp8', 'bf16-to-fp8'), scale_layout ('row', 'column'), round_scale (bf16-to-fp8: power-of-two
+    scales, DeepEP's round_scale), layout ('token', 'expert'),
     deterministic, rounds_in_flight (1, or 2: the next round's dispatch before this round's
     combine), mask_failed_ranks (a peer that times out is masked, not fatal), worst_case_output
     (high_throughput's receive areas for every row; required for that backend from Python),

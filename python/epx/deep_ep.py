@@ -15,7 +15,8 @@ start-up handshake) or an mpi4py communicator (``comm``).
 
 How DeepEP's low-latency mode maps onto epx:
 - One ``IpcWorld`` per Buffer (``epx.ipc_world_from_torch``), made by the constructor.
-- Per shape (hidden, num_experts, num_max_dispatch_tokens_per_rank, top-k, wire dtype), made on
+- Per shape (hidden, num_experts, num_max_dispatch_tokens_per_rank, top-k, wire dtype,
+  round_scale), made on
   the first dispatch of that shape (collective: every rank dispatches the same shapes in the same
   order): ``rounds_in_flight`` (default 2, DeepEP's two buffers) epx ``All2All`` objects of the
   ``low_latency`` backend in the expert-major layout, used in turn, so that a round's outputs stay
@@ -29,9 +30,10 @@ How DeepEP's low-latency mode maps onto epx:
   src_info [E/W, W*T] int32 is each expert row's source token index (epx's expert_src_idx);
   layout_range [E/W, W] int64 packs, per local expert and source rank, the first row of that
   rank's run in the high 32 bits and its length in the low 32 bits, as DeepEP packs it.
-- round_scale / use_ue8m0: the rows travel as bf16 and are quantised at the expert's rank, in
-  torch, with DeepEP's power-of-two rule, so the bytes and scales are exactly those DeepEP's
-  fused cast produces (at twice the wire bytes of fp8).
+- round_scale / use_ue8m0: epx quantises inside dispatch with DeepEP's power-of-two rule
+  (EpConfig.round_scale), so the rows travel as fp8 and the bytes and scales are exactly those
+  DeepEP's fused cast produces; use_ue8m0 packs the scales' exponents four to an int32 at the
+  expert's rank (a few bytes per row).
 - Router weights: epx's expert-major combine folds each token's expert rows with the weights it
   carried at dispatch, at the expert's rank, before the token's rank pulls the sums. DeepEP gives
   the weights at combine. So, unless the caller passed them at dispatch (the keyword-only
@@ -43,7 +45,7 @@ How DeepEP's low-latency mode maps onto epx:
 - Events and hooks: epx runs on torch's current stream and a dispatch is complete when its
   kernel is, so ``event`` (async_finish) is an event recorded after the call and ``hook``
   (return_recv_hook) runs the receive half: today the torch work that completes the outputs
-  (layout_range, the power-of-two cast, the statistics). With epx's send and receive halves the
+  (layout_range, the UE8M0 packing, the statistics). With epx's send and receive halves the
   receive kernel moves into the hook.
 
 Shrink mode (``Buffer(..., enable_shrink=True)``, DeepEP's rank masking) is epx's
@@ -112,9 +114,6 @@ __all__ = [
 _BACKEND = "low_latency"
 # The carrier of combine-time router weights moves no payload of interest: one fp8 block.
 _CARRIER_HIDDEN = _epx.FP8_BLOCK_SIZE
-_FP8_MAX = 448.0
-# DeepEP's floor on a block's amax before its power-of-two scale is taken.
-_AMAX_FLOOR = 1e-4
 _UE8M0_GROUPS = 4  # exponents packed into one int32
 
 
@@ -236,13 +235,14 @@ class ElasticBuffer:
 
 class _Shape(NamedTuple):
     """What a dispatch's epx objects depend on. `wire` is the All2All dtype: 'bf16' (use_fp8
-    off, or the power-of-two cast done at the receiver) or 'bf16-to-fp8'."""
+    off) or 'bf16-to-fp8'; `round_scale`: the fp8 wire's scales are powers of two."""
 
     hidden: int
     num_experts: int
     max_tokens: int
     topk: int
     wire: str
+    round_scale: bool = False
 
 
 def _data_config(shape: _Shape, world_size: int, rank: int = 0,
@@ -251,7 +251,8 @@ def _data_config(shape: _Shape, world_size: int, rank: int = 0,
     return with_env_timeout(EpConfig(
         rank=rank, world_size=world_size, hidden=shape.hidden, num_experts=shape.num_experts,
         topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
-        layout="expert", scale_layout="column", deterministic=not shrink,
+        round_scale=shape.round_scale, layout="expert", scale_layout="column",
+        deterministic=not shrink,
         mask_failed_ranks=shrink))
 
 
@@ -276,8 +277,8 @@ def _barrier_config(world_size: int, rank: int = 0) -> EpConfig:
 def _shape_of(hidden: int, num_experts: int, max_tokens: int, topk: int, use_fp8: bool,
               round_scale: bool) -> _Shape:
     """The shape of a low_latency_dispatch with these arguments."""
-    wire = "bf16-to-fp8" if use_fp8 and not round_scale else "bf16"
-    return _Shape(hidden, num_experts, max_tokens, topk, wire)
+    wire = "bf16-to-fp8" if use_fp8 else "bf16"
+    return _Shape(hidden, num_experts, max_tokens, topk, wire, use_fp8 and round_scale)
 
 
 class _Slot:
@@ -365,33 +366,19 @@ class _Hook:
             recv()
 
 
-# ---- the power-of-two cast (DeepEP's round_scale / use_ue8m0) -----------------------------------
+# ---- UE8M0 scales (DeepEP's use_ue8m0) ------------------------------------------------------------
 
 
-def _pow2_cast(x, use_ue8m0: bool):
-    """bf16 [L, C, H] -> (fp8 e4m3 [L, C, H], scales): per 1x128 block, amax = max(|x|, 1e-4),
-    e = ceil(log2(amax * f32(1/448))) read off the f32 bits, q = fp8(x * 2^-e), scale 2^e.
-    Scales: f32 [L, C, H/128], or (use_ue8m0) the biased exponents e + 127 packed four to an
-    int32 [L, C, H/512] (group 4p + i in byte i of word p); both with the token index fastest
-    in memory. Multiplying by a power of two is exact, so q rounds x once, as DeepEP's cast."""
+def _ue8m0_pack(scales):
+    """Power-of-two f32 scales [L, C, G] (epx's round_scale; any strides) -> their biased
+    exponents packed four to an int32 [L, C, G/4] (group 4p + i in byte i of word p), the token
+    index fastest in memory, as DeepEP lays out use_ue8m0 scales."""
     torch = T.torch()
-    L, C, H = x.shape
-    G = H // _epx.FP8_BLOCK_SIZE
-    blocks = x.float().view(L, C, G, _epx.FP8_BLOCK_SIZE)
-    amax = blocks.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
-    inv_max = torch.tensor(1.0, dtype=torch.float32, device=x.device) / _FP8_MAX
-    bits = (amax * inv_max).view(torch.int32)
-    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    scale = ((127 - exp) << 23).view(torch.float32)  # 2^-e
-    q = (blocks * scale.unsqueeze(-1)).to(T.fp8_dtype()).view(L, C, H)
-    if not use_ue8m0:
-        scales = torch.empty((L, G, C), dtype=torch.float32, device=x.device).transpose(1, 2)
-        scales.copy_(((exp + 127) << 23).view(torch.float32))
-        return q, scales
-    biased = (exp + 127).to(torch.uint8)  # [L, C, G]
+    L, C, G = scales.shape
+    biased = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # e + 127
     packed = biased.view(L, C, G // _UE8M0_GROUPS, _UE8M0_GROUPS).permute(0, 2, 1, 3)
     words = packed.contiguous().view(torch.int32).view(L, G // _UE8M0_GROUPS, C)
-    return q, words.transpose(1, 2)
+    return words.transpose(1, 2)
 
 
 # ---- Buffer -------------------------------------------------------------------------------------
@@ -511,7 +498,7 @@ class Buffer:
         """Bytes of device memory a Buffer allocates per rank for one low-latency shape: the
         ``rounds_in_flight`` (2) All2All objects with bf16 rows (fp8 rows need less), at the
         largest top-k, plus the carrier of combine-time weights. Each further shape (another
-        hidden, expert count, token count, top-k or wire dtype) allocates its own."""
+        hidden, expert count, token count, top-k, wire dtype or round_scale) allocates its own."""
         topk = min(_epx.MAX_TOPK, num_experts)
         shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, "bf16")
         rows = buffer_bytes(_data_config(shape, num_ranks), _BACKEND)
@@ -802,32 +789,27 @@ class Buffer:
         rows_x = out.expert_x if ordered else torch.empty_like(out.expert_x)
         src_info = out.expert_src_idx if ordered else torch.empty_like(out.expert_src_idx)
         rows_scales = None
-        if use_fp8 and not round_scale:
+        if use_fp8:
             rows_scales = out.expert_scales if ordered else torch.empty(
                 (L, G, cap), dtype=torch.float32, device=x.device).transpose(1, 2)
         slot.caller_row_of = None
+        ue8m0 = use_fp8 and use_ue8m0  # (scales exist only on an fp8 wire)
         if not use_fp8:
             recv_x = rows_x
-        elif not round_scale:
+        elif not ue8m0:
             recv_x = (rows_x, rows_scales)
         else:
-            q = torch.empty((L, cap, hidden), dtype=T.fp8_dtype(), device=x.device)
-            if use_ue8m0:
-                s = torch.empty((L, G // _UE8M0_GROUPS, cap), dtype=torch.int32,
-                                device=x.device).transpose(1, 2)
-            else:
-                s = torch.empty((L, G, cap), dtype=torch.float32, device=x.device).transpose(1, 2)
-            recv_x = (q, s)
+            s = torch.empty((L, G // _UE8M0_GROUPS, cap), dtype=torch.int32,
+                            device=x.device).transpose(1, 2)
+            recv_x = (rows_x, s)
 
         def recv() -> None:
             # (With epx's dispatch halves, the receive kernel goes first here.)
             if not ordered:
                 self._order_rows(state, slot, out, rows_x, rows_scales, src_info)
             self._fill_layout_range(state, out, layout_range)
-            if use_fp8 and round_scale:
-                q_now, s_now = _pow2_cast(rows_x, use_ue8m0)
-                recv_x[0].copy_(q_now)
-                recv_x[1].copy_(s_now)
+            if ue8m0:
+                recv_x[1].copy_(_ue8m0_pack(rows_scales))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(out.expert_counts)
 

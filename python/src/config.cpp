@@ -37,7 +37,7 @@ constexpr std::array<IntField, 8> kIntFields{{
 }};
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
-    "layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, combine, "
+    "round_scale, layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, combine, "
     "timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
@@ -53,6 +53,8 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
     c.scale_layout = parse_scale_layout(str_arg("EpConfig", key, v));
   } else if (key == "layout") {
     c.layout = parse_output_layout(str_arg("EpConfig", key, v));
+  } else if (key == "round_scale") {
+    c.round_scale = bool_arg("EpConfig", key, v);
   } else if (key == "deterministic") {
     c.deterministic = bool_arg("EpConfig", key, v);
   } else if (key == "mask_failed_ranks") {
@@ -70,12 +72,13 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
 std::string ep_repr(const EpConfig& c) {
   return fmt::format(
       "EpConfig(rank={}, world_size={}, hidden={}, num_experts={}, topk={}, "
-      "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', layout='{}', deterministic={}, "
+      "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', round_scale={}, layout='{}', "
+      "deterministic={}, "
       "rounds_in_flight={}, mask_failed_ranks={}, worst_case_output={}, combine='{}', "
       "timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
-      to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
-      c.deterministic ? "True" : "False", c.rounds_in_flight,
+      to_string(c.dtype), to_string(c.scale_layout), c.round_scale ? "True" : "False",
+      to_string(c.layout), c.deterministic ? "True" : "False", c.rounds_in_flight,
       c.mask_failed_ranks ? "True" : "False", c.worst_case_output ? "True" : "False",
       to_string(c.combine), c.timeout_ms);
 }
@@ -190,6 +193,10 @@ void bind_config(nb::module_& m) {
       "layout", [](const EpConfig& c) { return std::string(to_string(c.layout)); },
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "layout", v); },
       "'token' (token-major, vLLM Standard) or 'expert' (expert-major, vLLM BatchedExperts)");
+  ep.def_prop_rw(
+      "round_scale", [](const EpConfig& c) { return c.round_scale; },
+      [](EpConfig& c, nb::handle v) { set_ep_field(c, "round_scale", v); },
+      "bf16-to-fp8: each 1x128 block's scale a power of two (DeepEP's round_scale).");
   ep.def_prop_rw(
       "deterministic", [](const EpConfig& c) { return c.deterministic; },
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "deterministic", v); },

@@ -145,6 +145,10 @@ void EpConfig::validate() const {
             fmt::format("one of {}", list_names(kOutputLayoutNames)));
   EPX_CHECK(is_named(kCombineModeNames, combine), ConfigError, "combine", static_cast<int>(combine),
             fmt::format("one of {}", list_names(kCombineModeNames)));
+  // Only epx's own quantisation rounds scales; fp8 input keeps the caller's.
+  EPX_CHECK(!round_scale || dtype == DispatchDtype::kBF16ToFP8, ConfigError, "round_scale", "true",
+            fmt::format("false with dtype {} (only bf16-to-fp8 is quantised by epx)",
+                        to_string(dtype)));
   // fp8 rows carry one f32 scale per 1x128 block; a partial block has no defined scale.
   EPX_CHECK(!wire_fp8() || hidden % kFp8BlockSize == 0, ConfigError, "hidden", hidden,
             fmt::format("a multiple of kFp8BlockSize = {} for dtype {}", kFp8BlockSize,

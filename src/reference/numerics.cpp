@@ -69,7 +69,16 @@ float fp8_to_float(uint8_t q) {
   return negative ? -v : v;
 }
 
-void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* scales) {
+float pow2_fp8_scale(float amax) {
+  const float t = std::max(amax, kFp8Pow2AmaxFloor) * (1.0f / kFp8Max);
+  const uint32_t bits = std::bit_cast<uint32_t>(t);
+  // ceil(log2(t)) of a normal t: its exponent, plus one unless t is a power of two
+  const int e = int((bits >> 23) & 0xFFu) - 127 + ((bits & 0x7FFFFFu) != 0 ? 1 : 0);
+  return std::ldexp(1.0f, e);
+}
+
+void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* scales,
+                  bool round_scale) {
   const int groups = hidden / kFp8BlockSize;
   for (int r = 0; r < rows; ++r) {
     for (int g = 0; g < groups; ++g) {
@@ -80,8 +89,9 @@ void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* sc
       for (int i = 0; i < kFp8BlockSize; ++i)
         amax = std::max(amax, std::fabs(bf16_to_float(in[i])));
       const float a = amax > 0.0f ? amax : 1.0f;
-      const float inv = kFp8Max / a;
-      scales[static_cast<int64_t>(r) * groups + g] = a / kFp8Max;
+      const float scale = round_scale ? pow2_fp8_scale(amax) : a / kFp8Max;
+      const float inv = round_scale ? 1.0f / scale : kFp8Max / a;  // (exact for a power of two)
+      scales[static_cast<int64_t>(r) * groups + g] = scale;
       for (int i = 0; i < kFp8BlockSize; ++i) out[i] = fp8_from_float(bf16_to_float(in[i]) * inv);
     }
   }

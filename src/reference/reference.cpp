@@ -70,7 +70,8 @@ WireRows wire_rows(const EpConfig& cfg, const RankInput& in) {
     case DispatchDtype::kBF16ToFP8:
       w.x.resize(elems);
       w.scales.resize(static_cast<size_t>(in.num_tokens) * cfg.num_scale_groups());
-      quantize_fp8(in.x_bf16.data(), in.num_tokens, cfg.hidden, w.x.data(), w.scales.data());
+      quantize_fp8(in.x_bf16.data(), in.num_tokens, cfg.hidden, w.x.data(), w.scales.data(),
+                   cfg.round_scale);
       break;
   }
   return w;
@@ -404,7 +405,8 @@ std::vector<float> token_as_float(const EpConfig& cfg, const RankInput& in, int 
     case DispatchDtype::kBF16ToFP8: {
       std::vector<uint8_t> q(hidden);
       std::vector<float> scales(groups);
-      quantize_fp8(in.x_bf16.data() + n * hidden, 1, cfg.hidden, q.data(), scales.data());
+      quantize_fp8(in.x_bf16.data() + n * hidden, 1, cfg.hidden, q.data(), scales.data(),
+                   cfg.round_scale);
       dequantize_fp8(q.data(), scales.data(), 1, cfg.hidden, v.data());
       break;
     }

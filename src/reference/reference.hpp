@@ -30,9 +30,16 @@ float bf16_to_float(uint16_t b);
 uint8_t fp8_from_float(float f);
 float fp8_to_float(uint8_t q);
 inline constexpr float kFp8Max = 448.0f;
+inline constexpr float kFp8Pow2AmaxFloor = 1e-4f;  // round_scale: a smaller amax counts as this
 
-// bf16 [rows][hidden] -> fp8 [rows][hidden] + scales [rows][hidden/128] (row-major).
-void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* scales);
+// bf16 [rows][hidden] -> fp8 [rows][hidden] + scales [rows][hidden/128] (row-major). Per 1x128
+// block: scale = a / 448 with a = amax, or 1 for amax 0; with `round_scale` (DeepEP's rule)
+// scale = 2^e, e = ceil(log2(max(amax, 1e-4) * f32(1/448))) read off the product's f32 bits.
+// q = e4m3(x * f32(1 / scale)) either way.
+void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* scales,
+                  bool round_scale = false);
+// The power-of-two scale of a block whose largest magnitude is `amax` (round_scale).
+float pow2_fp8_scale(float amax);
 // fp8 + scales -> float [rows][hidden].
 void dequantize_fp8(const uint8_t* q, const float* scales, int rows, int hidden, float* out);
 

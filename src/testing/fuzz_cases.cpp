@@ -185,6 +185,8 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   // that the earlier draws of a seed stay what they were).
   const bool may_push = !ht && o.backend != Backend::kNaive;
   cfg.combine = may_push && d.odds(1, 3) ? CombineMode::kPush : CombineMode::kAuto;
+  // A quarter of the quantised cases with power-of-two scales (drawn last too).
+  cfg.round_scale = cfg.dtype == DispatchDtype::kBF16ToFP8 && d.odds(1, 4);
 
   const std::string tokens = fmt::format("{}", fmt::join(o.tokens, ","));
   const std::string calls =
@@ -193,9 +195,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   const std::string scales =
       cfg.wire_fp8() ? fmt::format(" {}-major scales", to_string(cfg.scale_layout)) : "";
   c.description = fmt::format(
-      "W{} H{} E{} K{} tokens {} (max {}) {} {}-major{} routing {} {}{}{}{} rounds {} {} ({})", W,
-      cfg.hidden, cfg.num_experts, cfg.topk, tokens, max_tokens, to_string(cfg.dtype),
-      to_string(cfg.layout), scales, routing_flag(o.routing), to_string(o.backend),
+      "W{} H{} E{} K{} tokens {} (max {}) {}{} {}-major{} routing {} {}{}{}{} rounds {} {} ({})",
+      W, cfg.hidden, cfg.num_experts, cfg.topk, tokens, max_tokens, to_string(cfg.dtype),
+      cfg.round_scale ? " round-scale" : "", to_string(cfg.layout), scales, routing_flag(o.routing), to_string(o.backend),
       cfg.deterministic   ? " deterministic"
       : cfg.worst_case_output ? " worst-case-output"
                               : "",
@@ -211,6 +213,7 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       to_string(o.backend), cfg.rounds_in_flight, o.seed, o.iters);
   if (o.graph_replays > 0) cmd += fmt::format(" --graph {}", o.graph_replays);
   if (cfg.combine == CombineMode::kPush) cmd += " --combine push";
+  if (cfg.round_scale) cmd += " --round-scale";
   for (const auto& [on, flag] : {std::pair{cfg.deterministic, " --deterministic"},
                                  std::pair{o.ids_int64, " --ids64"}, std::pair{o.mixed, " --mixed"},
                                  std::pair{o.one_launch, " --one-launch"},

@@ -25,10 +25,12 @@ std::string fingerprint(const EpConfig& c, Backend backend) {
   // The version comes first: when it differs, the other fields may not even be comparable.
   return fmt::format(
       "epx_version={}\nbackend={}\nworld_size={}\nhidden={}\nnum_experts={}\ntopk={}\n"
-      "max_tokens_per_rank={}\ndtype={}\nscale_layout={}\nlayout={}\ndeterministic={}\n"
+      "max_tokens_per_rank={}\ndtype={}\nscale_layout={}\nround_scale={}\nlayout={}\n"
+      "deterministic={}\n"
       "rounds_in_flight={}\nmask_failed_ranks={}\ncombine={}\ntimeout_ms={}\n",
       library_version(), to_string(backend), c.world_size, c.hidden, c.num_experts, c.topk,
-      c.max_tokens_per_rank, to_string(c.dtype), to_string(c.scale_layout), to_string(c.layout),
+      c.max_tokens_per_rank, to_string(c.dtype), to_string(c.scale_layout),
+      c.round_scale ? "true" : "false", to_string(c.layout),
       c.deterministic ? "true" : "false", c.rounds_in_flight,
       c.mask_failed_ranks ? "true" : "false", to_string(c.combine), c.timeout_ms);
 }

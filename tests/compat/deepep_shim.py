@@ -14,8 +14,8 @@ are in this project):
   replaced; the epx side is unchanged (its bootstrap only needs the group's object all-gather).
 - ``preparing_buffer(Buffer, spec)`` (used by that package when EPX_DEEP_EP_SHAPES="T,H,E,K" is
   set, for DeepEP's --shrink-test): a Buffer whose constructor also makes the low-latency shapes
-  of T tokens, hidden H, E experts and top-K, on both wires (DeepEP's test dispatches with
-  use_fp8 off and on), while every rank is there. epx's shrink mode needs every shape made before
+  of T tokens, hidden H, E experts and top-K, on each wire (DeepEP's test dispatches with
+  use_fp8 off and on, and with round_scale, its own shape), while every rank is there. epx's shrink mode needs every shape made before
   a rank stops calling (making a shape is collective), and DeepEP's test makes its first dispatch
   after a rank has stopped; its own Buffer needs no shapes up front.
 """
@@ -118,16 +118,17 @@ def parse_shapes(spec: str):
 
 def preparing_buffer(base, spec: str):
     """A subclass of `base` (epx.deep_ep.Buffer) whose low-latency instances make the shapes of
-    `spec` ("T,H,E,K") on both wires in their constructor (see the module docstring)."""
+    `spec` ("T,H,E,K") on each wire in their constructor (see the module docstring)."""
     tokens, hidden, experts, topk = parse_shapes(spec)
 
     class Buffer(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.low_latency_mode:
-                for use_fp8 in (False, True):  # collective: every rank, in this order
-                    self.prepare_low_latency_shape(tokens, hidden, experts, topk,
-                                                   use_fp8=use_fp8)
+                # collective: every rank, in this order
+                for wire in ({"use_fp8": False}, {"use_fp8": True},
+                             {"use_fp8": True, "round_scale": True}):
+                    self.prepare_low_latency_shape(tokens, hidden, experts, topk, **wire)
 
     Buffer.__qualname__ = Buffer.__name__ = base.__name__
     Buffer.__doc__ = base.__doc__

@@ -303,6 +303,12 @@ void Catalogue::build() {
   config("config.layout_not_an_enum", "layout = OutputLayout(5)",
          [](EpConfig& c) { c.layout = static_cast<OutputLayout>(5); },
          {"layout = 5", "one of token, expert"});
+  config("config.round_scale_with_fp8_input", "dtype = fp8, round_scale = true",
+         [](EpConfig& c) {
+           c.dtype = DispatchDtype::kFP8;
+           c.round_scale = true;
+         },
+         {"round_scale = true", "false with dtype fp8"});
   config("config.combine_not_an_enum", "combine = CombineMode(9)",
          [](EpConfig& c) { c.combine = static_cast<CombineMode>(9); },
          {"combine = 9", "one of auto, pull, push"});
@@ -606,6 +612,8 @@ void Catalogue::build() {
       {"rounds_in_flight = 3", "[1, kMaxRoundsInFlight = 2]"});
   cli("cli.check.combine_sideways", {"check", "--combine", "sideways"},
       {"--combine = \"sideways\"", "expected one of auto, pull, push"});
+  cli("cli.check.round_scale_bf16", {"check", "--dtype", "bf16", "--round-scale"},
+      {"--round-scale = true", "false with --dtype bf16"});
   cli("cli.launch.ranks_above_64", {"launch", "-n", "65", "--", "true"},
       {"-n = 65", "[1, kMaxRanks = 64]"});
   cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"},

@@ -22,7 +22,8 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
   EXPECT_EQ(text.rfind(std::string("epx_version=") + library_version() + "\n", 0), 0u) << text;
   for (const char* field : {"backend=low_latency\n", "world_size=3\n", "hidden=7168\n",
                             "num_experts=48\n", "topk=8\n", "max_tokens_per_rank=128\n",
-                            "dtype=bf16-to-fp8\n", "scale_layout=row\n", "layout=token\n",
+                            "dtype=bf16-to-fp8\n", "scale_layout=row\n", "round_scale=false\n",
+                            "layout=token\n",
                             "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n", "combine=auto\n",
                             "timeout_ms=10000\n"}) {
     EXPECT_NE(text.find(field), std::string::npos) << field << " in\n" << text;
@@ -33,6 +34,9 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
   EXPECT_EQ(fingerprint(b, Backend::kLowLatency), text);
   b.hidden = 4096;
   EXPECT_NE(fingerprint(b, Backend::kLowLatency), text);
+  EpConfig c = a;
+  c.round_scale = true;
+  EXPECT_NE(fingerprint(c, Backend::kLowLatency), text);
   EXPECT_NE(fingerprint(a, Backend::kNaive), text);
   EXPECT_STREQ(library_version(), "0.1.0");
 }

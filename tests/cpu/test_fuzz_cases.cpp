@@ -27,8 +27,9 @@ std::map<std::string, std::string> flags_of(const std::string& command) {
   std::string epx, check, word;
   in >> epx >> check;
   EXPECT_EQ(epx + " " + check, "epx check") << command;
-  const std::set<std::string> switches = {"--deterministic", "--ids64", "--mixed", "--one-launch",
-                                          "--halves"};
+  const std::set<std::string> switches = {"--deterministic", "--ids64",      "--mixed",
+                                          "--one-launch",    "--halves",     "--round-scale",
+                                          "--worst-case-output"};
   std::map<std::string, std::string> out;
   while (in >> word) {
     EXPECT_EQ(word.rfind("--", 0), 0u) << "not a flag: " << word << " in " << command;
@@ -65,6 +66,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   shape.rounds_in_flight = std::stoi(take("--rounds-in-flight"));
   shape.deterministic = has("--deterministic");
   shape.worst_case_output = has("--worst-case-output");
+  shape.round_scale = has("--round-scale");
   if (f.count("--combine") != 0) shape.combine = take("--combine");
   const EpConfig cfg = shape.config(1);  // as `epx check` builds it (--max-tokens given)
   EXPECT_EQ(cfg.world_size, o.cfg.world_size) << c.command;
@@ -79,6 +81,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   EXPECT_EQ(cfg.deterministic, o.cfg.deterministic) << c.command;
   EXPECT_EQ(cfg.worst_case_output, o.cfg.worst_case_output) << c.command;
   EXPECT_EQ(cfg.combine, o.cfg.combine) << c.command;
+  EXPECT_EQ(cfg.round_scale, o.cfg.round_scale) << c.command;
   const std::string tokens = take("--tokens");
   EXPECT_EQ(cli::tokens_per_rank(cli::parse_token_counts(tokens, "--tokens"), cfg.world_size,
                                  "--tokens", tokens),
@@ -181,6 +184,7 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
   bool expert_rounds2 = false, halves_rounds2 = false, mixed_rounds2 = false;
   bool ht_replayed = false, ht_exact_eager = false, ht_one_launch = false;
   bool push_expert = false, push_replayed = false, push_agrs = false;
+  bool round_scale_ht = false, round_scale_ll = false;
   for (int i = 0; i < kCases; ++i) {
     const FuzzCase c = make_fuzz_case(1, i);
     const CheckOptions& o = c.options;
@@ -214,8 +218,12 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
     push_expert |= push && o.cfg.layout == OutputLayout::kExpertMajor;
     push_replayed |= push && o.graph_replays > 0;
     push_agrs |= push && o.backend == Backend::kAllgatherReduceScatter;
+    EXPECT_TRUE(!o.cfg.round_scale || o.cfg.dtype == DispatchDtype::kBF16ToFP8) << c.description;
+    round_scale_ht |= o.cfg.round_scale && ht;
+    round_scale_ll |= o.cfg.round_scale && o.backend == Backend::kLowLatency;
   }
   EXPECT_TRUE(push_expert && push_replayed && push_agrs);
+  EXPECT_TRUE(round_scale_ht && round_scale_ll);
   EXPECT_TRUE(ht_replayed && ht_exact_eager && ht_one_launch);
   EXPECT_EQ(worlds, (std::set<int>{1, 2, 3, 4, 8, 16}));
   EXPECT_EQ(backends.size(), 4u);

@@ -297,6 +297,54 @@ TEST(Quantize, ErrorWithinTheFp8Bound) {
   }
 }
 
+// round_scale (DeepEP's rule): the scale is the power of two at or above amax / 448, amax at
+// least 1e-4; hand-computed blocks.
+TEST(Quantize, RoundScaleHandComputed) {
+  EXPECT_EQ(pow2_fp8_scale(448.0f), 1.0f);             // amax / 448 = 1 exactly
+  EXPECT_EQ(pow2_fp8_scale(449.0f), 2.0f);             // just above: up to 2
+  EXPECT_EQ(pow2_fp8_scale(224.0f), 0.5f);             // 0.5 exactly
+  EXPECT_EQ(pow2_fp8_scale(3.0f), pow2(-7));           // 3 / 448 = 0.0067 in (2^-8, 2^-7]
+  EXPECT_EQ(pow2_fp8_scale(0.0f), pow2(-22));          // 1e-4 / 448 = 2.2e-7 in (2^-23, 2^-22]
+  EXPECT_EQ(pow2_fp8_scale(1e-6f), pow2(-22));         // below the floor: as 1e-4
+  std::vector<uint16_t> x(256, 0);
+  x[0] = bf16_from_float(3.0f);
+  x[1] = bf16_from_float(-1.5f);
+  x[128] = bf16_from_float(448.0f);
+  x[129] = bf16_from_float(1.0625f);  // a tie at scale 1 -> 1.0
+  std::vector<uint8_t> q(256);
+  std::vector<float> s(2);
+  quantize_fp8(x.data(), 1, 256, q.data(), s.data(), /*round_scale=*/true);
+  EXPECT_EQ(s[0], pow2(-7));
+  EXPECT_EQ(q[0], fp8_from_float(384.0f));    // 3 * 128
+  EXPECT_EQ(q[1], fp8_from_float(-192.0f));   // -1.5 * 128
+  EXPECT_EQ(s[1], 1.0f);
+  EXPECT_EQ(q[128], 0x7E);
+  EXPECT_EQ(q[129], 0x38);
+  // Every scale a power of two and every value within the fp8 bound at that scale.
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> y(128 * 64);
+  for (size_t i = 0; i < y.size(); ++i)
+    y[i] = bf16_from_float(normal(rng) * std::exp2(float(int(i / 128) % 30) - 15.0f));
+  std::vector<uint8_t> qy(y.size());
+  std::vector<float> sy(64), back(y.size());
+  quantize_fp8(y.data(), 1, int(y.size()), qy.data(), sy.data(), true);
+  dequantize_fp8(qy.data(), sy.data(), 1, int(y.size()), back.data());
+  for (int g = 0; g < 64; ++g) {
+    int e = 0;
+    ASSERT_EQ(std::frexp(sy[g], &e), 0.5f) << g;
+    float amax = 0;
+    for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(bf16_to_float(y[g * 128 + i])));
+    ASSERT_EQ(sy[g], pow2_fp8_scale(amax)) << g;
+    ASSERT_LE(amax / sy[g], 448.0f) << g;
+    for (int i = 0; i < 128; ++i) {
+      const float xi = bf16_to_float(y[g * 128 + i]);
+      ASSERT_EQ(qy[g * 128 + i], fp8_from_float(xi / sy[g])) << g << " " << i;
+      ASSERT_LE(std::fabs(back[g * 128 + i] - xi), std::ldexp(std::fabs(xi), -4) + std::ldexp(sy[g], -10));
+    }
+  }
+}
+
 TEST(Quantize, DequantizeIsCodeTimesScale) {
   std::vector<uint8_t> q = {0x38, 0xB8, 0x7E, 0x01};
   std::vector<float> s = {0.25f};
@@ -343,6 +391,19 @@ TEST(Quantize, NonFiniteValuesFollowTheContract) {
   EXPECT_TRUE(std::isnan(out[3]));
   EXPECT_EQ(out[7], -2.0f);
   for (int i = 128; i < 384; ++i) EXPECT_TRUE(std::isnan(out[i])) << i;
+  // The same with power-of-two scales: an infinite amax gives scale inf and 1 / scale = 0.
+  quantize_fp8(x.data(), 1, 384, q.data(), s.data(), /*round_scale=*/true);
+  EXPECT_EQ(s[0], pow2(-7));  // 2 / 448 in (2^-8, 2^-7]
+  EXPECT_EQ(q[3], 0x7F);
+  EXPECT_EQ(q[7], fp8_from_float(-256.0f));
+  EXPECT_EQ(q[0], fp8_from_float(64.0f));
+  for (int b = 1; b < 3; ++b) {
+    EXPECT_EQ(s[b], inf) << b;
+    for (int i = 128 * b; i < 128 * (b + 1); ++i) {
+      const bool negative = i == 131 || i == 301;
+      EXPECT_EQ(q[i], (i == 130 || i == 300) ? 0x7F : negative ? 0x80 : 0x00) << i;
+    }
+  }
 }
 
 }  // namespace

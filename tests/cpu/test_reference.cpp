@@ -84,7 +84,8 @@ Wire expected_wire(const EpConfig& cfg, const RankInput& in, int n) {
     case DispatchDtype::kBF16ToFP8:
       w.x.resize(h);
       w.scales.resize(groups);
-      quantize_fp8(in.x_bf16.data() + n * h, 1, cfg.hidden, w.x.data(), w.scales.data());
+      quantize_fp8(in.x_bf16.data() + n * h, 1, cfg.hidden, w.x.data(), w.scales.data(),
+                   cfg.round_scale);
       break;
   }
   return w;
@@ -565,6 +566,29 @@ TEST(HandDispatch, Bf16ToFp8Quantises) {
   const auto v = token_as_float(cfg, inputs[0], 0);
   EXPECT_EQ(v[0], -448.0f * (2.0f / 448.0f));
   EXPECT_EQ(v[200], 448.0f * (8.0f / 448.0f));
+}
+
+// The same token with round_scale: scales 2^-7 (2 / 448 rounded up) and 2^-5 (8 / 448).
+TEST(HandDispatch, Bf16ToFp8WithRoundScale) {
+  EpConfig cfg = make_config(1, 8, 2, 256, 1, DispatchDtype::kBF16ToFP8);
+  cfg.round_scale = true;
+  std::vector<RankInput> inputs(1);
+  inputs[0].num_tokens = 1;
+  inputs[0].routing = {1, 2, {5, 2}, {0.5f, 0.5f}};
+  inputs[0].x_bf16.assign(256, bf(0.0f));
+  inputs[0].x_bf16[0] = bf(-2.0f);   // -2 * 2^7 = -256
+  inputs[0].x_bf16[1] = bf(1.0f);    //  1 * 2^7 = 128
+  inputs[0].x_bf16[200] = bf(8.0f);  //  8 * 2^5 = 256
+  const auto tm = dispatch_token_major(cfg, inputs);
+  ASSERT_EQ(tm[0].count, 1);
+  EXPECT_EQ(tm[0].scales, (std::vector<float>{1.0f / 128.0f, 1.0f / 32.0f}));
+  EXPECT_EQ(tm[0].x[0], fp8_from_float(-256.0f));
+  EXPECT_EQ(tm[0].x[1], fp8_from_float(128.0f));
+  EXPECT_EQ(tm[0].x[2], 0x00);
+  EXPECT_EQ(tm[0].x[200], fp8_from_float(256.0f));
+  const auto v = token_as_float(cfg, inputs[0], 0);
+  EXPECT_EQ(v[0], -2.0f);
+  EXPECT_EQ(v[200], 8.0f);
 }
 
 TEST(HandCombine, IdentityPartialsUseOnlyLocalWeights) {

@@ -123,6 +123,23 @@ INSTANTIATE_TEST_SUITE_P(Shapes, HtCheck,
                                   (std::get<1>(i.param) ? "_worst_case" : "_sized");
                          });
 
+// Power-of-two scales (EpConfig::round_scale) on every quantised shape, sized and worst case.
+TEST(HighThroughput, RoundScaleMatchesReference) {
+  REQUIRE_GPU();
+  int shapes = 0;
+  for (const HtCase& c : kCases) {
+    if (c.dtype != DispatchDtype::kBF16ToFP8) continue;
+    for (const bool worst_case : {false, true}) {
+      auto o = options_for(c, worst_case);
+      o.cfg.round_scale = true;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << c.name << (worst_case ? " worst case" : " sized") << describe(rep);
+    }
+    ++shapes;
+  }
+  EXPECT_GE(shapes, 3);
+}
+
 // One launch per GPU, sized per call (one host read for the group) and, for the worst case,
 // captured once and replayed.
 TEST(HighThroughput, OneLaunchSizedAndReplayed) {

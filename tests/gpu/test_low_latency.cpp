@@ -225,6 +225,26 @@ INSTANTIATE_TEST_SUITE_P(Combine, PushCase,
                                   kCases[std::get<1>(i.param)].name;
                          });
 
+// Power-of-two scales (EpConfig::round_scale): every shape quantised in dispatch matches the
+// reference's bytes and scales, under low_latency and allgather_reducescatter.
+TEST(RoundScale, MatchesReferenceOnEveryQuantisedShape) {
+  REQUIRE_GPU();
+  int shapes = 0;
+  for (const Case& c : kCases) {
+    if (c.dtype != DispatchDtype::kBF16ToFP8) continue;
+    for (const Backend b : {Backend::kLowLatency, Backend::kAllgatherReduceScatter}) {
+      if (b != Backend::kLowLatency && c.layout == OutputLayout::kExpertMajor) continue;
+      auto o = options_for(c);
+      o.backend = b;
+      o.cfg.round_scale = true;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << c.name << " " << to_string(b) << describe(rep);
+    }
+    ++shapes;
+  }
+  EXPECT_GE(shapes, 5);
+}
+
 TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
   REQUIRE_GPU();
   auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q

@@ -33,6 +33,20 @@ def quantize(x):
     return q, torch.div(a, fp8_max).view(n, h // 128)
 
 
+def quantize_pow2(x):
+    """bf16 [N, H] -> (fp8 e4m3 [N, H], f32 [N, H/128]) with power-of-two scales (EpConfig's
+    round_scale, DeepEP's rule): per 1x128 block, e = ceil(log2(max(amax, 1e-4) * f32(1/448))),
+    scale = 2^e, q = fp8(x * 2^-e) (exact scaling)."""
+    n, h = x.shape
+    blocks = x.float().view(n, h // 128, 128)
+    amax = blocks.abs().amax(dim=2).clamp_min(1e-4)
+    t = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    m, e = torch.frexp(t)
+    ceil_log2 = torch.where(m == 0.5, e - 1, e)
+    q = torch.ldexp(blocks, -ceil_log2.unsqueeze(-1).float()).to(torch.float8_e4m3fn)
+    return q.view(n, h), torch.ldexp(torch.ones_like(t), ceil_log2.float())
+
+
 def dequantize(q, scales):
     n, h = q.shape
     return (q.float().view(n, h // 128, 128) * scales.float().view(n, h // 128, 1)).view(n, h)

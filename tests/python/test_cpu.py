@@ -28,6 +28,12 @@ def test_ep_config_by_keyword():
     assert "hidden=4096" in repr(c)
     assert c.combine == "auto" and c.replace(combine="push").combine == "push"
     assert "combine='auto'" in repr(c)
+    assert not c.round_scale and "round_scale=False" in repr(c)
+    q = c.replace(dtype="bf16-to-fp8", round_scale=True)
+    q.validate()
+    assert q.round_scale
+    with pytest.raises(epx.ConfigError, match=r"round_scale = true, expected false with dtype fp8"):
+        c.replace(round_scale=True).validate()
 
 
 @pytest.mark.parametrize(

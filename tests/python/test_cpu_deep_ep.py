@@ -298,7 +298,8 @@ def test_preparing_buffer_makes_the_shapes_in_its_constructor(tmp_path):
     Prepared(None)  # normal mode: no shapes
     assert made == []
     Prepared(None, low_latency_mode=True)
-    assert made == [((64, 2048, 16, 4), {"use_fp8": False}), ((64, 2048, 16, 4), {"use_fp8": True})]
+    assert made == [((64, 2048, 16, 4), {"use_fp8": False}), ((64, 2048, 16, 4), {"use_fp8": True}),
+                    ((64, 2048, 16, 4), {"use_fp8": True, "round_scale": True})]
     for bad in ("64,2048,16", "64,2048,16,x", ""):
         with pytest.raises(ValueError, match=deepep_shim.SHAPES_ENV):
             deepep_shim.preparing_buffer(Base, bad)

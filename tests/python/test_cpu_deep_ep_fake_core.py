@@ -73,8 +73,8 @@ class FakeWorld:
 
 class FakeConfig:
     def __init__(self, c, world_size, rank):
-        for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "layout",
-                  "deterministic", "mask_failed_ranks", "timeout_ms"):
+        for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "round_scale",
+                  "layout", "deterministic", "mask_failed_ranks", "timeout_ms"):
             setattr(self, f, getattr(c, f))
         self.world_size, self.rank = world_size, rank
         self.capacity = world_size * c.max_tokens_per_rank
@@ -179,7 +179,8 @@ class FakeAll2All:
                     s = int(d.expert_counts[e])
                     d.expert_counts[e] += 1
                     if fp8:
-                        qv, sv = ref.quantize(xq[n:n + 1])
+                        quantize = ref.quantize_pow2 if c.round_scale else ref.quantize
+                        qv, sv = quantize(xq[n:n + 1])
                         d.expert_x[e, s], d.expert_scales[e, s] = qv[0], sv[0]
                     else:
                         d.expert_x[e, s] = xq[n]

@@ -27,7 +27,7 @@ CAP = WORLD * T
 G = H // 128
 TIMEOUT_MS = "500"
 
-# (use_fp8, round_scale); 'pow2' is DeepEP's round_scale, travelling as bf16 (its own shape).
+# (use_fp8, round_scale); 'pow2' is DeepEP's round_scale (fp8 on the wire, its own shape).
 MODES = {"bf16": (False, False), "fp8": (True, False), "pow2": (True, True)}
 
 
@@ -142,8 +142,8 @@ def run_shrink_scenario(buffer, rank, dev, align):
 
     cuda = dev.type == "cuda"
     every = set(range(WORLD))
-    for use_fp8 in (True, False):  # made while every rank is here ('pow2' travels as bf16)
-        buffer.prepare_low_latency_shape(T, H, E, K, use_fp8=use_fp8)
+    for use_fp8, round_scale in MODES.values():  # made while every rank is here
+        buffer.prepare_low_latency_shape(T, H, E, K, use_fp8=use_fp8, round_scale=round_scale)
     status = torch.zeros(WORLD, dtype=torch.int32, device=dev)
 
     def masked():
@@ -220,6 +220,8 @@ def run_shrink_scenario(buffer, rank, dev, align):
     round_trip("fp8", 6, live)
     round_trip("bf16", 7, live, zero_copy=True)
     round_trip("fp8", 8, live, hook=True)
+    round_trip("bf16", 9, live)  # the other object of each shape that rank 0 alone has not used
+    round_trip("pow2", 10, live, hook=True)
     # Every object has masked both now: masking either again, or unmasking rank 0 (never
     # masked), changes nothing.
     buffer.low_latency_update_mask_buffer(1, True)

@@ -354,7 +354,8 @@ class HtAll2All final : public All2All {
                          .groups = cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0,
                          .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
                          .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
-                         .ids_int64 = ids_int64_},
+                         .ids_int64 = ids_int64_,
+                         .round_scale = cfg_.round_scale},
         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
         .num_ranks = num_ranks,
 #if EPX_MEASUREMENT

@@ -296,7 +296,7 @@ __device__ __forceinline__ void write_chunk(const HtDispatchParams& p, const HtD
 #pragma unroll
           for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
         }
-        q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);
+        q[u] = dev::quantize_fp8_block<kPer>(f, sc[u], S.round_scale != 0);
       }
       for (uint64_t mm = m; mm; mm &= mm - 1) {
         const auto d = sink.dest(lowest_rank(mm));

@@ -345,7 +345,8 @@ __device__ __forceinline__ void send_payload(const DispatchCall& c, uint8_t* con
       }
       q[u] = make_uint4(0, 0, 0, 0);
       sc[u] = 0.f;
-      if (u < nsteps) q[u] = dev::quantize_fp8_block<kPer>(f, sc[u]);  // u < nsteps: warp-uniform
+      if (u < nsteps)  // (u < nsteps: warp-uniform)
+        q[u] = dev::quantize_fp8_block<kPer>(f, sc[u], S.round_scale != 0);
     }
     for (uint64_t m = dmask; m; m &= m - 1) {
       const int r = lowest_rank(m);

@@ -33,6 +33,7 @@ struct Shape {
   int32_t ordered;           // rows ordered by (source rank, source index): counts exchanged first
   int32_t mask_failed;       // EpConfig::mask_failed_ranks
   int32_t push;              // combine pushes the partials (Layout::pushed)
+  int32_t round_scale;       // EpConfig::round_scale: power-of-two fp8 scales
 #if EPX_MEASUREMENT
   int32_t ablate;            // kAblate* bits: stages left out to time the rest (wrong results)
 #endif

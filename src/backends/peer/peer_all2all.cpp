@@ -343,6 +343,7 @@ class PeerAll2All final : public All2All {
                  .ordered = cfg_.deterministic || algo_.all_reduce,
                  .mask_failed = cfg_.mask_failed_ranks,
                  .push = push_,
+                 .round_scale = cfg_.round_scale,
 #if EPX_MEASUREMENT
                  .ablate = ablate_,
 #endif
