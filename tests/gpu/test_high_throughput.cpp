@@ -64,6 +64,17 @@ const HtCase kCases[] = {
     {"w8_r1_1024_q", 8, 7168, 256, 8, {1024}, D::kBF16ToFP8, R::kUniform},
     {"w8_r1_mixed_fp8", 8, 7168, 256, 8, {0, 1, 7, 128, 4096, 0, 1024, 7}, D::kFP8, R::kSkewed},
     {"w8_h2048_e8_k1_bf16", 8, 2048, 8, 1, {4096, 0, 1, 7, 128, 1, 0, 7}, D::kBF16, R::kUniform},
+    // Rows whose 16-byte vectors are no multiple of a warp's (136 fp8, 125 bf16).
+    {"w5_h2176_e40_k5_q_col",
+     5,
+     2176,
+     40,
+     5,
+     {33, 0, 17, 300, 1},
+     D::kBF16ToFP8,
+     R::kUniform,
+     ScaleLayout::kColumnMajor},
+    {"w3_h1000_e12_k3_bf16", 3, 1000, 12, 3, {5, 77, 0}, D::kBF16, R::kSkewed},
 };
 
 testing::CheckOptions options_for(const HtCase& c, bool worst_case) {
