@@ -623,7 +623,8 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
       if (has != 0 && lane == __ffs(has) - 1)
         run_first[r] = seg_base[r] + row_pos[size_t(base + lane) * W + r];
     }
-    // The batch on the wire, in shared memory.
+    // The batch on the wire, in shared memory. (write_chunk's loads and quantisation, written
+    // again: one helper for both made ptxas spill 16 / 20 bytes in the bf16-to-fp8 kernel.)
     for (int it = warp; it < nt * chunks; it += num_warps) {
       const int j = it / chunks, chunk = it % chunks, n = base + j;
       if (token_mask[n] == 0) continue;  // sent nowhere
