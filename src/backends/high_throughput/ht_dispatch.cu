@@ -23,10 +23,11 @@
 //   also places each token in its (source, channel) segment at each destination (row_pos, in
 //   token order: its place within its warp's chunk, to which the chunk's first row is added
 //   after the scan); the transfer kernel's blocks (all 2C sending, half a channel each) wait
-//   until each destination has published its receive area of the round, write each token's row
-//   and metadata straight into it (each destination's row is learnt once per token), and the
-//   rank's last block tells every destination (arrived); block 0 returns once every rank's rows
-//   are here. No rings.
+//   until each destination has published its receive area of the round, then take their tokens
+//   in batches staged in shared memory as they go on the wire, and write each batch destination
+//   by destination, one contiguous run of rows (with scales and metadata) at a time; the rank's
+//   last block tells every destination (arrived); block 0 returns once every rank's rows are
+//   here. No rings.
 
 #include <cuda_bf16.h>
 
@@ -581,55 +582,138 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 
 // ---- transfer: direct mode --------------------------------------------------------------------
 
-// The rows of the receivers' areas (direct mode) that a token takes: at rank r, the first row of
-// segment (this rank, channel) plus the token's place in it (row_pos, in token order); the area
-// is laid out by rows_layout of its size.
-struct AreaSink {
-  const HtShape& S;
-  uint8_t* const* area;    // [W]
-  const HtRowsLayout* rl;  // [W]
-  int row_lo;              // lane l: the token's row at rank l
-  int row_hi;              // ... and at rank l + 32
-  int src_rank;
-  struct Dest {
-    const HtShape& S;
-    uint8_t* area;
-    const HtRowsLayout* rl;
-    int row, src_rank;
-    __device__ uint8_t* payload() const {
-      return area + rl->recv_x + size_t(row) * S.wire_row_bytes;
+// Direct mode: the block's tokens [t0, t1) in batches of T (ht_stage_tokens). Each batch goes on
+// the wire into shared memory (`stage`, ht_stage_bytes: rows, scales, lists), the payload in
+// (token, chunk of its row) items over all warps so that every warp has loads in flight; then,
+// for each destination r, the batch's rows there, which are consecutive (row_pos numbers a
+// segment's rows in token order), are written as one run by the whole block, with their scales
+// and metadata. After: every row of the block's tokens is in its receivers' areas.
+template <DispatchDtype kDtype>
+__device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const HtDispatchRank& me,
+                                                uint8_t* const* area, const HtRowsLayout* rl,
+                                                const int32_t* seg_base, int t0, int t1,
+                                                uint8_t* stage) {
+  __shared__ int32_t run_rows[kMaxRanks];   // the batch's rows at rank r
+  __shared__ int32_t run_first[kMaxRanks];  // ... from this row of its area
+  const HtShape& S = p.common.shape;
+  const HtLayout& L = p.common.layout;
+  const int W = S.world, G = S.groups, K = S.topk, H = S.hidden, s = me.rank;
+  const int T = ht_stage_tokens(S), RB = S.wire_row_bytes;
+  uint8_t* rows = stage;                                                   // [T][RB]
+  float* scales = reinterpret_cast<float*>(stage + size_t(T) * RB);        // [T][G]
+  int32_t* list = reinterpret_cast<int32_t*>(scales + size_t(T) * G);      // [W][T]
+  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  constexpr int kPer = kElemsPerPiece<kDtype>;
+  constexpr int kVecs = kVecsPerPiece<kDtype>;
+  constexpr int kHeld = kPieces<kDtype>;
+  constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
+  const int pieces = H / kPer;  // 16-byte wire vectors of a row: RB == pieces * 16
+  const int chunks = row_chunks<kDtype>(H);
+  for (int base = t0; base < t1; base += T) {
+    const int nt = min(T, t1 - base);
+    // Which of the batch's tokens go to rank r, in token order, and the row of the first.
+    for (int r = warp; r < W; r += num_warps) {
+      const bool to_r = lane < nt && ((token_mask[base + lane] >> r) & 1);
+      const uint32_t has = __ballot_sync(kFullWarp, to_r);
+      if (to_r) list[r * T + __popc(has & dev::lanemask_lt())] = lane;
+      if (lane == 0) run_rows[r] = __popc(has);
+      if (has != 0 && lane == __ffs(has) - 1)
+        run_first[r] = seg_base[r] + row_pos[size_t(base + lane) * W + r];
     }
-    __device__ float* scale(int g) const {
-      return reinterpret_cast<float*>(area + rl->recv_scales) + ht_scale_index(S, row, g, rl->rows);
-    }
-    __device__ void metadata(int lane, int K, int32_t id, float weight, int n) const {
-      const size_t j = size_t(row);
-      if (lane < K) {
-        reinterpret_cast<int32_t*>(area + rl->recv_topk_ids)[j * K + lane] = id;
-        reinterpret_cast<float*>(area + rl->recv_topk_w)[j * K + lane] = weight;
+    // The batch on the wire, in shared memory. (write_chunk's loads and quantisation, written
+    // again: one helper for both made ptxas spill 16 / 20 bytes in the bf16-to-fp8 kernel.)
+    for (int it = warp; it < nt * chunks; it += num_warps) {
+      const int j = it / chunks, chunk = it % chunks, n = base + j;
+      if (token_mask[n] == 0) continue;  // sent nowhere
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(me.x) +
+                                                      size_t(n) * H * kInBytes);
+      int4* to = reinterpret_cast<int4*>(rows + size_t(j) * RB);
+      const int v0 = chunk * kHeld * kWarpSize;
+      int4 v[kHeld][kVecs];
+#pragma unroll
+      for (int u = 0; u < kHeld; ++u) {
+        const int vi = v0 + u * kWarpSize + lane;
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k)
+          v[u][k] = vi < pieces ? __ldg(src + size_t(vi) * kVecs + k) : make_int4(0, 0, 0, 0);
       }
-      if (lane == 0) {
-        reinterpret_cast<int32_t*>(area + rl->recv_src_rank)[j] = src_rank;
-        reinterpret_cast<int32_t*>(area + rl->recv_src_idx)[j] = n;
+#pragma unroll
+      for (int u = 0; u < kHeld; ++u) {
+        const int vi = v0 + u * kWarpSize + lane;
+        if constexpr (kDtype != DispatchDtype::kBF16ToFP8) {
+          if (vi < pieces) to[vi] = v[u][0];
+        } else {
+          // 16 bf16 -> 16 fp8 per lane; the 8 lanes of a 1x128 block are all inside the row or
+          // all past it (H % 128 == 0), and every lane takes part in the block's shuffles.
+          float f[kPer];
+#pragma unroll
+          for (int k = 0; k < kVecs; ++k) {
+            float g[8];
+            dev::bf16x8_to_float(v[u][k], g);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
+          }
+          float sc;
+          const uint4 q = dev::quantize_fp8_block<kPer>(f, sc);
+          if (vi < pieces) {
+            reinterpret_cast<uint4*>(to)[vi] = q;
+            if (lane % (kFp8BlockSize / kPer) == 0) scales[j * G + vi / (kFp8BlockSize / kPer)] = sc;
+          }
+        }
       }
     }
-  };
-  // Called by the whole warp (r warp-uniform).
-  __device__ Dest dest(int r) const {
-    return Dest{S, area[r], rl + r, lane_value(row_lo, row_hi, r), src_rank};
+    if constexpr (kDtype == DispatchDtype::kFP8) {  // the input's scales, as they are
+      for (int i = threadIdx.x; i < nt * G; i += blockDim.x)
+        scales[i] = __ldg(me.x_scales + size_t(base) * G + i);
+    }
+    __syncthreads();
+    // Destination by destination: the batch's rows at rank r are rows [first, first + c).
+    const int vpr = pieces;  // 16-byte vectors per row
+    const int step_j = blockDim.x / vpr, step_v = blockDim.x % vpr;
+    for (int r = 0; r < W; ++r) {
+      const int c = run_rows[r];
+      if (c == 0) continue;
+      const int first = run_first[r];
+      const int32_t* lr = list + r * T;
+      uint8_t* a = area[r];
+      int4* out = reinterpret_cast<int4*>(a + rl[r].recv_x + size_t(first) * RB);
+      // (thread i copies vectors i, i + blockDim.x, ... of the run: row j, vector v of it)
+      for (int j = threadIdx.x / vpr, v = threadIdx.x % vpr; j < c;) {
+        out[size_t(j) * vpr + v] = reinterpret_cast<const int4*>(rows + size_t(lr[j]) * RB)[v];
+        v += step_v;
+        j += step_j;
+        if (v >= vpr) {
+          v -= vpr;
+          ++j;
+        }
+      }
+      if constexpr (kDtype != DispatchDtype::kBF16) {
+        // (in the order of the receiver's layout, so that neighbouring threads write neighbours)
+        float* out_sc = reinterpret_cast<float*>(a + rl[r].recv_scales);
+        for (int i = threadIdx.x; i < c * G; i += blockDim.x) {
+          const int j = S.scale_col_major ? i % c : i / G, g = S.scale_col_major ? i / c : i % G;
+          out_sc[ht_scale_index(S, first + j, g, rl[r].rows)] = scales[lr[j] * G + g];
+        }
+      }
+      int32_t* ids = reinterpret_cast<int32_t*>(a + rl[r].recv_topk_ids) + size_t(first) * K;
+      float* weights = reinterpret_cast<float*>(a + rl[r].recv_topk_w) + size_t(first) * K;
+      for (int i = threadIdx.x; i < c * K; i += blockDim.x) {
+        const int n = base + lr[i / K], k = i % K;
+        ids[i] = int32_t(load_id(S, me.topk_ids, n, k));
+        weights[i] = __ldg(me.topk_weights + size_t(n) * K + k);
+      }
+      int32_t* src_rank = reinterpret_cast<int32_t*>(a + rl[r].recv_src_rank) + first;
+      int32_t* src_idx = reinterpret_cast<int32_t*>(a + rl[r].recv_src_idx) + first;
+      for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        src_rank[i] = s;
+        src_idx[i] = base + lr[i];
+      }
+    }
+    __syncthreads();  // the stage and the lists are rewritten by the next batch
   }
-};
-
-// Token n's rows at its destinations `m` (direct mode): its place in its segment at each, after
-// the segment's base. Called by one whole warp.
-__device__ __forceinline__ AreaSink area_sink(const HtShape& S, uint8_t* const* area,
-                                              const HtRowsLayout* rl, const int32_t* seg_base,
-                                              const int32_t* row_pos, int n, uint64_t m, int s) {
-  const int W = S.world, lane = threadIdx.x % kWarpSize, hi = lane + kWarpSize;
-  const int32_t* pos = row_pos + size_t(n) * W;
-  const int row_lo = lane < W && ((m >> lane) & 1) ? seg_base[lane] + pos[lane] : 0;
-  const int row_hi = hi < W && ((m >> hi) & 1) ? seg_base[hi] + pos[hi] : 0;
-  return AreaSink{S, area, rl, row_lo, row_hi, s};
 }
 
 // Block b of 2C (direct mode): half b % 2 of channel b / 2's tokens, written straight into the
@@ -666,24 +750,8 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   __syncthreads();
   if (failed) return;
   EPX_PHASE_MARK(cm, TransferPhase::kAreas);
-  const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
-  const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
-  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
-  // Items of (token, chunk of its row) over all warps, so that every warp has loads in flight
-  // however the block's tokens divide among its warps; then the metadata, a token per warp.
-  const int chunks = row_chunks<kDtype>(S.hidden);
-  for (int it = warp; it < (t1 - t0) * chunks; it += num_warps) {
-    const int n = t0 + it / chunks;
-    const uint64_t m = token_mask[n];
-    if (m != 0)
-      write_chunk<kDtype>(p, me, n, m, area_sink(S, area, rl, seg_base, row_pos, n, m, s),
-                          it % chunks);
-  }
-  for (int n = t0 + warp; n < t1; n += num_warps) {
-    const uint64_t m = token_mask[n];
-    if (m != 0)
-      write_metadata<kDtype>(p, me, n, m, area_sink(S, area, rl, seg_base, row_pos, n, m, s));
-  }
+  extern __shared__ __align__(16) uint8_t stage[];  // ht_stage_bytes(S), given at launch
+  stage_and_write<kDtype>(p, me, area, rl, seg_base, t0, t1, stage);
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
   __syncthreads();
@@ -738,9 +806,15 @@ __global__ void __launch_bounds__(kMaxThreads)
 void load_ht_dispatch_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_count_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kBF16>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kFP8>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_transfer_kernel<DispatchDtype::kBF16ToFP8>));
+  // The transfer kernels' staging (direct mode) may take more than the default 48 KiB.
+  const auto allow_stage = [&attr](auto kernel) {
+    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kMaxStageBytes));
+  };
+  allow_stage(ht_transfer_kernel<DispatchDtype::kBF16>);
+  allow_stage(ht_transfer_kernel<DispatchDtype::kFP8>);
+  allow_stage(ht_transfer_kernel<DispatchDtype::kBF16ToFP8>);
 }
 
 void launch_ht_count(const HtDispatchParams& p, int warps, cudaStream_t stream) {
@@ -752,15 +826,16 @@ void launch_ht_count(const HtDispatchParams& p, int warps, cudaStream_t stream) 
 void launch_ht_transfer(const HtDispatchParams& p, DispatchDtype dtype, int channels, int warps,
                         cudaStream_t stream) {
   const dim3 grid(2 * channels * p.common.num_ranks), block(warps * kWarpSize);
+  const size_t smem = p.common.layout.direct ? ht_stage_bytes(p.common.shape) : 0;
   switch (dtype) {
     case DispatchDtype::kBF16:
-      ht_transfer_kernel<DispatchDtype::kBF16><<<grid, block, 0, stream>>>(p);
+      ht_transfer_kernel<DispatchDtype::kBF16><<<grid, block, smem, stream>>>(p);
       break;
     case DispatchDtype::kFP8:
-      ht_transfer_kernel<DispatchDtype::kFP8><<<grid, block, 0, stream>>>(p);
+      ht_transfer_kernel<DispatchDtype::kFP8><<<grid, block, smem, stream>>>(p);
       break;
     case DispatchDtype::kBF16ToFP8:
-      ht_transfer_kernel<DispatchDtype::kBF16ToFP8><<<grid, block, 0, stream>>>(p);
+      ht_transfer_kernel<DispatchDtype::kBF16ToFP8><<<grid, block, smem, stream>>>(p);
       break;
   }
   EPX_CUDA_CHECK(cudaGetLastError());

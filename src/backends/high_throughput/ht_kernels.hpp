@@ -76,6 +76,38 @@ static_assert(kMaxPhaseOps >= 3 && int(CountPhase::kCount) <= kMaxPhases &&
               int(TransferPhase::kCount) <= kMaxPhases && int(CombinePhase::kCount) <= kMaxPhases);
 #endif
 
+// Direct mode's staging (dynamic shared memory of the transfer kernel): a batch of up to
+// kMaxStageTokens of a block's tokens, as they go on the wire, then written destination by
+// destination, so that each destination gets one contiguous run of rows per batch (rows of a
+// segment are in token order at every destination). On the H200 a dispatch-shaped scatter that
+// writes pieces of each row at each of its destinations runs 1.24x its floor, the same bytes
+// written in order 1.16x (tools/diag/scatter_probe.cu).
+inline constexpr int kMaxStageTokens = 32;          // one lane per token when the lists are made
+static_assert(kMaxStageTokens <= 32, "a batch's tokens are the lanes of one warp");
+inline constexpr int kStageBudgetBytes = 128 << 10;  // rows + scales + lists, per block
+// Tokens per batch: as many as fit the budget, at least one (a row is at most 128 KiB).
+constexpr EPX_HOST_DEVICE int ht_stage_tokens(const HtShape& S) {
+  const int per_token = S.wire_row_bytes + S.groups * 4 + S.world * 4;
+  const int t = kStageBudgetBytes / per_token;
+  return t < 1 ? 1 : (t > kMaxStageTokens ? kMaxStageTokens : t);
+}
+// The most ht_stage_bytes can be: the budget, or one bf16 row of kMaxHidden with its list.
+inline constexpr int kMaxStageBytes =
+    kStageBudgetBytes > 2 * kMaxHidden + 4 * kMaxRanks ? kStageBudgetBytes
+                                                       : 2 * kMaxHidden + 4 * kMaxRanks;
+// [T][wire_row_bytes] rows, then f32 [T][groups] scales, then int32 [world][T] lists.
+constexpr EPX_HOST_DEVICE size_t ht_stage_bytes(const HtShape& S) {
+  const size_t T = size_t(ht_stage_tokens(S));
+  return T * size_t(S.wire_row_bytes) + T * size_t(S.groups) * 4 + size_t(S.world) * T * 4;
+}
+
+// The largest rows: one bf16 row of kMaxHidden values, and one fp8 row with its scales.
+static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks, .hidden = kMaxHidden, .groups = 0,
+                                     .wire_row_bytes = 2 * kMaxHidden}) <= kMaxStageBytes);
+static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks, .hidden = kMaxHidden,
+                                     .groups = kMaxHidden / kFp8BlockSize,
+                                     .wire_row_bytes = kMaxHidden}) <= kMaxStageBytes);
+
 struct HtCommon {
   uint8_t* const* peers;  // device array [W]: every rank's symmetric buffer
   HtLayout layout;
