@@ -57,7 +57,7 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.crecv = carve(c, C * W * sizeof(uint64_t));
   L.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
   L.row_pos = carve(c, direct ? size_t(cfg.max_tokens_per_rank) * W * sizeof(int32_t) : 0);
-  L.tickets = carve(c, direct ? 2 * sizeof(uint32_t) : 0);
+  L.tickets = carve(c, direct ? 3 * sizeof(uint32_t) : 0);
   L.total = c;
   return L;
 }

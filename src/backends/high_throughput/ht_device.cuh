@@ -39,6 +39,13 @@ __device__ __forceinline__ TokenRange half_channel(int N, int channels, int b) {
   return b % 2 == 0 ? TokenRange{c0, mid} : TokenRange{mid, c1};
 }
 
+// Direct mode: the half channel (segment) that holds token n, 0 <= n < N.
+__device__ __forceinline__ int segment_of(int N, int channels, int n) {
+  int c = int(int64_t(n) * channels / N);  // channel_begin(c) <= n; the later ones may be too
+  while (c + 1 < channels && channel_begin(N, channels, c + 1) <= n) ++c;
+  return 2 * c + (n >= half_channel(N, channels, 2 * c).second ? 1 : 0);
+}
+
 // Segment c's tokens (HtLayout::segments): channel c, or in direct mode half channel c.
 __device__ __forceinline__ TokenRange segment_tokens(int N, int channels, bool direct, int c) {
   return direct ? half_channel(N, channels, c)

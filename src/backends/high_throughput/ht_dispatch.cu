@@ -22,9 +22,9 @@
 // direct mode (an in-process group: every rank addresses every rank's memory): the count kernel
 //   also places each token in its (source, channel) segment at each destination (row_pos, in
 //   token order: its place within its warp's chunk, to which the chunk's first row is added
-//   after the scan); the transfer kernel's blocks (all 2C sending, half a channel each) wait
-//   until each destination has published its receive area of the round, then take their tokens
-//   in batches staged in shared memory as they go on the wire, and write each batch destination
+//   after the scan); the transfer kernel's blocks (all 2C sending) wait until each destination
+//   has published its receive area of the round, then take the rank's tokens in batches, in
+//   turn from a counter, staged in shared memory as they go on the wire, and write each batch destination
 //   by destination, one contiguous run of rows (with scales and metadata) at a time; the rank's
 //   last block tells every destination (arrived); block 0 returns once every rank's rows are
 //   here. No rings.
@@ -582,8 +582,11 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 
 // ---- transfer: direct mode --------------------------------------------------------------------
 
-// Direct mode: the block's tokens [t0, t1) in batches of T (ht_stage_tokens). Each batch goes on
-// the wire into shared memory (`stage`, ht_stage_bytes: rows, scales, lists), the payload in
+// Direct mode: the rank's tokens in batches of T (ht_stage_tokens), which the rank's blocks take in
+// turn from tickets[2] (the next batch; whichever block is free takes it, so that the blocks end
+// together instead of waiting for the one whose tokens had the most rows). A batch's rows at a
+// destination are consecutive whichever segments it spans (the rank's rows are in token order
+// there). Each batch goes on the wire into shared memory (`stage`, ht_stage_bytes: rows, scales, lists), the payload in
 // (token, chunk of its row) items over all warps so that every warp has loads in flight; then,
 // for each destination r, the batch's rows there, which are consecutive (row_pos numbers a
 // segment's rows in token order), are written as one run by the whole block, with their scales
@@ -591,12 +594,13 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const HtDispatchRank& me,
                                                 uint8_t* const* area, const HtRowsLayout* rl,
-                                                const int32_t* seg_base, int t0, int t1,
                                                 uint8_t* stage) {
   __shared__ int32_t run_rows[kMaxRanks];   // the batch's rows at rank r
   __shared__ int32_t run_first[kMaxRanks];  // ... from this row of its area
-  const HtShape& S = p.common.shape;
-  const HtLayout& L = p.common.layout;
+  __shared__ int32_t next;                  // the batch this block takes
+  const HtCommon& cm = p.common;
+  const HtShape& S = cm.shape;
+  const HtLayout& L = cm.layout;
   const int W = S.world, G = S.groups, K = S.topk, H = S.hidden, s = me.rank;
   const int T = ht_stage_tokens(S), RB = S.wire_row_bytes;
   uint8_t* rows = stage;                                                   // [T][RB]
@@ -612,16 +616,25 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const int pieces = H / kPer;  // 16-byte wire vectors of a row: RB == pieces * 16
   const int chunks = row_chunks<kDtype>(H);
-  for (int base = t0; base < t1; base += T) {
-    const int nt = min(T, t1 - base);
+  for (;;) {
+    if (threadIdx.x == 0) next = atomicAdd(at<int32_t>(me.local, L.tickets) + 2, 1);
+    __syncthreads();  // (the previous batch's last barrier ordered every read of `next` before)
+    const int base = next * T;
+    if (base >= me.num_tokens) break;
+    const int nt = min(T, me.num_tokens - base);
     // Which of the batch's tokens go to rank r, in token order, and the row of the first.
     for (int r = warp; r < W; r += num_warps) {
       const bool to_r = lane < nt && ((token_mask[base + lane] >> r) & 1);
       const uint32_t has = __ballot_sync(kFullWarp, to_r);
       if (to_r) list[r * T + __popc(has & dev::lanemask_lt())] = lane;
       if (lane == 0) run_rows[r] = __popc(has);
-      if (has != 0 && lane == __ffs(has) - 1)
-        run_first[r] = seg_base[r] + row_pos[size_t(base + lane) * W + r];
+      if (has != 0 && lane == __ffs(has) - 1) {
+        const int n = base + lane;
+        const int32_t seg_first =
+            dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * L.segments +
+                                segment_of(me.num_tokens, L.channels, n));
+        run_first[r] = seg_first + row_pos[size_t(n) * W + r];
+      }
     }
     // The batch on the wire, in shared memory. (write_chunk's loads and quantisation, written
     // again: one helper for both made ptxas spill 16 / 20 bytes in the bf16-to-fp8 kernel.)
@@ -716,23 +729,19 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   }
 }
 
-// Block b of 2C (direct mode): half b % 2 of channel b / 2's tokens, written straight into the
+// Direct mode, each of the rank's nb blocks: batches of the rank's tokens, written straight into the
 // receivers' areas once each has published its area of this round; the rank's last block then
 // tells every receiver that its rows are there.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtDispatchRank& me,
-                                            const dev::WaitContext& w, int b, int nb,
-                                            uint32_t epoch) {
+                                            const dev::WaitContext& w, int nb, uint32_t epoch) {
   __shared__ uint8_t* area[kMaxRanks];
   __shared__ HtRowsLayout rl[kMaxRanks];
-  __shared__ int32_t seg_base[kMaxRanks];
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
   const HtLayout& L = cm.layout;
-  const int W = S.world, C = L.channels, s = me.rank;
-  const int N = me.num_tokens;
-  const auto [t0, t1] = half_channel(N, C, b);  // segment b
+  const int W = S.world, s = me.rank;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
@@ -745,19 +754,21 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
     area[r] = reinterpret_cast<uint8_t*>(ptr);
     const int rows = int(dev::ld_acquire_sys(reinterpret_cast<const uint64_t*>(&pub->area_rows)));
     rl[r] = rows_layout(rows, S.wire_row_bytes, S.groups, S.topk, S.hidden);
-    seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * L.segments + b);
   }
   __syncthreads();
   if (failed) return;
   EPX_PHASE_MARK(cm, TransferPhase::kAreas);
   extern __shared__ __align__(16) uint8_t stage[];  // ht_stage_bytes(S), given at launch
-  stage_and_write<kDtype>(p, me, area, rl, seg_base, t0, t1, stage);
+  int32_t* tickets = at<int32_t>(me.local, L.tickets);  // [2]: the next batch
+  stage_and_write<kDtype>(p, me, area, rl, stage);
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
   // the last block's release then makes all of them visible to the receivers.
   __syncthreads();
   EPX_PHASE_MARK(cm, TransferPhase::kPayload);
   if (threadIdx.x == 0) dev::fence_acq_rel_sys();
-  if (dev::last_block(at<int32_t>(me.local, L.tickets), nb)) {
+  if (dev::last_block(tickets, nb)) {
+    // Every block has taken its last batch: the batches start again from 0 in the next call.
+    if (threadIdx.x == 0) tickets[2] = 0;
     for (int r = threadIdx.x; r < W; r += blockDim.x) {
       dev::fence_acq_rel_sys();
       dev::st_release_sys(at<uint64_t>(cm.peers[r], L.arrived) + s, uint64_t(epoch));
@@ -785,7 +796,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       HtPublished* pub = at<HtPublished>(me.local, L.published);
       publish_pointer(&pub->area_epoch, &pub->area, me.rows, &pub->area_rows, me.area_rows, epoch);
     }
-    direct_send<kDtype>(p, me, w, hb.b, hb.nb, epoch);
+    direct_send<kDtype>(p, me, w, hb.nb, epoch);
     // Block 0 returns when every rank's rows are here (the stream's next work reads them).
     if (hb.b == 0 && await_words(w, Phase::kDispatchData, at<uint64_t>(me.local, L.arrived),
                                  p.common.shape.world, epoch)) {

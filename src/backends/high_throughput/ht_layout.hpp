@@ -77,7 +77,8 @@ struct HtLayout {
   size_t crecv;          // uint64 [C][W]
   size_t expert_counts;  // int32 [E/W]
   size_t row_pos;        // direct: int32 [max_tokens][W]: token n's row within its segment at r
-  size_t tickets;        // direct: int32 [2]: last-block tickets of dispatch and combine
+  size_t tickets;        // direct: int32 [3]: last-block tickets of dispatch and combine,
+                         // the dispatch's next batch of tokens
   size_t total;
 };
 
