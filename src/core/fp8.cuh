@@ -54,11 +54,11 @@ using Fp8Lane = std::conditional_t<kPerLane == 4, uint32_t,
 // Quantises a 1x128 block spread over kFp8BlockSize / kPerLane consecutive lanes, each holding
 // kPerLane consecutive values v (lanes without data pass zeros). Every lane of the warp must
 // call. Returns this lane's bytes; `scale` receives the block's scale (in every lane), a power of
-// two with `round_scale` (warp-uniform).
+// two with `round_scale` (warp-uniform; no default, so that no caller forgets the config's).
 template <int kPerLane>
 __device__ __forceinline__ Fp8Lane<kPerLane> quantize_fp8_block(const float (&v)[kPerLane],
                                                                 float& scale,
-                                                                bool round_scale = false) {
+                                                                bool round_scale) {
   static_assert(kPerLane == 4 || kPerLane == 8 || kPerLane == 16,
                 "a lane packs its bytes into 4, 8 or 16 bytes");
   constexpr int kLanes = kFp8BlockSize / kPerLane;

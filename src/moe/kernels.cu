@@ -32,7 +32,7 @@ __device__ __forceinline__ float load(const void* p, size_t i, bool bf16) {
 // lane holds elements 4*lane .. 4*lane+3) as ref::quantize_fp8 (core/fp8.cuh).
 __device__ __forceinline__ void quantize_block(const float (&v)[4], uint8_t* q, float* scale) {
   float block_scale;
-  const uint32_t packed = dev::quantize_fp8_block<4>(v, block_scale);
+  const uint32_t packed = dev::quantize_fp8_block<4>(v, block_scale, /*round_scale=*/false);
   const int lane = threadIdx.x & 31;
   *reinterpret_cast<uint32_t*>(q + 4 * lane) = packed;
   if (lane == 0) *scale = block_scale;

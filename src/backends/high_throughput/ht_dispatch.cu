@@ -670,7 +670,7 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
             for (int i = 0; i < 8; ++i) f[8 * k + i] = g[i];
           }
           float sc;
-          const uint4 q = dev::quantize_fp8_block<kPer>(f, sc);
+          const uint4 q = dev::quantize_fp8_block<kPer>(f, sc, S.round_scale != 0);
           if (vi < pieces) {
             reinterpret_cast<uint4*>(to)[vi] = q;
             if (lane % (kFp8BlockSize / kPer) == 0) scales[j * G + vi / (kFp8BlockSize / kPer)] = sc;
