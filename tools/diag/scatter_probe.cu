@@ -206,63 +206,92 @@ __host__ __device__ constexpr size_t staged_smem_bytes() {
          size_t(kRanks) * (kT + 2) * sizeof(int32_t);
 }
 
+// A batch in shared memory (staged_smem_bytes): [kT][kHidden] fp8 rows, f32 [kT][kGroups]
+// scales, int32 [kRanks][kT] the batch's tokens at each destination in token order, [kRanks] the
+// first's row there, [kRanks] how many.
+template <int kT>
+struct Stage {
+  uint8_t* rows;
+  float* sc;
+  int32_t* list;
+  int32_t* first;
+  int32_t* count;
+  __device__ explicit Stage(uint8_t* p)
+      : rows(p),
+        sc(reinterpret_cast<float*>(p + size_t(kT) * kHidden)),
+        list(reinterpret_cast<int32_t*>(sc + size_t(kT) * kGroups)),
+        first(list + kRanks * kT),
+        count(first + kRanks) {}
+};
+
+// The lists of the batch [base, base + nt) of `rank`'s tokens (warp r: destination r).
+template <int kT>
+__device__ __forceinline__ void stage_lists(const Args& a, const Stage<kT>& st, int rank, int base,
+                                            int nt) {
+  const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
+  if (r >= kRanks) return;
+  const int sl = lane < nt ? a.slot[size_t(rank * a.n + base + lane) * kRanks + r] : -1;
+  const uint32_t has = __ballot_sync(0xffffffffu, sl >= 0);
+  if (sl >= 0) st.list[r * kT + __popc(has & ((1u << lane) - 1))] = lane;
+  if (lane == 0) st.count[r] = __popc(has);
+  if (has != 0 && lane == __ffs(has) - 1) st.first[r] = sl;
+}
+
+// 16 bf16 of token t at column col (this lane's two loaded vectors) quantised into the stage.
+template <int kT>
+__device__ __forceinline__ void stage_piece(const Stage<kT>& st, int t, int col, int4 v0, int4 v1) {
+  float f[16], g[8];
+  epx::dev::bf16x8_to_float(v0, g);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = g[i];
+  epx::dev::bf16x8_to_float(v1, g);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[8 + i] = g[i];
+  uint32_t q[4];
+  float scale;
+  quantize<16>(f, q, scale);
+  *reinterpret_cast<int4*>(st.rows + size_t(t) * kHidden + col) =
+      make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
+  if (threadIdx.x % 8 == 0) st.sc[t * kGroups + col / 128] = scale;
+}
+
+// The batch to its destinations, one contiguous run of rows (and scales) at a time, all threads.
+template <int kT>
+__device__ __forceinline__ void write_stage(const Args& a, const Stage<kT>& st) {
+  constexpr int kRowVecs = kHidden / 16;
+  for (int r = 0; r < kRanks; ++r) {
+    const int c = st.count[r];
+    if (c == 0) continue;
+    int4* out = reinterpret_cast<int4*>(a.out + (size_t(r) * a.cap + st.first[r]) * kHidden);
+    for (int u = threadIdx.x; u < c * kRowVecs; u += blockDim.x) {
+      const int j = u / kRowVecs, off = u % kRowVecs;
+      out[u] = reinterpret_cast<const int4*>(st.rows + size_t(st.list[r * kT + j]) * kHidden)[off];
+    }
+    float* out_sc = a.scales + (size_t(r) * a.cap + st.first[r]) * kGroups;
+    for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
+      out_sc[u] = st.sc[st.list[r * kT + u / kGroups] * kGroups + u % kGroups];
+  }
+}
+
 template <int kT>
 __global__ void __launch_bounds__(kWarps * 32) scatter_staged(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* rows = smem;                                                   // [kT][kHidden] fp8
-  float* sc = reinterpret_cast<float*>(smem + size_t(kT) * kHidden);      // [kT][kGroups]
-  int32_t* list = reinterpret_cast<int32_t*>(sc + size_t(kT) * kGroups);  // [kRanks][kT]
-  int32_t* first = list + kRanks * kT;                                    // [kRanks]
-  int32_t* count = first + kRanks;                                        // [kRanks]
+  const Stage<kT> st(smem);
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
   const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
   for (int base = t0; base < t1; base += kT) {
     const int nt = min(kT, t1 - base);
-    // The batch's tokens at each destination, in token order (one warp per destination).
-    if (warp < kRanks) {
-      const int r = warp;
-      const int s = lane < nt ? a.slot[size_t(rank * a.n + base + lane) * kRanks + r] : -1;
-      const uint32_t has = __ballot_sync(0xffffffffu, s >= 0);
-      if (s >= 0) list[r * kT + __popc(has & ((1u << lane) - 1))] = lane;
-      if (lane == 0) count[r] = __popc(has);
-      if (has != 0 && lane == __ffs(has) - 1) first[r] = s;
-    }
+    stage_lists<kT>(a, st, rank, base, nt);
     for (int it = warp; it < nt * kStageItems; it += kWarps) {
-      const int t = it / kStageItems, item = it % kStageItems;
-      const int col = item * kStageItem + lane * 16;
+      const int t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
       const int4* src =
           reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
-      const int4 v0 = __ldg(src), v1 = __ldg(src + 1);
-      float f[16], g[8];
-      epx::dev::bf16x8_to_float(v0, g);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) f[i] = g[i];
-      epx::dev::bf16x8_to_float(v1, g);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) f[8 + i] = g[i];
-      uint32_t q[4];
-      float scale;
-      quantize<16>(f, q, scale);
-      *reinterpret_cast<int4*>(rows + size_t(t) * kHidden + col) =
-          make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
-      if (lane % 8 == 0) sc[t * kGroups + col / 128] = scale;
+      stage_piece<kT>(st, t, col, __ldg(src), __ldg(src + 1));
     }
     __syncthreads();
-    constexpr int kRowVecs = kHidden / 16;
-    for (int r = 0; r < kRanks; ++r) {
-      const int c = count[r];
-      if (c == 0) continue;
-      int4* out = reinterpret_cast<int4*>(a.out + (size_t(r) * a.cap + first[r]) * kHidden);
-      for (int u = threadIdx.x; u < c * kRowVecs; u += blockDim.x) {
-        const int j = u / kRowVecs, off = u % kRowVecs;
-        out[u] = reinterpret_cast<const int4*>(rows + size_t(list[r * kT + j]) * kHidden)[off];
-      }
-      float* out_sc = a.scales + (size_t(r) * a.cap + first[r]) * kGroups;
-      for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
-        out_sc[u] = sc[list[r * kT + u / kGroups] * kGroups + u % kGroups];
-    }
+    write_stage<kT>(a, st);
     __syncthreads();
   }
 }
@@ -285,75 +314,30 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_piped(Args a) {
   const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
   const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
   const int batches = (t1 - t0 + kT - 1) / kT;
-  auto buffer = [&](int k) { return smem + size_t(k % 2) * staged_smem_bytes<kT>(); };
+  auto stage = [&](int k) { return Stage<kT>(smem + size_t(k % 2) * staged_smem_bytes<kT>()); };
   for (int k = 0; k <= batches; ++k) {
     // Loads of batch k.
     const int base = t0 + k * kT, nt = k < batches ? min(kT, t1 - base) : 0;
     int4 v[kItemsPerWarp][2];
 #pragma unroll
     for (int i = 0; i < kItemsPerWarp; ++i) {
-      const int it = warp + i * kWarps, t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
+      const int it = warp + i * kWarps, t = it / kStageItems;
+      const int col = (it % kStageItems) * kStageItem + lane * 16;
       if (t < nt) {
         const int4* src =
             reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
         v[i][0] = __ldg(src), v[i][1] = __ldg(src + 1);
       }
     }
-    // Batch k - 1 to its destinations.
-    if (k > 0) {
-      uint8_t* st = buffer(k - 1);
-      const uint8_t* rows = st;
-      const float* sc = reinterpret_cast<const float*>(st + size_t(kT) * kHidden);
-      const int32_t* list = reinterpret_cast<const int32_t*>(sc + size_t(kT) * kGroups);
-      const int32_t* first = list + kRanks * kT;
-      const int32_t* count = first + kRanks;
-      constexpr int kRowVecs = kHidden / 16;
-      for (int r = 0; r < kRanks; ++r) {
-        const int c = count[r];
-        if (c == 0) continue;
-        int4* out = reinterpret_cast<int4*>(a.out + (size_t(r) * a.cap + first[r]) * kHidden);
-        for (int u = threadIdx.x; u < c * kRowVecs; u += blockDim.x) {
-          const int j = u / kRowVecs, off = u % kRowVecs;
-          out[u] = reinterpret_cast<const int4*>(rows + size_t(list[r * kT + j]) * kHidden)[off];
-        }
-        float* out_sc = a.scales + (size_t(r) * a.cap + first[r]) * kGroups;
-        for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
-          out_sc[u] = sc[list[r * kT + u / kGroups] * kGroups + u % kGroups];
-      }
-    }
-    // Batch k quantised into the other buffer, with its lists.
-    if (k < batches) {
-      uint8_t* st = buffer(k);
-      uint8_t* rows = st;
-      float* sc = reinterpret_cast<float*>(st + size_t(kT) * kHidden);
-      int32_t* list = reinterpret_cast<int32_t*>(sc + size_t(kT) * kGroups);
-      int32_t* first = list + kRanks * kT;
-      int32_t* count = first + kRanks;
-      if (warp < kRanks) {
-        const int r = warp;
-        const int sl = lane < nt ? a.slot[size_t(rank * a.n + base + lane) * kRanks + r] : -1;
-        const uint32_t has = __ballot_sync(0xffffffffu, sl >= 0);
-        if (sl >= 0) list[r * kT + __popc(has & ((1u << lane) - 1))] = lane;
-        if (lane == 0) count[r] = __popc(has);
-        if (has != 0 && lane == __ffs(has) - 1) first[r] = sl;
-      }
+    if (k > 0) write_stage<kT>(a, stage(k - 1));  // batch k - 1 while those loads are in flight
+    if (k < batches) {  // batch k quantised into the other buffer, with its lists
+      const Stage<kT> st = stage(k);
+      stage_lists<kT>(a, st, rank, base, nt);
 #pragma unroll
       for (int i = 0; i < kItemsPerWarp; ++i) {
-        const int it = warp + i * kWarps, t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
-        if (t >= nt) continue;
-        float f[16], g[8];
-        epx::dev::bf16x8_to_float(v[i][0], g);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = g[e];
-        epx::dev::bf16x8_to_float(v[i][1], g);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[8 + e] = g[e];
-        uint32_t q[4];
-        float scale;
-        quantize<16>(f, q, scale);
-        *reinterpret_cast<int4*>(rows + size_t(t) * kHidden + col) =
-            make_int4(int(q[0]), int(q[1]), int(q[2]), int(q[3]));
-        if (lane % 8 == 0) sc[t * kGroups + col / 128] = scale;
+        const int it = warp + i * kWarps, t = it / kStageItems;
+        const int col = (it % kStageItems) * kStageItem + lane * 16;
+        if (t < nt) stage_piece<kT>(st, t, col, v[i][0], v[i][1]);
       }
     }
     __syncthreads();
