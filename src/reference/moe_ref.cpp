@@ -29,16 +29,6 @@ std::string dims(int a, int b) {
   return s;
 }
 
-// fp8 e4m3fn code -> float, all 256 codes computed once with fp8_to_float.
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = fp8_to_float(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return table;
-}
-
 // Index of the largest v[i] among allowed i, scanning ascending so a tie keeps the lower index;
 // -1 when nothing is allowed. A strict comparison never lets a NaN win and never throws it out
 // once it is first, so the result is deterministic whatever the values.

@@ -2,6 +2,7 @@
 // (cvt.rn.bf16.f32 and cvt.rn.satfinite.e4m3x2.f32).
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -69,6 +70,15 @@ float fp8_to_float(uint8_t q) {
   return negative ? -v : v;
 }
 
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[c] = fp8_to_float(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table;
+}
+
 float pow2_fp8_scale(float amax) {
   const float t = std::max(amax, kFp8Pow2AmaxFloor) * (1.0f / kFp8Max);
   const uint32_t bits = std::bit_cast<uint32_t>(t);
@@ -99,10 +109,11 @@ void quantize_fp8(const uint16_t* x, int rows, int hidden, uint8_t* q, float* sc
 
 void dequantize_fp8(const uint8_t* q, const float* scales, int rows, int hidden, float* out) {
   const int groups = hidden / kFp8BlockSize;
+  const std::array<float, 256>& value = fp8_table();
   for (int r = 0; r < rows; ++r) {
     for (int h = 0; h < hidden; ++h) {
       const int64_t i = static_cast<int64_t>(r) * hidden + h;
-      out[i] = fp8_to_float(q[i]) * scales[static_cast<int64_t>(r) * groups + h / kFp8BlockSize];
+      out[i] = value[q[i]] * scales[static_cast<int64_t>(r) * groups + h / kFp8BlockSize];
     }
   }
 }

@@ -17,6 +17,7 @@
 //  * expert-major combine: p_r = sum over k ascending with e_k on rank r of
 //    fmaf(w_k, float(out[e_k][slot]), p_r) from +0.0f; y[n] = bf16(sum over r ascending of p_r).
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,8 @@ uint16_t bf16_from_float(float f);
 float bf16_to_float(uint16_t b);
 uint8_t fp8_from_float(float f);
 float fp8_to_float(uint8_t q);
+// fp8_to_float of all 256 codes, computed once.
+const std::array<float, 256>& fp8_table();
 inline constexpr float kFp8Max = 448.0f;
 inline constexpr float kFp8Pow2AmaxFloor = 1e-4f;  // round_scale: a smaller amax counts as this
 
