@@ -183,11 +183,12 @@ std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
   const size_t row_bytes = static_cast<size_t>(cfg.wire_row_bytes());
   const size_t groups = cfg.wire_fp8() ? static_cast<size_t>(cfg.num_scale_groups()) : 0;
 
-  std::vector<WireRows> wire;
-  for (const RankInput& in : inputs) wire.push_back(wire_rows(cfg, in));
+  std::vector<WireRows> wire(inputs.size());
+  for_each_index(world, [&](int s) { wire[s] = wire_rows(cfg, inputs[s]); });
 
   std::vector<ExpertMajorRecv> recv(static_cast<size_t>(world));
-  for (ExpertMajorRecv& out : recv) {
+  for_each_index(world, [&](int r) {
+    ExpertMajorRecv& out = recv[r];
     out.count.assign(static_cast<size_t>(local), 0);
     out.x.resize(local);
     out.scales.resize(local);
@@ -195,28 +196,26 @@ std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
     out.src_idx.resize(local);
     out.topk_slot.resize(local);
     out.weight.resize(local);
-  }
-  // Visiting sources in (s, n) order appends to every expert's list in that order.
-  for (int s = 0; s < world; ++s) {
-    const RankInput& in = inputs[s];
-    for (int n = 0; n < in.num_tokens; ++n) {
-      const int32_t* ids = ids_of(in, n, topk);
-      if (!token_valid(ids, topk, cfg.num_experts)) continue;
-      for (int k = 0; k < topk; ++k) {
-        if (ids[k] < 0) continue;
-        const int r = cfg.expert_rank(ids[k]);
-        const int e = ids[k] - r * local;
-        ExpertMajorRecv& out = recv[r];
-        append_row(out.x[e], wire[s].x, static_cast<size_t>(n), row_bytes);
-        if (groups > 0) append_row(out.scales[e], wire[s].scales, static_cast<size_t>(n), groups);
-        out.src_rank[e].push_back(s);
-        out.src_idx[e].push_back(n);
-        out.topk_slot[e].push_back(k);
-        out.weight[e].push_back(in.routing.weights[static_cast<size_t>(n) * topk + k]);
-        ++out.count[e];
+    // Visiting sources in (s, n) order appends to every expert's list in that order.
+    for (int s = 0; s < world; ++s) {
+      const RankInput& in = inputs[s];
+      for (int n = 0; n < in.num_tokens; ++n) {
+        const int32_t* ids = ids_of(in, n, topk);
+        if (!token_valid(ids, topk, cfg.num_experts)) continue;
+        for (int k = 0; k < topk; ++k) {
+          if (ids[k] < 0 || cfg.expert_rank(ids[k]) != r) continue;
+          const int e = ids[k] - r * local;
+          append_row(out.x[e], wire[s].x, static_cast<size_t>(n), row_bytes);
+          if (groups > 0) append_row(out.scales[e], wire[s].scales, static_cast<size_t>(n), groups);
+          out.src_rank[e].push_back(s);
+          out.src_idx[e].push_back(n);
+          out.topk_slot[e].push_back(k);
+          out.weight[e].push_back(in.routing.weights[static_cast<size_t>(n) * topk + k]);
+          ++out.count[e];
+        }
       }
     }
-  }
+  });
   return recv;
 }
 
@@ -325,9 +324,9 @@ std::vector<std::vector<uint16_t>> combine_expert_major(
   }
 
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(world));
-  std::vector<float> acc(hidden);
-  std::vector<float> p(hidden);
-  for (int s = 0; s < world; ++s) {
+  for_each_index(world, [&](int s) {
+    std::vector<float> acc(hidden);
+    std::vector<float> p(hidden);
     const RankInput& in = inputs[s];
     y[s].resize(static_cast<size_t>(in.num_tokens) * hidden);
     for (int n = 0; n < in.num_tokens; ++n) {
@@ -353,7 +352,7 @@ std::vector<std::vector<uint16_t>> combine_expert_major(
       uint16_t* dst = y[s].data() + static_cast<size_t>(n) * hidden;
       for (size_t h = 0; h < hidden; ++h) dst[h] = bf16_from_float(acc[h]);
     }
-  }
+  });
   return y;
 }
 
