@@ -83,6 +83,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   };
   pairs.clear();
   __syncthreads();
+  EPX_PHASE_MARK(cm, CountPhase::kSetUp);
   uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   int32_t* row_pos = at<int32_t>(me.local, L.row_pos);  // direct mode only
   // Each warp walks its chunk [w0, w1) of the channel's tokens in order. Lanes in groups of
@@ -141,6 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (lane < W) warp_base[warp][lane] = cnt_lo;
   if (lane + 32 < W) warp_base[warp][lane + 32] = cnt_hi;
   __syncthreads();
+  EPX_PHASE_MARK(cm, CountPhase::kWalked);
   pairs.flush(counter);
   EPX_PHASE_MARK(cm, CountPhase::kRouted);
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (r >= W) r -= W;
     }
   }
+  EPX_PHASE_MARK_SYNC(cm, CountPhase::kPlaced);
   if (c != 0) return;
 
   // Block 0: every (source, segment) count of the round -> the receive area's segments.
@@ -196,6 +199,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   __syncthreads();
   if (failed) return;
+  EPX_PHASE_MARK(cm, CountPhase::kCountsSeen);
   int32_t* rows = at<int32_t>(me.local, L.expert_rows) + par * num_local;
   int32_t* expert_counts = at<int32_t>(me.local, L.expert_counts);
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {

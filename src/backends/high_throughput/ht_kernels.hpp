@@ -50,9 +50,13 @@ inline constexpr int kMaxLaunchRanks = 32;
 // backends/common/phase_clock.hpp) times, each from its own block's start: op 0 the count
 // kernel, op 1 the transfer kernel, op 2 combine.
 enum class CountPhase : int {
-  kRouted,   // the block's tokens walked (destinations, expert pairs, rows per destination)
-  kCounted,  // the channel's rows per destination posted to every rank
-  kLaidOut,  // block 0: every count of the round seen, the segments laid out
+  kSetUp,       // the epoch read, the block's expert sums cleared
+  kWalked,      // the block's tokens walked (destinations, expert pairs, rows per destination)
+  kRouted,      // ... and the block's expert sums added at the experts' ranks
+  kCounted,     // the channel's rows per destination posted to every rank
+  kPlaced,      // direct: each token's row within its segment (the walk's places + the scan)
+  kCountsSeen,  // block 0: every count of the round seen
+  kLaidOut,     // block 0: the segments laid out
   kCount
 };
 enum class TransferPhase : int {
