@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <future>
 #include <string>
 #include <vector>
 
@@ -17,14 +16,6 @@
 
 namespace epx::ref {
 namespace {
-
-// Runs f(i) for every i in [0, n), each on a thread of its own (n is a world size).
-template <typename F>
-void for_each_index(int n, const F& f) {
-  std::vector<std::future<void>> jobs;
-  for (int i = 0; i < n; ++i) jobs.push_back(std::async(std::launch::async, [&f, i] { f(i); }));
-  for (auto& j : jobs) j.get();
-}
 
 // One source rank's rows as they go on the wire, computed once per dispatch.
 struct WireRows {

@@ -19,11 +19,21 @@
 
 #include <array>
 #include <cstdint>
+#include <future>
 #include <vector>
 
 #include "epx/config.hpp"
 
 namespace epx::ref {
+
+// Runs f(i) for every i in [0, n), each on a thread of its own (n is a world size: the
+// reference's passes per rank are independent). Rethrows the first exception of the lowest i.
+template <typename F>
+void for_each_index(int n, const F& f) {
+  std::vector<std::future<void>> jobs;
+  for (int i = 0; i < n; ++i) jobs.push_back(std::async(std::launch::async, [&f, i] { f(i); }));
+  for (auto& j : jobs) j.get();
+}
 
 // ---- numerics ------------------------------------------------------------------------------
 uint16_t bf16_from_float(float f);

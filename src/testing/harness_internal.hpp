@@ -32,21 +32,13 @@ struct InputSet {
   std::vector<std::vector<uint16_t>> y;
 };
 
-// Runs f(r) for every rank on its own thread (the reference is the slow part of a check).
-template <typename F>
-void for_each_rank(int W, F f) {
-  std::vector<std::future<void>> jobs;
-  for (int r = 0; r < W; ++r) jobs.push_back(std::async(std::launch::async, f, r));
-  for (auto& j : jobs) j.get();
-}
-
 inline InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::vector<int>& counts,
                   uint64_t seed) {
   InputSet s;
   const int W = cfg.world_size;
   s.in.resize(W);
   s.ids64.resize(W);
-  for_each_rank(W, [&](int r) {
+  ref::for_each_index(W, [&](int r) {
     const uint64_t rs = seed * 7919 + uint64_t(r) * 104729 + 17;
     const auto routing = ref::make_routing(o.routing, counts[r], cfg.num_experts, cfg.topk, rs,
                                            int(seed % uint64_t(cfg.num_experts)));
@@ -56,12 +48,12 @@ inline InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::
   s.tm = ref::dispatch_token_major(cfg, s.in, delivers_every_token(o.backend));
   if (cfg.layout == OutputLayout::kTokenMajor) {
     std::vector<std::vector<uint16_t>> partials(W);
-    for_each_rank(W, [&](int r) { partials[r] = ref::identity_partials(cfg, r, s.tm[r]); });
+    ref::for_each_index(W, [&](int r) { partials[r] = ref::identity_partials(cfg, r, s.tm[r]); });
     s.y = ref::combine_token_major(cfg, s.in, s.tm, partials);
   } else {
     s.em = ref::dispatch_expert_major(cfg, s.in);
     std::vector<std::vector<std::vector<uint16_t>>> outs(W);
-    for_each_rank(W, [&](int r) { outs[r] = ref::identity_expert_outputs(cfg, s.em[r]); });
+    ref::for_each_index(W, [&](int r) { outs[r] = ref::identity_expert_outputs(cfg, s.em[r]); });
     s.y = ref::combine_expert_major(cfg, s.in, s.em, outs);
   }
   return s;
