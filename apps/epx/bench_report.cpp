@@ -126,6 +126,8 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
   doc["schema"] = "epx-bench/1";
   doc["commit"] = git_commit();
   doc["timestamp_utc"] = utc_timestamp();
+  // false while a run is still under way (its JSON is rewritten after each token count)
+  doc["complete"] = results.size() == p.shape.tokens.size();
   doc["machine"] = machine_json(gpu);
   doc["world"] = world_json;
   doc["shape"] = {{"hidden", cfg.hidden},

@@ -70,12 +70,16 @@ std::string one_line(std::string s, size_t max) {
   return s;
 }
 
-void write_json(const std::string& path, const nlohmann::json& doc) {
-  std::ofstream out(path);
+void write_json(const std::string& path, const nlohmann::json& doc, bool announce) {
+  const std::string part = path + ".part";
+  std::ofstream out(part);
   out << doc.dump(2) << "\n";
   out.close();
-  if (!out) EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
-  fmt::print("wrote {}\n", path);
+  if (!out || std::rename(part.c_str(), path.c_str()) != 0) {
+    std::remove(part.c_str());
+    EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
+  }
+  if (announce) fmt::print("wrote {}\n", path);
 }
 
 nlohmann::json machine_json(const GpuInfo& gpu) {
