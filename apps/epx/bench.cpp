@@ -68,8 +68,8 @@ void add_bench(CLI::App& app, int& exit_code) {
   c->add_option("--iters", f->iters, "timed rounds (at least 50)")->capture_default_str();
   c->add_option("--warmup", f->warmup, "untimed rounds before them")->capture_default_str();
   c->add_option("--json", f->json_path,
-                "also write the results as JSON to FILE (in-process worlds rewrite it after each "
-                "token count, with \"complete\": false until the last)");
+                "also write the results as JSON to FILE (in-process worlds rewrite a regular "
+                "file after each token count, with \"complete\": false until the last)");
   c->add_flag("--no-verify", f->no_verify, "skip the correctness check before timing");
   c->add_option("--world-kind", f->world_kind,
                 "in-process (every rank a stream of this process) | ipc (this process is one rank: "

@@ -161,8 +161,10 @@ bool run_in_process(const Plan& p) {
                     seconds_since(t0)));
     for (Backend b : p.backends) tr.backends.push_back(run_backend(p, b, cfg, world, inputs, fj));
     results.push_back(std::move(tr));
-    // The token counts done so far, so that a run cut short keeps them ("complete": false).
-    if (!p.json_path.empty() && results.size() < p.shape.tokens.size()) {
+    // The token counts done so far, so that a run cut short keeps them ("complete": false); not
+    // into a pipe or a device (--json /dev/stdout gets one document, at the end).
+    if (!p.json_path.empty() && results.size() < p.shape.tokens.size() &&
+        regular_or_new(p.json_path)) {
       write_json(p.json_path,
                  make_json(p, in_process_world_json(world), gpu, bw, fork_join_us, results), false);
       progress(fmt::format("[tokens {}] results so far written to {}", T, p.json_path));

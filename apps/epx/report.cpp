@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 
 #include "epx/error.hpp"
 
@@ -68,18 +67,6 @@ std::string one_line(std::string s, size_t max) {
     if (c == '\n') c = ' ';
   if (s.size() > max) s = s.substr(0, max - 3) + "...";
   return s;
-}
-
-void write_json(const std::string& path, const nlohmann::json& doc, bool announce) {
-  const std::string part = path + ".part";
-  std::ofstream out(part);
-  out << doc.dump(2) << "\n";
-  out.close();
-  if (!out || std::rename(part.c_str(), path.c_str()) != 0) {
-    std::remove(part.c_str());
-    EPX_THROW(InputError, fmt::format("--json = '{}' could not be written", path));
-  }
-  if (announce) fmt::print("wrote {}\n", path);
 }
 
 nlohmann::json machine_json(const GpuInfo& gpu) {

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <string>
 
+#include "json_file.hpp"
+
 namespace epx::cli {
 
 // Compile-time `git describe --always --dirty` of the source tree ("unknown" without git).
@@ -34,9 +36,6 @@ std::string mib(size_t bytes);
 // `s` on one line (newlines become spaces), cut to `max` characters with "..." at the end.
 std::string one_line(std::string s, size_t max = 160);
 
-// Writes `doc` to --json `path` (through PATH.part, renamed over PATH: a reader or a run cut short
-// never sees half a file) and, with `announce`, says so; InputError when that fails.
-void write_json(const std::string& path, const nlohmann::json& doc, bool announce = true);
 
 struct GpuInfo {
   std::string name;
