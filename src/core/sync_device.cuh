@@ -122,6 +122,14 @@ __device__ __forceinline__ bool aborted(const WaitContext& ctx) {
   return code != StatusCode::kNone && code != StatusCode::kInput;
 }
 
+// aborted(), one answer for the whole block: every thread of the block calls it (a kernel's
+// entry). Threads that read the status word a moment apart may see it change (a block of this
+// rank records a timeout); a thread that returned alone would leave the others at the block's
+// next barrier.
+__device__ __forceinline__ bool block_aborted(const WaitContext& ctx) {
+  return __syncthreads_or(aborted(ctx) ? 1 : 0) != 0;
+}
+
 // Ranks this rank has masked (0 when masking is off).
 __device__ __forceinline__ uint64_t masked_ranks(const WaitContext& ctx) {
   return ctx.masked == nullptr ? 0 : *reinterpret_cast<volatile unsigned long long*>(ctx.masked);

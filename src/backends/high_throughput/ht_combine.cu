@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const HtBlock hb = ht_block(p.common.num_ranks);
   const HtCombineRank& me = p.ranks[hb.slot];
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
-  if (dev::aborted(w)) return;
+  if (dev::block_aborted(w)) return;
   const HtLayout& L = p.common.layout;
   HtState* st = at<HtState>(me.local, L.state);
   w.call = st->epoch;

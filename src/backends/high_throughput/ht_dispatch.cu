@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int c = hb.b, SEG = L.segments;
   HtState* st = at<HtState>(me.local, L.state);
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, cm);
-  if (dev::aborted(w)) return;
+  if (dev::block_aborted(w)) return;
 #if EPX_MEASUREMENT
   phase_begin(cm);  // the phase clock (EPX_PHASE_CLOCK): the block's start
   if (c == 0) phase_count_started(cm, me.rank);
@@ -787,7 +787,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const HtBlock hb = ht_block(p.common.num_ranks);
   const HtDispatchRank& me = p.ranks[hb.slot];
   dev::WaitContext w = ht_wait(me.local, me.host_status, me.rank, p.common);
-  if (dev::aborted(w)) return;
+  if (dev::block_aborted(w)) return;
 #if EPX_MEASUREMENT
   phase_begin(p.common);  // the phase clock (EPX_PHASE_CLOCK): the block's start
   if (hb.b == 0) phase_after_count(p.common, me.rank);

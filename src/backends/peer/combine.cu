@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const RankBlock rb = rank_block(p.common.num_ranks);
   const CombineRank& me = p.ranks[rb.slot];
   const RoundState* round = at<RoundState>(me.local, p.common.layout.round);
-  if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
+  if (dev::block_aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
   const CombineCall c{.p = p,
                       .me = me,
                       .peers = peers,

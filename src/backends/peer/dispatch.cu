@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   const DispatchRank& me = p.ranks[rb.slot];
   const State* state = at<State>(me.local, p.common.layout.state);
   // An earlier call timed out: the peers' state is unknown.
-  if (dev::aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
+  if (dev::block_aborted(make_wait(me.local, me.host_status, me.rank, p.common))) return;
   [[maybe_unused]] uint64_t clock0 = 0;  // the block's start: phase clock (EPX_PHASE_CLOCK)
 #if EPX_MEASUREMENT
   clock0 = dev::globaltimer_ns();
