@@ -36,7 +36,6 @@ std::string mib(size_t bytes);
 // `s` on one line (newlines become spaces), cut to `max` characters with "..." at the end.
 std::string one_line(std::string s, size_t max = 160);
 
-
 struct GpuInfo {
   std::string name;
   int sm_count = 0;
