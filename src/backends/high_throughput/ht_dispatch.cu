@@ -24,10 +24,10 @@
 //   token order: its place within its warp's chunk, to which the chunk's first row is added
 //   after the scan); the transfer kernel's blocks (all 2C sending) wait until each destination
 //   has published its receive area of the round, then take the rank's tokens in batches, in
-//   turn from a counter, staged in shared memory as they go on the wire, and write each batch destination
-//   by destination, one contiguous run of rows (with scales and metadata) at a time; the rank's
-//   last block tells every destination (arrived); block 0 returns once every rank's rows are
-//   here. No rings.
+//   turn from a counter, staged in shared memory as they go on the wire, and write each batch
+//   destination by destination, one contiguous run of rows (with scales and metadata) at a time;
+//   the rank's last block tells every destination (arrived); block 0 returns once every rank's rows
+//   are here. No rings.
 
 #include <cuda_bf16.h>
 
@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
   __shared__ int32_t count[kMaxRanks];                         // rows this channel sends to rank r
   __shared__ int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // rows of warps < w for rank r
-  __shared__ int32_t expert_sums[dev::kMaxBlockExperts];  // this block's pairs per expert
+  __shared__ int32_t expert_sums[dev::kMaxBlockExperts];       // this block's pairs per expert
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
   const HtShape& S = cm.shape;
@@ -298,8 +298,8 @@ __device__ __forceinline__ void write_chunk(const HtDispatchParams& p, const HtD
   constexpr int kHeld = kPieces<kDtype>;
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const int pieces = H / kPer;  // of the input row (H % 128 == 0 where the wire is fp8)
-  const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(me.x) +
-                                                  size_t(n) * H * kInBytes);
+  const int4* src =
+      reinterpret_cast<const int4*>(static_cast<const uint8_t*>(me.x) + size_t(n) * H * kInBytes);
   {
     const int v0 = chunk * kHeld * kWarpSize;
     int4 v[kHeld][kVecs];
@@ -355,9 +355,8 @@ __device__ __forceinline__ void write_chunk(const HtDispatchParams& p, const HtD
 
 // Token n's metadata (and its fp8 input's scales) to every rank r in `m`, as write_chunk.
 template <DispatchDtype kDtype, typename Sink>
-__device__ __forceinline__ void write_metadata(const HtDispatchParams& p,
-                                               const HtDispatchRank& me, int n, uint64_t m,
-                                               const Sink& sink) {
+__device__ __forceinline__ void write_metadata(const HtDispatchParams& p, const HtDispatchRank& me,
+                                               int n, uint64_t m, const Sink& sink) {
   const HtShape& S = p.common.shape;
   const int K = S.topk, lane = threadIdx.x % kWarpSize;
   int32_t id = -1;
@@ -624,11 +623,12 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 // turn from tickets[2] (the next batch; whichever block is free takes it, so that the blocks end
 // together instead of waiting for the one whose tokens had the most rows). A batch's rows at a
 // destination are consecutive whichever segments it spans (the rank's rows are in token order
-// there). Each batch goes on the wire into shared memory (`stage`, ht_stage_bytes: rows, scales, lists), the payload in
-// (token, chunk of its row) items over all warps so that every warp has loads in flight; then,
-// for each destination r, the batch's rows there, which are consecutive (row_pos numbers a
-// segment's rows in token order), are written as one run by the whole block, with their scales
-// and metadata. After: every row of the block's tokens is in its receivers' areas.
+// there). Each batch goes on the wire into shared memory (`stage`, ht_stage_bytes: rows, scales,
+// lists), the payload in (token, chunk of its row) items over all warps so that every warp has
+// loads in flight; then, for each destination r, the batch's rows there, which are consecutive
+// (row_pos numbers a segment's rows in token order), are written as one run by the whole block,
+// with their scales and metadata. After: every row of the block's tokens is in its receivers'
+// areas.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const HtDispatchRank& me,
                                                 uint8_t* const* area, const HtRowsLayout* rl,
@@ -641,9 +641,9 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   const HtLayout& L = cm.layout;
   const int W = S.world, G = S.groups, K = S.topk, H = S.hidden, s = me.rank;
   const int T = ht_stage_tokens(S), RB = S.wire_row_bytes;
-  uint8_t* rows = stage;                                                   // [T][RB]
-  float* scales = reinterpret_cast<float*>(stage + size_t(T) * RB);        // [T][G]
-  int32_t* list = reinterpret_cast<int32_t*>(scales + size_t(T) * G);      // [W][T]
+  uint8_t* rows = stage;                                               // [T][RB]
+  float* scales = reinterpret_cast<float*>(stage + size_t(T) * RB);    // [T][G]
+  int32_t* list = reinterpret_cast<int32_t*>(scales + size_t(T) * G);  // [W][T]
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -711,7 +711,8 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
           const uint4 q = dev::quantize_fp8_block<kPer>(f, sc, S.round_scale != 0);
           if (vi < pieces) {
             reinterpret_cast<uint4*>(to)[vi] = q;
-            if (lane % (kFp8BlockSize / kPer) == 0) scales[j * G + vi / (kFp8BlockSize / kPer)] = sc;
+            if (lane % (kFp8BlockSize / kPer) == 0)
+              scales[j * G + vi / (kFp8BlockSize / kPer)] = sc;
           }
         }
       }
@@ -767,8 +768,8 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   }
 }
 
-// Direct mode, each of the rank's nb blocks: batches of the rank's tokens, written straight into the
-// receivers' areas once each has published its area of this round; the rank's last block then
+// Direct mode, each of the rank's nb blocks: batches of the rank's tokens, written straight into
+// the receivers' areas once each has published its area of this round; the rank's last block then
 // tells every receiver that its rows are there.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtDispatchRank& me,
@@ -796,7 +797,7 @@ __device__ __forceinline__ void direct_send(const HtDispatchParams& p, const HtD
   __syncthreads();
   if (failed) return;
   EPX_PHASE_MARK(cm, TransferPhase::kAreas);
-  extern __shared__ __align__(16) uint8_t stage[];  // ht_stage_bytes(S), given at launch
+  extern __shared__ __align__(16) uint8_t stage[];      // ht_stage_bytes(S), given at launch
   int32_t* tickets = at<int32_t>(me.local, L.tickets);  // [2]: the next batch
   stage_and_write<kDtype>(p, me, area, rl, stage);
   // Each block's rows (possibly on other GPUs) are ordered before the ticket at system scope;
@@ -858,8 +859,8 @@ void load_ht_dispatch_kernels() {
   // The transfer kernels' staging (direct mode) may take more than the default 48 KiB.
   const auto allow_stage = [&attr](auto kernel) {
     EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kMaxStageBytes));
+    EPX_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStageBytes));
   };
   allow_stage(ht_transfer_kernel<DispatchDtype::kBF16>);
   allow_stage(ht_transfer_kernel<DispatchDtype::kFP8>);
