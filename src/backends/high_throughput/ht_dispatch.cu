@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int per_step = kWarpSize / G, sub = lane / G, k = lane % G;
   const uint32_t lt = dev::lanemask_lt();
   int cnt_lo = 0, cnt_hi = 0;  // lane l: the warp's rows so far for ranks l and l + 32
-  // A lane's ids of the next kAhead steps are in flight while it walks this one: the walk waits
+  // A lane's ids of the next kIdsAhead steps are in flight while it walks this one: the walk waits
   // for one load's latency, not one per step.
   auto id_at = [&](int step_first) {
     const int n = step_first + sub;
