@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     rows[e] = 0;  // ready for the round after next (same parity)
   }
   // Segment i starts at the sum of the segments before it: an exclusive sum over the block,
-  // blockDim items at a time (one thread's serial sum of 128 segments took 4.4 us).
+  // blockDim items at a time (one thread's serial sum of 128 segments took 3.5 us on an H200).
   __shared__ typename WarpSum::TempStorage scan_tmp[kMaxWarpsPerBlock];
   __shared__ int32_t warp_sum[kMaxWarpsPerBlock];
   int32_t run = 0;  // the rows of the items before this pass
