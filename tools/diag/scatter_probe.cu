@@ -38,7 +38,10 @@
 // writers of one (source, destination) pair stay near each other (same rows, same bytes).
 // `v16_r8` and `v16_r32`: v16 with the rows at each destination ordered by round (8 or 32
 // tokens of each block), source, block, token. `piped4/8/12`: staging in two buffers of 4, 8 or
-// 12 tokens, the loads of one batch in flight while the block writes the one before.
+// 12 tokens, the loads of one batch in flight while the block writes the one before. `sbulk8` and
+// `sbulk24`: stage8 / stage24 with each row of a run written by one bulk copy (TMA's copy engine)
+// instead of the block's stores; `pbulk8` and `pbulk12`: the same with two buffers, a batch loaded
+// and quantised while the copies of the one before drain.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -403,6 +406,60 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_bulk(Args a) {
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// Staged batches written by bulk copies: as scatter_staged (kPiped: as scatter_piped, two
+// buffers), but each row of a destination's run goes out as one bulk copy from shared memory (the
+// copy engine of TMA), issued by the thread of (destination, row), so that the block's warps are
+// free as soon as the copies are issued. kPiped: batch k is loaded and quantised into one buffer
+// while the copies of batch k - 1 drain from the other; a buffer is written again only once its
+// copies have read it (cp.async.bulk.wait_group.read: every thread commits one group per batch).
+template <int kT>
+__host__ __device__ constexpr size_t bulk_stage_bytes() {
+  return (staged_smem_bytes<kT>() + 127) / 128 * 128;
+}
+
+template <int kT, bool kPiped>
+__global__ void __launch_bounds__(kWarps * 32) scatter_staged_bulk(Args a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
+  const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
+  for (int k = 0, base = t0; base < t1; ++k, base += kT) {
+    const int nt = min(kT, t1 - base);
+    const Stage<kT> st(smem + (kPiped ? size_t(k % 2) * bulk_stage_bytes<kT>() : 0));
+    // The copies that read this buffer last (batch k - 2 piped, k - 1 otherwise) are done.
+    if constexpr (kPiped) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+    __syncthreads();
+    stage_lists<kT>(a, st, rank, base, nt);
+    for (int it = warp; it < nt * kStageItems; it += kWarps) {
+      const int t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
+      const int4* src =
+          reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
+      stage_piece<kT>(st, t, col, __ldg(src), __ldg(src + 1));
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> bulk reads
+    __syncthreads();
+    for (int i = threadIdx.x; i < kRanks * kT; i += blockDim.x) {
+      const int r = i / kT, j = i % kT;
+      if (j < st.count[r])
+        bulk_store(a.out + (size_t(r) * a.cap + st.first[r] + j) * kHidden,
+                   st.rows + size_t(st.list[r * kT + j]) * kHidden, kHidden);
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    for (int r = 0; r < kRanks; ++r) {
+      const int c = st.count[r];
+      float* out_sc = a.scales + (size_t(r) * a.cap + st.first[r]) * kGroups;
+      for (int u = threadIdx.x; u < c * kGroups; u += blockDim.x)
+        out_sc[u] = st.sc[st.list[r * kT + u / kGroups] * kGroups + u % kGroups];
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 // The byte mix in order: warp per (token, item of 2 x 32 x 16 values), destinations' rows
 // consecutive from first_row[n] (a.slot holds first_row, a.cap the number of destinations of token
 // n in first_row[n + 1] - first_row[n]). kQuant: each lane's 16 values quantised as v16 does.
@@ -513,6 +570,10 @@ int main(int argc, char** argv) {
       {"piped4", scatter_piped<4>, Rows::kAreas, piped_smem_bytes<4>()},
       {"piped8", scatter_piped<8>, Rows::kAreas, piped_smem_bytes<8>()},
       {"piped12", scatter_piped<12>, Rows::kAreas, piped_smem_bytes<12>()},
+      {"sbulk8", scatter_staged_bulk<8, false>, Rows::kAreas, bulk_stage_bytes<8>()},
+      {"sbulk24", scatter_staged_bulk<24, false>, Rows::kAreas, bulk_stage_bytes<24>()},
+      {"pbulk8", scatter_staged_bulk<8, true>, Rows::kAreas, 2 * bulk_stage_bytes<8>()},
+      {"pbulk12", scatter_staged_bulk<12, true>, Rows::kAreas, 2 * bulk_stage_bytes<12>()},
   };
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
