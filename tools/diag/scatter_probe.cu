@@ -276,23 +276,30 @@ __device__ __forceinline__ void write_stage(const Args& a, const Stage<kT>& st) 
   }
 }
 
+// The batch [base, base + nt) of `rank`'s tokens into the stage: its lists, its rows quantised.
+template <int kT>
+__device__ __forceinline__ void stage_batch(const Args& a, const Stage<kT>& st, int rank, int base,
+                                            int nt) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  stage_lists<kT>(a, st, rank, base, nt);
+  for (int it = warp; it < nt * kStageItems; it += kWarps) {
+    const int t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
+    const int4* src =
+        reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
+    stage_piece<kT>(st, t, col, __ldg(src), __ldg(src + 1));
+  }
+}
+
 template <int kT>
 __global__ void __launch_bounds__(kWarps * 32) scatter_staged(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const Stage<kT> st(smem);
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
   const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
   for (int base = t0; base < t1; base += kT) {
     const int nt = min(kT, t1 - base);
-    stage_lists<kT>(a, st, rank, base, nt);
-    for (int it = warp; it < nt * kStageItems; it += kWarps) {
-      const int t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
-      const int4* src =
-          reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
-      stage_piece<kT>(st, t, col, __ldg(src), __ldg(src + 1));
-    }
+    stage_batch<kT>(a, st, rank, base, nt);
     __syncthreads();
     write_stage<kT>(a, st);
     __syncthreads();
@@ -421,7 +428,6 @@ template <int kT, bool kPiped>
 __global__ void __launch_bounds__(kWarps * 32) scatter_staged_bulk(Args a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int rank = blockIdx.x / kBlocksPerRank, b = blockIdx.x % kBlocksPerRank;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_block = (a.n + kBlocksPerRank - 1) / kBlocksPerRank;
   const int t0 = min(a.n, b * per_block), t1 = min(a.n, t0 + per_block);
   for (int k = 0, base = t0; base < t1; ++k, base += kT) {
@@ -434,13 +440,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_staged_bulk(Args a) {
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     }
     __syncthreads();
-    stage_lists<kT>(a, st, rank, base, nt);
-    for (int it = warp; it < nt * kStageItems; it += kWarps) {
-      const int t = it / kStageItems, col = (it % kStageItems) * kStageItem + lane * 16;
-      const int4* src =
-          reinterpret_cast<const int4*>(a.x + size_t(rank * a.n + base + t) * kHidden + col);
-      stage_piece<kT>(st, t, col, __ldg(src), __ldg(src + 1));
-    }
+    stage_batch<kT>(a, st, rank, base, nt);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> bulk reads
     __syncthreads();
     for (int i = threadIdx.x; i < kRanks * kT; i += blockDim.x) {
