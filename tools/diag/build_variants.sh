@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the `epx` CLI (and, with EPX_VARIANT_TESTS=1, the GPU test binary) of kernel variants that
-# are not in the library: each is a patch under tools/diag/variants (NAME.patch: a diff against
+# Builds the `epx` CLI of kernel variants that are not in the library (a variant's GPU suite:
+# tools/diag/stage_suite.sh): each is a patch under tools/diag/variants (NAME.patch: a diff against
 # the commit on its "base:" line, with what it changes under it), applied to this tree, built in
 # BUILD (an existing build of this tree, so that only the files the patch touches recompile), copied
 # to OUT/NAME/, and taken out again. NAME `head` is the tree as it is. Runs on the CPU machine;
@@ -18,7 +18,6 @@ if ! git diff --quiet -- src include; then
   exit 2
 fi
 targets=(epx_cli)
-[ "${EPX_VARIANT_TESTS:-0}" = 1 ] && targets+=(epx_gpu_tests)
 applied=""
 undo() {
   if [ -n "$applied" ]; then git apply -R "$applied"; fi
@@ -44,7 +43,6 @@ for name in "$@"; do
     exit 1
   fi
   cp "$build/epx" "$out/$name/epx"
-  if [ "${EPX_VARIANT_TESTS:-0}" = 1 ]; then cp "$build/tests/epx_gpu_tests" "$out/$name/"; fi
   git rev-parse --short HEAD > "$out/$name/commit"
   undo
 done
