@@ -13,28 +13,11 @@ out=${1:?usage: tools/diag/build_variants.sh OUT BUILD NAME...}
 build=${2:?usage: tools/diag/build_variants.sh OUT BUILD NAME...}
 shift 2
 [ -f "$build/CMakeCache.txt" ] || { echo "build_variants: $build is not a configured build" >&2; exit 2; }
-if ! git diff --quiet -- src include; then
-  echo "build_variants: src/ or include/ has uncommitted changes; commit or stash them first" >&2
-  exit 2
-fi
 targets=(epx_cli)
-applied=""
-undo() {
-  if [ -n "$applied" ]; then git apply -R "$applied"; fi
-  applied=""
-}
-trap undo EXIT
+# shellcheck source=tools/diag/variant_patch.sh
+source tools/diag/variant_patch.sh
 for name in "$@"; do
-  if [ "$name" != head ]; then
-    patch=tools/diag/variants/$name.patch
-    [ -f "$patch" ] || { echo "build_variants: no $patch" >&2; exit 2; }
-    if ! git apply --check "$patch" 2>/dev/null; then
-      echo "build_variants: $name does not apply to this tree (base $(sed -n 's/^base: //p' "$patch"))" >&2
-      exit 1
-    fi
-    git apply "$patch"
-    applied=$patch
-  fi
+  if [ "$name" != head ]; then variant_apply "$name"; fi
   echo "=== $name"
   mkdir -p "$out/$name"
   if ! cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/$name/build.log" 2>&1; then
@@ -44,7 +27,7 @@ for name in "$@"; do
   fi
   cp "$build/epx" "$out/$name/epx"
   git rev-parse --short HEAD > "$out/$name/commit"
-  undo
+  variant_undo
 done
 # The build is left as the tree is.
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >/dev/null

@@ -12,27 +12,16 @@ out=${1:?usage: tools/diag/stage_suite.sh OUT BUILD [NAME]}
 build=${2:?usage: tools/diag/stage_suite.sh OUT BUILD [NAME]}
 name=${3:-}
 tests=(epx_gpu_tests epx_ipc_gpu_tests epx_moe_gpu_tests epx_bad_inputs_gpu_tests epx_fault_rank)
-applied=""
-undo() {
-  if [ -n "$applied" ]; then git apply -R "$applied"; fi
-  applied=""
-}
-trap undo EXIT
-if [ -n "$name" ]; then
-  if ! git diff --quiet -- src include; then
-    echo "stage_suite: src/ or include/ has uncommitted changes; commit or stash them first" >&2
-    exit 2
-  fi
-  applied=tools/diag/variants/$name.patch
-  git apply "$applied"
-fi
+# shellcheck source=tools/diag/variant_patch.sh
+source tools/diag/variant_patch.sh
+if [ -n "$name" ]; then variant_apply "$name"; fi
 cmake --build "$build" -j "$(nproc)" --target epx_cli example_ipc_ranks "${tests[@]}" >/dev/null
 mkdir -p "$out/tests"
 cp "$build/epx" "$build/example_ipc_ranks" "$out/"
 for t in "${tests[@]}"; do cp "$build/tests/$t" "$out/tests/"; done
 git rev-parse --short HEAD >"$out/commit"
 echo "${name:-head}" >"$out/variant"
-undo
+variant_undo
 if [ -n "$name" ]; then  # the build is left as the tree is
   cmake --build "$build" -j "$(nproc)" --target epx_cli example_ipc_ranks "${tests[@]}" >/dev/null
 fi
