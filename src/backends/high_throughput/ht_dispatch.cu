@@ -24,8 +24,8 @@
 //   token order: its place within its warp's chunk, to which the chunk's first row is added
 //   after the scan); the transfer kernel's blocks (all 2C sending) wait until each destination
 //   has published its receive area of the round, then take the rank's tokens in batches, in
-//   turn from a counter, staged in shared memory as they go on the wire, and write each batch
-//   destination by destination, one contiguous run of rows (with scales and metadata) at a time;
+//   turn from a counter, staged in shared memory as they go on the wire, and write each batch's
+//   rows by bulk copies, each destination's rows in one contiguous run (with scales and metadata);
 //   the rank's last block tells every destination (arrived); block 0 returns once every rank's rows
 //   are here. No rings.
 
@@ -35,6 +35,7 @@
 
 #include "backends/common/expert_pairs.cuh"
 #include "backends/high_throughput/ht_device.cuh"
+#include "core/bulk_copy.cuh"
 #include "core/fp8.cuh"
 #include "epx/cuda_check.hpp"
 
@@ -624,11 +625,11 @@ __device__ __forceinline__ void receive_channel(const HtDispatchParams& p, const
 // together instead of waiting for the one whose tokens had the most rows). A batch's rows at a
 // destination are consecutive whichever segments it spans (the rank's rows are in token order
 // there). Each batch goes on the wire into shared memory (`stage`, ht_stage_bytes: rows, scales,
-// lists), the payload in (token, chunk of its row) items over all warps so that every warp has
-// loads in flight; then, for each destination r, the batch's rows there, which are consecutive
-// (row_pos numbers a segment's rows in token order), are written as one run by the whole block,
-// with their scales and metadata. After: every row of the block's tokens is in its receivers'
-// areas.
+// lists, top-k ids and weights), the payload in (token, chunk of its row) items over all warps so
+// that every warp has loads in flight; then each of its rows goes to each of its destinations as
+// one bulk copy (TMA), and the block writes the rows' scales and metadata. The rows have two
+// buffers where they fit (ht_stage_buffers): the next batch is loaded into one while the copies
+// of this one read the other. After: every row of the block's tokens is in its receivers' areas.
 template <DispatchDtype kDtype>
 __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const HtDispatchRank& me,
                                                 uint8_t* const* area, const HtRowsLayout* rl,
@@ -640,10 +641,12 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   const HtShape& S = cm.shape;
   const HtLayout& L = cm.layout;
   const int W = S.world, G = S.groups, K = S.topk, H = S.hidden, s = me.rank;
-  const int T = ht_stage_tokens(S), RB = S.wire_row_bytes;
-  uint8_t* rows = stage;                                               // [T][RB]
-  float* scales = reinterpret_cast<float*>(stage + size_t(T) * RB);    // [T][G]
-  int32_t* list = reinterpret_cast<int32_t*>(scales + size_t(T) * G);  // [W][T]
+  const int T = ht_stage_tokens(S), RB = S.wire_row_bytes, buffers = ht_stage_buffers(S);
+  // [buffers][T][RB]
+  float* scales = reinterpret_cast<float*>(stage + size_t(buffers) * T * RB);  // [T][G]
+  int32_t* list = reinterpret_cast<int32_t*>(scales + size_t(T) * G);          // [W][T]
+  int32_t* ids_s = list + size_t(W) * T;                                       // [T][K]
+  float* weights_s = reinterpret_cast<float*>(ids_s + size_t(T) * K);          // [T][K]
   const uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
   const int32_t* row_pos = at<int32_t>(me.local, L.row_pos);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -654,11 +657,24 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
   constexpr int kInBytes = kDtype == DispatchDtype::kFP8 ? 1 : 2;
   const int pieces = H / kPer;  // 16-byte wire vectors of a row: RB == pieces * 16
   const int chunks = row_chunks<kDtype>(H);
-  for (;;) {
-    if (threadIdx.x == 0) next = atomicAdd(at<int32_t>(me.local, L.tickets) + 2, 1);
-    __syncthreads();  // (the previous batch's last barrier ordered every read of `next` before)
+  int32_t* ticket = at<int32_t>(me.local, L.tickets) + 2;
+  // The block's batches: each one's ticket is taken as the one before starts, so that the
+  // atomic's round trip is not on the way to the batch's loads.
+  if (threadIdx.x == 0) next = atomicAdd(ticket, 1);
+  for (int k = 0;; ++k) {
+    // The buffer of batch k (of this block) was last read by the copies of batch k - buffers:
+    // each thread commits one group per batch, so those of its groups are done reading.
+    if (buffers == 2) {
+      dev::bulk_wait_read<1>();
+    } else {
+      dev::bulk_wait_read<0>();
+    }
+    uint8_t* rows = stage + size_t(k % buffers) * T * RB;  // [T][RB]
+    __syncthreads();  // `next` as written before the previous batch's last barrier
     const int base = next * T;
     if (base >= me.num_tokens) break;
+    int32_t ahead = 0;  // thread 0: the next batch's ticket, in flight through this batch
+    if (threadIdx.x == 0) ahead = atomicAdd(ticket, 1);
     const int nt = min(T, me.num_tokens - base);
     // Which of the batch's tokens go to rank r, in token order, and the row of the first.
     for (int r = warp; r < W; r += num_warps) {
@@ -673,6 +689,15 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
                                 segment_of(me.num_tokens, L.channels, n));
         run_first[r] = seg_first + row_pos[size_t(n) * W + r];
       }
+    }
+    // The batch's top-k ids and weights: loaded now, stored after the payload (their loads are
+    // in flight meanwhile), so that writing them to each destination waits on no global load.
+    const int nk = nt * K;
+    int32_t id_pre = 0;
+    float weight_pre = 0.f;
+    if (threadIdx.x < nk) {
+      id_pre = int32_t(load_id(S, me.topk_ids, base + int(threadIdx.x) / K, int(threadIdx.x) % K));
+      weight_pre = __ldg(me.topk_weights + size_t(base) * K + threadIdx.x);
     }
     // The batch on the wire, in shared memory. (write_chunk's loads and quantisation, written
     // again: one helper for both made ptxas spill 16 / 20 bytes in the bf16-to-fp8 kernel.)
@@ -721,27 +746,32 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
       for (int i = threadIdx.x; i < nt * G; i += blockDim.x)
         scales[i] = __ldg(me.x_scales + size_t(base) * G + i);
     }
+    if (threadIdx.x < nk) {
+      ids_s[threadIdx.x] = id_pre;
+      weights_s[threadIdx.x] = weight_pre;
+    }
+    for (int i = threadIdx.x + blockDim.x; i < nk; i += blockDim.x) {  // (more than one each)
+      ids_s[i] = int32_t(load_id(S, me.topk_ids, base + i / K, i % K));
+      weights_s[i] = __ldg(me.topk_weights + size_t(base) * K + i);
+    }
+    dev::fence_proxy_async();  // the stage's generic writes, before the copies that read it
     __syncthreads();
-    // Destination by destination: the batch's rows at rank r are rows [first, first + c).
-    const int vpr = pieces;  // 16-byte vectors per row
-    const int step_j = blockDim.x / vpr, step_v = blockDim.x % vpr;
+    // The rows: the batch's rows at rank r are rows [first, first + c) there, each one bulk copy
+    // (TMA) issued by the thread of (r, row), so that no warp spends its time storing them.
+    for (int i = threadIdx.x; i < W * T; i += blockDim.x) {
+      const int r = i / T, j = i % T;
+      if (j < run_rows[r])
+        dev::bulk_copy_to_global(area[r] + rl[r].recv_x + size_t(run_first[r] + j) * RB,
+                                 rows + size_t(list[r * T + j]) * RB, uint32_t(RB));
+    }
+    dev::bulk_commit();
+    // Destination by destination: the scales and metadata of the rows [first, first + c).
     for (int r = 0; r < W; ++r) {
       const int c = run_rows[r];
       if (c == 0) continue;
       const int first = run_first[r];
       const int32_t* lr = list + r * T;
       uint8_t* a = area[r];
-      int4* out = reinterpret_cast<int4*>(a + rl[r].recv_x + size_t(first) * RB);
-      // (thread i copies vectors i, i + blockDim.x, ... of the run: row j, vector v of it)
-      for (int j = threadIdx.x / vpr, v = threadIdx.x % vpr; j < c;) {
-        out[size_t(j) * vpr + v] = reinterpret_cast<const int4*>(rows + size_t(lr[j]) * RB)[v];
-        v += step_v;
-        j += step_j;
-        if (v >= vpr) {
-          v -= vpr;
-          ++j;
-        }
-      }
       if constexpr (kDtype != DispatchDtype::kBF16) {
         // (in the order of the receiver's layout, so that neighbouring threads write neighbours)
         float* out_sc = reinterpret_cast<float*>(a + rl[r].recv_scales);
@@ -753,9 +783,9 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
       int32_t* ids = reinterpret_cast<int32_t*>(a + rl[r].recv_topk_ids) + size_t(first) * K;
       float* weights = reinterpret_cast<float*>(a + rl[r].recv_topk_w) + size_t(first) * K;
       for (int i = threadIdx.x; i < c * K; i += blockDim.x) {
-        const int n = base + lr[i / K], k = i % K;
-        ids[i] = int32_t(load_id(S, me.topk_ids, n, k));
-        weights[i] = __ldg(me.topk_weights + size_t(n) * K + k);
+        const int at_s = lr[i / K] * K + i % K;
+        ids[i] = ids_s[at_s];
+        weights[i] = weights_s[at_s];
       }
       int32_t* src_rank = reinterpret_cast<int32_t*>(a + rl[r].recv_src_rank) + first;
       int32_t* src_idx = reinterpret_cast<int32_t*>(a + rl[r].recv_src_idx) + first;
@@ -764,8 +794,12 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
         src_idx[i] = base + lr[i];
       }
     }
-    __syncthreads();  // the stage and the lists are rewritten by the next batch
+    if (threadIdx.x == 0) next = ahead;
+    __syncthreads();  // the lists are rewritten by the next batch
   }
+  // The rows written (the copies complete), ordered before the generic release that follows.
+  dev::bulk_wait_all();
+  dev::fence_proxy_async();
 }
 
 // Direct mode, each of the rank's nb blocks: batches of the rank's tokens, written straight into

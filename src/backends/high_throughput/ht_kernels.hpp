@@ -86,29 +86,50 @@ static_assert(kMaxPhaseOps >= 3 && int(CountPhase::kCount) <= kMaxPhases &&
 // segment are in token order at every destination). On the H200 a dispatch-shaped scatter that
 // writes pieces of each row at each of its destinations runs 1.24x its floor, the same bytes
 // written in order 1.16x (tools/diag/scatter_probe.cu).
-inline constexpr int kMaxStageTokens = 32;          // one lane per token when the lists are made
+inline constexpr int kMaxStageTokens = 32;  // one lane per token when the lists are made
 static_assert(kMaxStageTokens <= 32, "a batch's tokens are the lanes of one warp");
-inline constexpr int kStageBudgetBytes = 128 << 10;  // rows + scales + lists, per block
+// Rows (in two buffers where they fit: a batch is loaded into one while the bulk copies of the
+// one before read the other) + scales + lists + top-k entries, per block: 192 KiB beside the
+// kernel's static shared memory (under 9 KiB) stays within an H100/H200 block's 227 KiB.
+inline constexpr int kStageBudgetBytes = 192 << 10;
+// Staged bytes per token with `buffers` row buffers: its rows, scales, place in the W lists, top-k
+// ids and weights.
+constexpr EPX_HOST_DEVICE int ht_stage_token_bytes(const HtShape& S, int buffers) {
+  return buffers * S.wire_row_bytes + S.groups * 4 + S.world * 4 + S.topk * 8;
+}
+// Row buffers: two where one token's fit the budget, else one.
+constexpr EPX_HOST_DEVICE int ht_stage_buffers(const HtShape& S) {
+  return ht_stage_token_bytes(S, 2) <= kStageBudgetBytes ? 2 : 1;
+}
 // Tokens per batch: as many as fit the budget, at least one (a row is at most 128 KiB).
 constexpr EPX_HOST_DEVICE int ht_stage_tokens(const HtShape& S) {
-  const int per_token = S.wire_row_bytes + S.groups * 4 + S.world * 4;
-  const int t = kStageBudgetBytes / per_token;
+  const int t = kStageBudgetBytes / ht_stage_token_bytes(S, ht_stage_buffers(S));
   return t < 1 ? 1 : (t > kMaxStageTokens ? kMaxStageTokens : t);
 }
-// The most ht_stage_bytes can be: the budget, or one bf16 row of kMaxHidden with its list.
+// The most ht_stage_bytes can be: the budget, or one bf16 row of kMaxHidden with its list and
+// top-k entries.
+inline constexpr int kMaxOneTokenStage = 2 * kMaxHidden + 4 * kMaxRanks + 8 * kMaxTopk;
 inline constexpr int kMaxStageBytes =
-    kStageBudgetBytes > 2 * kMaxHidden + 4 * kMaxRanks ? kStageBudgetBytes
-                                                       : 2 * kMaxHidden + 4 * kMaxRanks;
-// [T][wire_row_bytes] rows, then f32 [T][groups] scales, then int32 [world][T] lists.
+    kStageBudgetBytes > kMaxOneTokenStage ? kStageBudgetBytes : kMaxOneTokenStage;
+// [buffers][T][wire_row_bytes] rows, then f32 [T][groups] scales, int32 [world][T] lists, int32
+// [T][topk] ids and f32 [T][topk] weights.
 constexpr EPX_HOST_DEVICE size_t ht_stage_bytes(const HtShape& S) {
-  const size_t T = size_t(ht_stage_tokens(S));
-  return T * size_t(S.wire_row_bytes) + T * size_t(S.groups) * 4 + size_t(S.world) * T * 4;
+  return size_t(ht_stage_tokens(S)) * size_t(ht_stage_token_bytes(S, ht_stage_buffers(S)));
 }
 
+// DeepSeek-R1 (H 7168, fp8 on the wire, 56 scale groups, top-8, 8 ranks): two buffers, 13 tokens.
+inline constexpr HtShape kR1Stage{
+    .world = 8, .hidden = 7168, .topk = 8, .groups = 56, .wire_row_bytes = 7168};
+static_assert(ht_stage_buffers(kR1Stage) == 2 && ht_stage_tokens(kR1Stage) == 13);
 // The largest rows: one bf16 row of kMaxHidden values, and one fp8 row with its scales.
-static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks, .hidden = kMaxHidden, .groups = 0,
+static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks,
+                                     .hidden = kMaxHidden,
+                                     .topk = kMaxTopk,
+                                     .groups = 0,
                                      .wire_row_bytes = 2 * kMaxHidden}) <= kMaxStageBytes);
-static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks, .hidden = kMaxHidden,
+static_assert(ht_stage_bytes(HtShape{.world = kMaxRanks,
+                                     .hidden = kMaxHidden,
+                                     .topk = kMaxTopk,
                                      .groups = kMaxHidden / kFp8BlockSize,
                                      .wire_row_bytes = kMaxHidden}) <= kMaxStageBytes);
 
