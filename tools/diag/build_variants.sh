@@ -6,7 +6,7 @@
 # to OUT/NAME/, and taken out again. NAME `head` is the tree as it is. Runs on the CPU machine;
 # carry OUT to the GPU machine and compare the variants there (tools/diag/ht_variants.sh).
 # Usage: tools/diag/build_variants.sh OUT BUILD NAME...
-#   e.g. tools/diag/build_variants.sh build-var build head ht-meta ht-meta-bulk ht-meta-pipe
+#   e.g. tools/diag/build_variants.sh build-var build head my-variant   (tools/diag/variants/my-variant.patch)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: tools/diag/build_variants.sh OUT BUILD NAME...}
