@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the `epx` CLI of kernel variants that are not in the library (a variant's GPU suite:
 # tools/diag/stage_suite.sh): each is a patch under tools/diag/variants (NAME.patch: a diff against
-# the commit on its "base:" line, with what it changes under it), applied to this tree, built in
+# the commit on its "base:" line, or with an "on: OTHER" line on top of variant OTHER, with what it
+# changes under it), applied to this tree, built in
 # BUILD (an existing build of this tree, so that only the files the patch touches recompile), copied
 # to OUT/NAME/, and taken out again. NAME `head` is the tree as it is. Runs on the CPU machine;
 # carry OUT to the GPU machine and compare the variants there (tools/diag/ht_variants.sh).
