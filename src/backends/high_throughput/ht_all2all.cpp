@@ -192,8 +192,8 @@ class HtAll2All final : public All2All {
   void print_phase_clock() const noexcept {
     PhaseClock h{};
     if (!read_phase_clock(clock_, buf_.device(), &h)) return;
-    static constexpr const char* kCount[] = {"set_up", "walked",      "routed",  "counted",
-                                             "placed", "counts_seen", "laid_out"};
+    static constexpr const char* kCount[] = {"set_up", "ids_in",      "walked",  "routed",
+                                             "counted", "placed", "counts_seen", "laid_out"};
     static constexpr const char* kTransfer[] = {"areas", "payload", "signalled", "arrived",
                                                 "received"};
     static constexpr const char* kCombine[] = {"published", "partials_seen", "pulled", "all_read",

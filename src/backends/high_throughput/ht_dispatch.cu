@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1, E, id, n, k);
       bad = 1;
     }
+    if (first == w0) EPX_PHASE_MARK(cm, CountPhase::kIdsIn);  // (thread 0 alone marks)
     const bool expert = has && id >= 0 && !bad;
     // Distinct unless a lower lane of the same group holds the same expert.
     const unsigned long long key = expert ? (uint64_t(uint32_t(sub)) << 32) | uint32_t(id)

@@ -51,6 +51,7 @@ inline constexpr int kMaxLaunchRanks = 32;
 // kernel, op 1 the transfer kernel, op 2 combine.
 enum class CountPhase : int {
   kSetUp,       // the epoch read, the block's expert sums cleared
+  kIdsIn,       // warp 0: the top-k ids of its first step in hand (one load's latency)
   kWalked,      // the block's tokens walked (destinations, expert pairs, rows per destination)
   kRouted,      // ... and the block's expert sums added at the experts' ranks
   kCounted,     // the channel's rows per destination posted to every rank
