@@ -3,7 +3,8 @@
 # tools/diag/build_variants.sh (DIR/NAME/epx). First each variant's `epx check` over odd shapes
 # (every output against the CPU reference: world 8 one launch with CUDA graphs, mixed token counts
 # with 0 and 1; bf16 at world 4; fp8 input with int64 ids at H 2560; column scales with
-# power-of-two scales, per-rank launches), one PASS / FAIL line each to OUT/check.txt; then an A/B
+# power-of-two scales, per-rank launches; top-2 of 48 experts at world 8: more ranks than a token's
+# lanes, 6 experts a rank; top-1), one PASS / FAIL line each to OUT/check.txt; then an A/B
 # (tools/diag/ab_bench.sh, ROUNDS rounds, each round every variant once) of the variants that
 # passed every check, at 4096 and 16384 tokens per rank, worst-case areas, to OUT/ab.txt and
 # OUT/ab/*.json. With EPX_AB_ONLY="NAME..." the checks are skipped and only those are compared.
@@ -23,6 +24,8 @@ cases=(
   "bf16_w4|--dtype bf16 --world 4 --one-launch --worst-case-output --tokens 33,1,0,700"
   "fp8_h2560_ids64|--dtype fp8 --hidden 2560 --experts 96 --topk 6 --ids64 --world 4 --tokens 300,0,5,129"
   "colscale_round_perrank|--scale-layout column --round-scale --tokens 257,3,0,64,1,100,31,200"
+  "topk2_e48_w8_graph|--topk 2 --experts 48 --one-launch --worst-case-output --graph 2 --tokens 100,7,0,33,1,200,64,5"
+  "topk1_e16_w8|--topk 1 --experts 16 --one-launch --tokens 40,1,0,77,3,64,9,100"
 )
 if [ -n "${EPX_AB_ONLY:-}" ]; then
   passed=()
