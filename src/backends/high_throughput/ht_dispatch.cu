@@ -56,7 +56,7 @@ using WarpSum = cub::WarpScan<int32_t>;
 __global__ void __launch_bounds__(kMaxThreads)
     ht_count_kernel(const __grid_constant__ HtDispatchParams p) {
   __shared__ int32_t count[kMaxRanks];                         // rows this channel sends to rank r
-  __shared__ int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // rows of warps < w for rank r
+  __shared__ int32_t warp_base[kMaxWarpsPerBlock][kMaxRanks];  // warp w's rows for r, then w's base
   __shared__ int32_t expert_sums[dev::kMaxBlockExperts];       // this block's pairs per expert
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
@@ -102,7 +102,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   while (G < K) G <<= 1;
   const int per_step = kWarpSize / G, sub = lane / G, k = lane % G;
   const uint32_t lt = dev::lanemask_lt();
-  int cnt_lo = 0, cnt_hi = 0;  // lane l: the warp's rows so far for ranks l and l + 32
+  uint32_t slot_k = 0;  // the lanes of slot k in every group: one lane a token of the step
+  for (int g = 0; g < kWarpSize; g += G) slot_k |= 1u << (g + k);
+  // An expert's rank: a shift where the experts per rank are a power of two (R1: 32).
+  const bool local_pow2 = (num_local & (num_local - 1)) == 0;
+  const int local_shift = __ffs(num_local) - 1;
+  int32_t* cnt = warp_base[warp];  // the warp's rows so far for rank r
+  for (int r = lane; r < W; r += kWarpSize) cnt[r] = 0;
+  __syncwarp();
   // A lane's ids of the next kIdsAhead steps are in flight while it walks this one: the walk waits
   // for one load's latency, not one per step.
   auto id_at = [&](int step_first) {
@@ -137,7 +144,8 @@ __global__ void __launch_bounds__(kMaxThreads)
                         (__ffs(same) - 1) - sub * G, id, n, k);
       bad = 1;
     }
-    const int dst = expert ? int(id) / num_local : 0;  // the expert's rank (0 <= id < E)
+    // the expert's rank (0 <= id < E)
+    const int dst = expert ? (local_pow2 ? int(id) >> local_shift : int(id) / num_local) : 0;
     uint64_t bits = expert && !bad ? uint64_t(1) << dst : 0;
     for (int off = G / 2; off >= 1; off >>= 1) {
       bits |= __shfl_xor_sync(kFullWarp, bits, off);
@@ -146,22 +154,21 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (bad) bits = 0;  // a token with a bad id goes nowhere
     if (expert && !bad) pairs.add(int(id), counter);
     if (n < w1 && k == 0) token_mask[n] = bits;
-    // The step's tokens in order: each one's place among the warp's rows for each destination.
-    const int steps = min(per_step, w1 - first);
-    for (int j = 0; j < steps; ++j) {
-      const uint64_t m = __shfl_sync(kFullWarp, bits, j * G);
-      const bool to_lo = (m >> lane) & 1, to_hi = (m >> (lane + 32)) & 1;
-      if (L.direct) {
-        int32_t* pos = row_pos + size_t(first + j) * W;
-        if (lane < W) pos[lane] = to_lo ? cnt_lo : -1;
-        if (lane + 32 < W) pos[lane + 32] = to_hi ? cnt_hi : -1;
-      }
-      cnt_lo += to_lo;
-      cnt_hi += to_hi;
+    // The step's tokens in order: lane (sub, k) places token first + sub among the warp's rows
+    // for ranks k, k + G, ...: the rows before it are the warp's so far and those of the step's
+    // earlier tokens (the lanes of slot k in lower groups). bits == 0 past w1.
+    for (int r0 = 0; r0 < W; r0 += G) {
+      const int r = r0 + k;
+      const bool to_r = r < W && ((bits >> r) & 1) != 0;
+      const uint32_t rows = __ballot_sync(kFullWarp, to_r) & slot_k;
+      const int32_t before = r < W ? cnt[r] : 0;
+      if (L.direct && r < W && n < w1)
+        row_pos[size_t(n) * W + r] = to_r ? before + __popc(rows & lt) : -1;
+      __syncwarp();  // every lane has read cnt[r]
+      if (sub == 0 && r < W) cnt[r] = before + __popc(rows);
+      __syncwarp();
     }
   }
-  if (lane < W) warp_base[warp][lane] = cnt_lo;
-  if (lane + 32 < W) warp_base[warp][lane + 32] = cnt_hi;
   __syncthreads();
   EPX_PHASE_MARK(cm, CountPhase::kWalked);
   pairs.flush(counter);
