@@ -26,6 +26,7 @@ cases=(
   "colscale_round_perrank|--scale-layout column --round-scale --tokens 257,3,0,64,1,100,31,200"
   "topk2_e48_w8_graph|--topk 2 --experts 48 --one-launch --worst-case-output --graph 2 --tokens 100,7,0,33,1,200,64,5"
   "topk1_e16_w8|--topk 1 --experts 16 --one-launch --tokens 40,1,0,77,3,64,9,100"
+  "perrank_worst_mixed|--worst-case-output --graph 4 --mixed --tokens 300,0,17,64,1,128,5,200"
 )
 if [ -n "${EPX_AB_ONLY:-}" ]; then
   passed=()
