@@ -11,13 +11,25 @@ seconds=${1:-60}
 build=build-fuzz
 targets=(fuzz_launch_json fuzz_env fuzz_cli_flags)
 
-cxx=$(command -v clang++ || command -v clang++-14 || true)
-if [ -z "$cxx" ]; then
-  echo "fuzz: clang++ not found (scripts/setup.sh installs it)" >&2
-  exit 1
+source scripts/packages.sh
+# clang and its libFuzzer runtime (a package of its own on Debian: libclang-rt-<major>-dev)
+can_fuzz() {
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer - -o /dev/null
+}
+need_pkg optional clang command -v clang++
+install_needed
+if command -v clang++ >/dev/null; then
+  need_pkg optional "libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev" can_fuzz
+  install_needed
 fi
+if ! command -v clang++ >/dev/null || ! can_fuzz >/dev/null 2>&1; then
+  skipped fuzz "the fuzzers (they need clang and libFuzzer: apt-get install clang libclang-rt-<N>-dev)"
+  exit 0
+fi
+cxx=$(command -v clang++)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER="$cxx" \
-  -DEPX_ENABLE_CUDA=OFF -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_FUZZERS=ON >/dev/null
+  -DEPX_ENABLE_CUDA=OFF -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_FUZZERS=ON ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >/dev/null
 
 mkdir -p "$build/findings"

@@ -4,7 +4,8 @@
 # "gpu-total: N passed, N failed" line. Logs go to build/gpu-logs, and as one archive
 # (gpu-logs.tar.gz) to $OUT when that is set.
 # Usage: scripts/gpu_suite.sh [build-dir] [--quick]
-# EPX_SUITE_PARTS (default core,python): which parts run — core (= gtest,cli: the C++ suites, and
+# EPX_SUITE_PARTS (default core,python): which parts run — fresh (a clean copy of the tree, the
+# README's first command and the GPU half of its second, as a new user runs them: 6-9 minutes), core (= gtest,cli: the C++ suites, and
 # the CLI runs), cli (= checks,ht,procs: low_latency, baseline and MoE-layer checks; the
 # high_throughput checks; one process per rank, its faults, serve-bench and several GPUs; each part
 # fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
@@ -30,9 +31,9 @@ parts=${EPX_SUITE_PARTS:-core,python}
 [[ ",$parts," == *",cli,"* ]] && parts="$parts,checks,ht,procs"
 want() { [[ ",$parts," == *",$1,"* ]]; }
 if { want gtest || want checks || want ht || want procs; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
-  scripts/setup.sh "$build" || exit 1
+  scripts/setup.sh --tests "$build" || exit 1
 elif want fault && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_fault_rank" ]; }; then
-  scripts/setup.sh "$build" || exit 1
+  scripts/setup.sh --tests "$build" || exit 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
@@ -45,6 +46,37 @@ run() {  # run NAME CMD...: one counted check
   if timeout "${EPX_RUN_TIMEOUT_S:-180}" "$@" >"$logs/$name.log" 2>&1; then passed=$((passed+1)); echo "    ok: $(tail -n 1 "$logs/$name.log")"
   else failed=$((failed+1)); echo "    FAILED:"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'; fi
 }
+
+if want fresh; then
+# A new user's first run: a clean copy of the tree (no build folder, nothing ignored), the
+# README's first command (scripts/run.sh: set-up, build, the bench table) and then the second
+# command's GPU half (scripts/test.sh --gpu: the GPU suites and the Python package's GPU tests),
+# with no flag, no hand step and this machine's own compiler. Our own code must build without
+# a warning there too (counted as its own check); a third-party header's warning does not count.
+fresh=$(mktemp -d /tmp/epx-fresh.XXXXXX)
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files -z --cached --others --exclude-standard | tar --null -cf - -T - | tar -xf - -C "$fresh"
+else  # a copy of a tree without its .git: everything but the build folders and ignored paths
+  tar -cf - --exclude=./.git --exclude='./build' --exclude='./build-*' --exclude=./.vllm \
+    --exclude=./.whl --exclude=./.gl --exclude=./dist . | tar -xf - -C "$fresh"
+fi
+echo "fresh: a copy of the tree in $fresh ($(du -sh "$fresh" | cut -f1)), $(c++ --version | head -n 1)"
+fresh_step() {  # fresh_step NAME CMD...: one counted step in the copy, timed
+  local t0=$SECONDS
+  EPX_RUN_TIMEOUT_S=${EPX_FRESH_TIMEOUT_S:-600} run "$1" bash -c "cd '$fresh' && ${*:2}"
+  echo "    $1: $((SECONDS - t0)) s wall"
+  tail -n "${fresh_tail:-0}" "$logs/$1.log" | sed 's/^/      /'
+}
+fresh_tail=14 fresh_step fresh_run scripts/run.sh
+own=$(grep -hE "warning[: #]" "$logs/fresh_run.log" | grep -F "$fresh/" | grep -vE "^/usr/" | sort -u)
+fresh_tail=8 fresh_step fresh_test_gpu scripts/test.sh --gpu
+own=$( { echo "$own"; grep -hE "warning[: #]" "$logs/fresh_test_gpu.log" | grep -F "$fresh/"; } |
+       grep -vE "^/usr/|^$" | sort -u)
+echo "=== fresh_warnings: our own code's warnings with $(c++ -dumpfullversion) and nvcc"
+if [ -z "$own" ]; then passed=$((passed+1)); echo "    ok: none"
+else failed=$((failed+1)); echo "    FAILED:"; echo "$own" | head -20 | sed 's/^/      /'; fi
+rm -rf "$fresh"
+fi  # fresh
 
 if want gtest; then
 # GoogleTest suites: each test counts.

@@ -1,52 +1,76 @@
 #!/usr/bin/env bash
-# Installs what epx needs to build (Debian/Ubuntu packages) and configures + builds it.
-# Usage: scripts/setup.sh [build-dir]   (default: build)
+# Installs what epx needs (Debian/Ubuntu packages, PyPI), then configures and builds it.
+# Usage: scripts/setup.sh [--tests] [build-dir]   (default: build)
+#   (no flag)  the main job: the library and the `epx` CLI. Needs cmake, a C++20 compiler, the
+#              CUDA toolkit and the headers of nlohmann/json, CLI11 and fmt; a missing one stops
+#              the script with the package to install.
+#   --tests    also the test suites (GoogleTest: required) and the Python package (python3's
+#              headers, nanobind and pytest: optional; without them the package is left out,
+#              said in one line). Without the CUDA toolkit only the CPU parts are built.
+# Packages are installed where that is possible (apt-get as root or through sudo, pip); without
+# a network nothing is installed, what is missing is named, and the build goes on with what is
+# there. Extra CMake arguments come from $CMAKE_ARGS (CI sets -DEPX_WERROR=ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/packages.sh
+tests=0
+if [ "${1:-}" = --tests ]; then tests=1; shift; fi
 build=${1:-build}
 
-need=()
-command -v cmake >/dev/null || need+=(cmake)
-command -v g++ >/dev/null || need+=(g++)
-[ -f /usr/include/nlohmann/json.hpp ] || need+=(nlohmann-json3-dev)
-[ -f /usr/include/CLI/CLI.hpp ] || need+=(libcli11-dev)
-[ -f /usr/include/fmt/format.h ] || need+=(libfmt-dev)
-[ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
-# The Python package's extension (python/) is built in the same tree when python3 has its headers.
-if command -v python3 >/dev/null; then
-  python3 -c 'import os, sysconfig; assert os.path.exists(sysconfig.get_paths()["include"] + "/Python.h")' \
-    2>/dev/null || need+=(python3-dev)
+have_nvcc() { command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }
+have_python_h() {
+  python3 -c 'import os, sysconfig; assert os.path.exists(sysconfig.get_paths()["include"] + "/Python.h")'
+}
+need_pkg required cmake command -v cmake
+need_pkg required g++ command -v c++
+need_pkg required nlohmann-json3-dev have_header nlohmann/json.hpp
+need_pkg required libcli11-dev have_header CLI/CLI.hpp
+need_pkg required libfmt-dev have_header fmt/format.h
+if [ $tests = 1 ]; then
+  need_pkg required libgtest-dev have_header gtest/gtest.h
+  command -v python3 >/dev/null && need_pkg optional python3-dev have_python_h
 fi
-# The fuzzers (scripts/fuzz.sh): clang and its libFuzzer runtime (a package of its own on Debian).
-clang_major=14
-if command -v clang++ >/dev/null; then
-  clang_major=$(clang++ -dumpversion | cut -d. -f1)
-else
-  need+=(clang)
-fi
-if ! echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, long) { return 0; }' |
-    clang++ -x c++ -fsanitize=fuzzer - -o /dev/null >/dev/null 2>&1; then
-  need+=(libclang-rt-$clang_major-dev)
-fi
-if [ ${#need[@]} -gt 0 ]; then
-  echo "setup: installing ${need[*]}"
-  if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+install_needed
+if [ ${#missing_required[@]} -gt 0 ]; then
+  echo "setup: missing, and could not be installed here: ${missing_required[*]}" >&2
+  echo "setup: install them (apt-get install ${missing_required[*]}) and run this again" >&2
+  exit 1
 fi
 
 cuda=ON
-if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+if ! have_nvcc; then
+  if [ $tests = 0 ]; then
+    echo "setup: no CUDA toolkit (nvcc): the main job needs it (CUDA 12.8 or newer, for sm_90)" >&2
+    exit 1
+  fi
   echo "setup: no CUDA toolkit (nvcc) found: building the CPU parts only"
   cuda=OFF
 fi
-python=OFF  # nanobind and pytest from PyPI when missing; without them the package is left out
-if command -v python3 >/dev/null; then
-  python3 -c 'import nanobind, pytest' 2>/dev/null ||
-    python3 -m pip install -q nanobind scikit-build-core pytest >/dev/null 2>&1 ||
-    echo "setup: could not install nanobind/pytest: building without the Python package"
-  python3 -c 'import nanobind' 2>/dev/null && python=ON
+
+args=(-DCMAKE_BUILD_TYPE=Release -DEPX_ENABLE_CUDA=$cuda)
+if [ $tests = 1 ]; then
+  python=OFF  # nanobind and pytest from PyPI when missing; without them the package is left out
+  if ! command -v python3 >/dev/null; then
+    echo "setup: skipped: the Python package (no python3)"
+  elif ! have_python_h; then
+    echo "setup: skipped: the Python package (no Python.h: apt-get install python3-dev)"
+  else
+    python3 -c 'import nanobind, pytest' 2>/dev/null ||
+      timeout 300 python3 -m pip install -q --retries 1 --timeout 20 nanobind scikit-build-core pytest >/dev/null 2>&1 || true
+    if python3 -c 'import nanobind, pytest' 2>/dev/null; then python=ON
+    else echo "setup: skipped: the Python package (no nanobind/pytest: pip install nanobind pytest)"; fi
+  fi
+  args+=(-DEPX_BUILD_TESTS=ON -DEPX_BUILD_PYTHON=$python
+         -DPython_EXECUTABLE="$(command -v python3 || echo python3)")
+else
+  # The main job's build leaves a tree that --tests later extends: the tests are configured
+  # wherever GoogleTest is there (not built), the Python package keeps its earlier setting.
+  if have_header gtest/gtest.h; then args+=(-DEPX_BUILD_TESTS=ON); else args+=(-DEPX_BUILD_TESTS=OFF); fi
 fi
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DEPX_ENABLE_CUDA=$cuda \
-  -DEPX_BUILD_PYTHON=$python -DPython_EXECUTABLE="$(command -v python3 || echo python3)" >/dev/null
-cmake --build "$build" -j "$(nproc)"
+# shellcheck disable=SC2086  # CMAKE_ARGS is a list of arguments
+cmake -S . -B "$build" "${args[@]}" ${CMAKE_ARGS:-} >/dev/null
+if [ $tests = 1 ]; then
+  cmake --build "$build" -j "$(nproc)"
+else
+  cmake --build "$build" -j "$(nproc)" --target epx_cli
+fi

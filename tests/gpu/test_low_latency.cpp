@@ -907,7 +907,8 @@ TEST(Masking, ARankThatNeverCallsIsMaskedAndTheOthersGoOn) {
     Group g(cfg, 4, backend);
     const int N = 3, K = 4, H = 2048;
     std::vector<int32_t> ids;
-    for (int n = 0; n < N; ++n) ids.insert(ids.end(), {0, 4, 8, 12});  // one expert per rank
+    for (int n = 0; n < N; ++n)
+      for (int e : {0, 4, 8, 12}) ids.push_back(e);  // one expert per rank
     const DispatchInput in{.num_tokens = N,
                            .x = g.upload(std::vector<uint16_t>(size_t(N) * H, 0x3f80)),  // 1
                            .topk_ids = g.upload(ids),
