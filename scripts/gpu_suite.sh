@@ -75,6 +75,7 @@ own=$( { echo "$own"; grep -hE "warning[: #]" "$logs/fresh_test_gpu.log" | grep 
 echo "=== fresh_warnings: our own code's warnings with $(c++ -dumpfullversion) and nvcc"
 if [ -z "$own" ]; then passed=$((passed+1)); echo "    ok: none"
 else failed=$((failed+1)); echo "    FAILED:"; echo "$own" | head -20 | sed 's/^/      /'; fi
+cp "$fresh/bench.json" "$logs/fresh_bench.json" 2>/dev/null || true  # the main job's table
 rm -rf "$fresh"
 fi  # fresh
 
