@@ -496,7 +496,8 @@ void Catalogue::build() {
            {"env.timeout_unit_suffix", "100ms"},
            {"env.timeout_twenty_digits", "99999999999999999999"}}) {
     env(id, "EPX_TIMEOUT_MS=" + value,
-        [value] { (void)parse_env(nullptr, value.c_str(), nullptr); },
+        // (an init-capture: clang before 16 cannot capture a structured binding)
+        [text = value] { (void)parse_env(nullptr, text.c_str(), nullptr); },
         {"EPX_TIMEOUT_MS = \"" + value + "\"", timeout_bound});
   }
   env("env.backend_unknown", "EPX_BACKEND=foo", [] { (void)parse_env("foo", nullptr, nullptr); },
@@ -515,7 +516,7 @@ void Catalogue::build() {
                                                         {"env.max_connections_negative", "-8"},
                                                         {"env.max_connections_letters", "many"}}) {
     env(id, "CUDA_DEVICE_MAX_CONNECTIONS=" + value,
-        [value] { (void)hardware_queues_per_gpu(value.c_str()); },
+        [text = value] { (void)hardware_queues_per_gpu(text.c_str()); },
         {"CUDA_DEVICE_MAX_CONNECTIONS = \"" + value + "\"", "an integer in 1..32"});
   }
   bootstrap_env("env.rank_not_below_world", "4", "4", "@epx-job",
