@@ -14,7 +14,10 @@
 # a DeepEP checkout with deep_ep/utils and tests, and the python part), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
 # scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its rows count one each, its table goes
-# to $logs/fault_matrix.md).
+# to $logs/fault_matrix.md), multi (a node of several GPUs: in-process, IpcWorld and NcclWorld
+# checks of both engines at 128 and 4096 tokens, NcclWorld refusing NCCL_CUMEM_ENABLE=0, bench
+# beside NCCL's collectives with the DESIGN §9 figures, tune, killed ranks, DeepEP's own tests;
+# runs with the default parts when two or more GPUs are visible, else prints "multi: skipped").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # cuBLASLt (MoE layer) comes from the CUDA toolkit at run time.
@@ -205,67 +208,7 @@ export LC_NUMERIC=C  # $EPOCHREALTIME with a decimal point
 FSHAPE="--hidden 2048 --experts 16 --topk 4 --tokens 64"
 sockdir=$(mktemp -d /tmp/epx-suite.XXXXXX)
 pids=(); rcs=()
-stamp() {  # stamp RANK: prefixes every line with "@<epoch seconds> [rank RANK] "
-  local line
-  while IFS= read -r line; do printf '@%s [rank %s] %s\n' "$EPOCHREALTIME" "$1" "$line"; done
-}
-start_rank() {  # start_rank RANK WORLD CMD...: one rank in the background, at address $addr
-  local r=$1 w=$2; shift 2
-  (EPX_RANK=$r EPX_WORLD_SIZE=$w EPX_BOOTSTRAP=$addr EPX_TIMEOUT_MS=$FT timeout 60 "$@" 2>&1 |
-     stamp "$r"; exit "${PIPESTATUS[0]}") 2>&1 &  # (bash's "Killed" notice to the log too)
-  pids+=($!)
-}
-wait_ranks() {  # rcs[i] = exit code of the i-th rank started
-  local p; rcs=()
-  for p in "${pids[@]}"; do wait "$p"; rcs+=($?); done
-  pids=()
-}
-stamp_of() { grep -Em1 "$1" "$2" | sed -E 's/^@([0-9.]+) .*/\1/'; }  # time of the first match
-ms_between() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%d", (b - a) * 1000 }'; }
-verdict() {  # verdict NAME WHY: one counted fault run, passed when WHY is empty
-  local log=$logs/$1.log
-  if [ -z "$2" ]; then
-    passed=$((passed+1))
-    echo "    ok: $(grep -Em1 'error: ' "$log" | sed -E 's/^@[0-9.]+ //' | cut -c1-240)"
-  else
-    failed=$((failed+1)); echo "    FAILED: $2"; tail -n 15 "$log" | sed 's/^/      /'
-  fi
-}
-# survivors_named LOG DEAD RANK...: why not, when a listed rank did not exit 2 naming rank DEAD
-survivors_named() {
-  local log=$1 dead=$2 r why=""; shift 2
-  for r in "$@"; do
-    [ "${rcs[$r]}" = 2 ] || why+="rank $r exited ${rcs[$r]}, expected 2; "
-    grep -Eq "\[rank $r\] epx: (peer|timeout) error: .*rank $dead( \(pid|[^0-9]|$)" "$log" ||
-      why+="rank $r did not name rank $dead; "
-  done
-  echo "$why"
-}
-
-# (a) A rank killed (SIGKILL) after creating its All2All, before its first dispatch: every other
-# rank raises PeerError/TimeoutError naming it within EPX_TIMEOUT_MS + 1 s of its death.
-fault_kill() {  # fault_kill NAME WORLD DEAD
-  local name=$1 n=$2 dead=$3 log=$logs/$1.log r why="" survivors=()
-  echo "=== $name: rank $dead of $n killed before its first dispatch (EPX_TIMEOUT_MS=$FT)"
-  addr=$sockdir/$name.sock
-  for ((r = 0; r < n; r++)); do
-    start_rank $r $n $EI $FSHAPE --fault-kill-rank $dead
-    [ $r = $dead ] || survivors+=($r)
-  done >"$log"
-  wait_ranks
-  why=$(survivors_named "$log" "$dead" "${survivors[@]}")
-  local t_dead; t_dead=$(stamp_of "fault injection: rank $dead" "$log")
-  [ -n "$t_dead" ] || why+="rank $dead did not reach the fault; "
-  for r in "${survivors[@]}"; do
-    local t_err; t_err=$(stamp_of "\[rank $r\] epx: .* error: " "$log")
-    [ -n "$t_dead" ] && [ -n "$t_err" ] || continue
-    local ms; ms=$(ms_between "$t_dead" "$t_err")
-    echo "rank $r raised its error $ms ms after rank $dead died (bound $((FT + 1000)) ms)" >>"$log"
-    [ "$ms" -le $((FT + 1000)) ] || why+="rank $r took $ms ms; "
-  done
-  [ -e "$addr" ] && why+="socket file $addr left behind; "
-  verdict "$name" "$why"
-}
+source scripts/gpu_suite_faults.sh  # stamp, start_rank, ..., fault_kill
 fault_kill fault_kill_rank1_of2 2 1
 fault_kill fault_kill_rank0_of2 2 0  # rank 0 held the socket: the survivor removes its file
 fault_kill fault_kill_rank2_of4 4 2  # ranks 1 and 3 learn it from rank 0
@@ -471,6 +414,117 @@ else
   grep -E "^\| .*\| FAIL" "$logs/fault_matrix.log" | head -20 | sed 's/^/      /'
 fi
 fi  # fault
+
+# ---- multi: the first day on a node of several GPUs (8 expected) ------------------------------
+# With the default parts it runs by itself when two or more GPUs are visible; on one GPU it says
+# so. Everything is checked against the CPU reference (`epx check`), or counted as passed only
+# when the expected refusal appears. Ranks: 8, spread round-robin over MG GPUs (8 on an 8-GPU
+# node); one process per GPU for the process worlds.
+mgpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if want multi || [ -z "${EPX_SUITE_PARTS:-}" ]; then
+if [ "$mgpus" -lt 2 ]; then
+  echo "multi: skipped: one GPU"
+else
+  [ -x "$build/epx" ] || scripts/setup.sh "$build" || exit 1
+  MG=1; while [ $((MG * 2)) -le "$mgpus" ] && [ $((MG * 2)) -le 8 ]; do MG=$((MG * 2)); done
+  echo "=== multi: $mgpus GPUs visible, 8 ranks over $MG of them"
+  nvidia-smi topo -m >"$logs/multi_topology.log" 2>&1 || true
+  export NCCL_NVLS_ENABLE=0  # never NVLink multicast
+  if [ -z "${EPX_NCCL_LIBRARY:-}" ]; then  # the wheel's libnccl when the system has none
+    EPX_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) && export EPX_NCCL_LIBRARY
+  fi
+  run_refused() {  # run_refused NAME REGEX CMD...: passed when the output matches REGEX (a refusal)
+    local name=$1 re=$2; shift 2
+    echo "=== $name (expects /$re/): $*"
+    timeout "${EPX_RUN_TIMEOUT_S:-180}" "$@" >"$logs/$name.log" 2>&1
+    local rc=$?
+    if [ "$rc" != 124 ] && grep -Eq "$re" "$logs/$name.log"; then
+      passed=$((passed+1)); echo "    ok (exit $rc): $(grep -Em1 "$re" "$logs/$name.log" | cut -c1-240)"
+    else
+      failed=$((failed+1)); echo "    FAILED (exit $rc): no /$re/"; tail -n 15 "$logs/$name.log" | sed 's/^/      /'
+    fi
+  }
+  ME="$build/epx check --world 8 --gpus $MG"
+  # In-process ranks over the GPUs (peer access, push combine by default across GPUs).
+  for t in 128 4096; do
+    # (the CPU reference of 8 ranks x 4096 tokens of the R1 shape takes a while)
+    it=2; tmo=${EPX_RUN_TIMEOUT_S:-180}; [ "$t" = 4096 ] && it=1 && tmo=${EPX_MULTI_LONG_TIMEOUT_S:-480}
+    for c in push pull; do
+      for l in token expert; do
+        EPX_RUN_TIMEOUT_S=$tmo run "multi_ll_t${t}_${c}_${l}" $ME --tokens $t --combine $c \
+          --layout $l --iters $it
+      done
+    done
+    # high_throughput in direct mode (the default in one process), a thread per GPU (sized per
+    # call) and one launch per GPU; its worst-case areas replayed as a graph.
+    EPX_RUN_TIMEOUT_S=$tmo run "multi_ht_direct_t${t}" $ME --backend high_throughput --tokens $t \
+      --iters $it
+    EPX_RUN_TIMEOUT_S=$tmo run "multi_ht_direct_t${t}_one_launch" $ME --backend high_throughput \
+      --tokens $t --one-launch --iters $it
+  done
+  run multi_ht_direct_worst_case_graph $ME --backend high_throughput --worst-case-output \
+    --tokens 1024 --graph 20 --iters 1
+  run multi_ll_t128_graph_mixed $ME --tokens 128 --graph 100 --mixed --iters 1
+  run multi_baselines_t128 $ME --tokens 128 --backend allgather_reducescatter --iters 2
+  # One process per GPU: IpcWorld (cuMem + POSIX descriptors) and NcclWorld, both engines.
+  EI="$build/epx check --world-kind ipc"
+  EN="$build/epx check --world-kind nccl"
+  for b in low_latency high_throughput; do
+    run "multi_ipc_${b}_t128" $L -n $MG -- $EI --world $MG --backend $b --tokens 128 --iters 2
+    EPX_RUN_TIMEOUT_S=${EPX_MULTI_LONG_TIMEOUT_S:-480} run "multi_ipc_${b}_t4096" $L -n $MG -- \
+      $EI --world $MG --backend $b --tokens 4096 --iters 1
+    run "multi_nccl_${b}_t128" $L -n $MG -- $EN --backend $b --tokens 128 --iters 2
+  done
+  run multi_ipc_cuda_ipc_example $L -n $MG -- "$build/example_ipc_ranks" cuda-ipc
+  # NCCL without symmetric memory: refused by name on every rank, no illegal address.
+  run_refused multi_nccl_cumem_off "NCCL_CUMEM_ENABLE=0" \
+    env NCCL_CUMEM_ENABLE=0 $L -n $MG -- $EN --tokens 128 --iters 1
+  # Measured: every backend in process (one launch per GPU), then NcclWorld with NCCL's own
+  # all-gather + reduce-scatter and all-to-all on the same data.
+  EPX_RUN_TIMEOUT_S=${EPX_MULTI_LONG_TIMEOUT_S:-480} run multi_bench_inproc $build/epx bench --world 8 --gpus $MG --tokens 128,4096 \
+    --backends low_latency,allgather_reducescatter,naive,high_throughput --iters 50 --warmup 5 \
+    --json "$logs/multi_bench_inproc.json"
+  EPX_RUN_TIMEOUT_S=${EPX_MULTI_LONG_TIMEOUT_S:-480} run multi_bench_nccl $L -n $MG -- \
+    $build/epx bench --world-kind nccl --tokens 128,4096 \
+    --iters 50 --warmup 5 --json "$logs/multi_bench_nccl.json"
+  echo "    expected on the first day (DESIGN §9, EP8 decode, 128 tokens per rank, H 7168, 256"
+  echo "    experts, top-8, fp8 dispatch, bf16 combine): low_latency dispatch <= 20 us, combine <= 28 us"
+  for f in multi_bench_inproc multi_bench_nccl; do
+    grep -E "^ +(128|4096) " "$logs/$f.log" | sed "s/^/    $f: /"
+    grep -E "^ +128 +low_latency" "$logs/$f.log" | sed 's/^/    (target: dispatch <= 20 us, combine <= 28 us) /'
+  done
+  # epx tune of high_throughput over the GPUs (a thread per GPU: its dispatch waits on the host).
+  run multi_tune_ht $build/epx tune --backend high_throughput --world 8 --gpus $MG --tokens 4096 \
+    --blocks 8,16 --warps 16,32 --iters 10 --warmup 2 --output "$logs/multi_tune_ht.json"
+  # Killed ranks (one process per GPU): every survivor names the dead rank within the bound.
+  FT=2000; FSHAPE="--hidden 2048 --experts 16 --topk 4 --tokens 64"
+  export LC_NUMERIC=C
+  sockdir=$(mktemp -d /tmp/epx-suite.XXXXXX); pids=(); rcs=()
+  source scripts/gpu_suite_faults.sh
+  fault_kill "multi_fault_kill_rank1_of${MG}" "$MG" 1
+  fault_kill "multi_fault_kill_rank0_of${MG}" "$MG" 0
+  rm -rf "$sockdir"
+  # DeepEP's own tests, one GPU per rank, run as DeepEP runs them (no runner: the deep_ep package
+  # assembled once, then DeepEP's scripts with their own process spawning and NCCL group).
+  py=$build/python-target
+  if [ -z "${EPX_DEEPEP_DIR:-}" ]; then
+    echo "multi: DeepEP tests skipped: EPX_DEEPEP_DIR unset"
+  elif [ ! -d "$py/epx" ]; then
+    echo "multi: DeepEP tests skipped: no Python package in $py (run the python part first)"
+  else
+    dd=$(mktemp -d /tmp/epx-deep_ep.XXXXXX)
+    PYTHONPATH=$py python3 tests/compat/run_deepep_low_latency.py "$EPX_DEEPEP_DIR" \
+      --assemble-only "$dd" >"$logs/multi_deepep_assemble.log" 2>&1
+    DE="env PYTHONPATH=$dd:$py MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 python3"
+    run "multi_deepep_low_latency_n${MG}" $DE "$EPX_DEEPEP_DIR/tests/legacy/test_low_latency.py" \
+      --num-processes $MG --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256
+    [ -f "$EPX_DEEPEP_DIR/tests/legacy/test_intranode.py" ] &&
+      run "multi_deepep_intranode_n${MG}" $DE "$EPX_DEEPEP_DIR/tests/legacy/test_intranode.py" \
+        --num-processes $MG
+    rm -rf "$dd"
+  fi
+fi
+fi  # multi
 
 [ -n "${OUT:-}" ] && [[ "$logs" != "$OUT"* ]] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$logs" .
 echo "gpu-total: $passed passed, $failed failed"

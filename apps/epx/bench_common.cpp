@@ -14,6 +14,7 @@
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 #include "testing/graph_capture.hpp"
+#include "testing/threads.hpp"
 
 namespace epx::cli {
 
@@ -140,11 +141,17 @@ void ForkJoin::release() noexcept {
   main_ = nullptr;
 }
 
-void ForkJoin::run(const std::function<void(int, cudaStream_t)>& op) {
+void ForkJoin::run(const std::function<void(int, cudaStream_t)>& op, bool thread_per_rank) {
   const int W = size();
   EPX_CUDA_CHECK(cudaEventRecord(fork_, main_));
   for (int r = 0; r < W; ++r) EPX_CUDA_CHECK(cudaStreamWaitEvent(streams_[r], fork_, 0));
-  for (int r = 0; r < W; ++r) op(r, streams_[r]);
+  if (thread_per_rank) {
+    // (the current device is per thread: this thread's stays as it is)
+    testing::run_on_threads(
+        W, [&](int r) { return devices_[size_t(r)]; }, [&](int r) { op(r, streams_[r]); });
+  } else {
+    for (int r = 0; r < W; ++r) op(r, streams_[r]);
+  }
   for (int r = 0; r < W; ++r) {
     EPX_CUDA_CHECK(cudaEventRecord(joins_[r], streams_[r]));
     EPX_CUDA_CHECK(cudaStreamWaitEvent(main_, joins_[r], 0));
@@ -225,15 +232,21 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
     it->outs.push_back(nullptr);  // combine_all takes each round's combine buffer
     it->ys.push_back(inputs.y(r));
   }
+  // A dispatch that reads its round's row count back waits on the host for every peer's
+  // counts: with several GPUs, each GPU's launch from a thread of its own.
+  const bool host_waits = W > 0 && group[0]->backend() == Backend::kHighThroughput &&
+                          !group[0]->config().worst_case_output;
   auto per_gpu = [&](const std::function<void(GpuRanks&, cudaStream_t)>& op) {
     if (gpus.size() == 1) {
       op(gpus[0], fj.main());
       return;
     }
-    fj.run([&](int r, cudaStream_t s) {
-      for (GpuRanks& g : gpus)
-        if (g.first == r) op(g, s);
-    });
+    fj.run(
+        [&](int r, cudaStream_t s) {
+          for (GpuRanks& g : gpus)
+            if (g.first == r) op(g, s);
+        },
+        host_waits);
   };
   auto dispatch_all = [&] {
     if (launch == LaunchMode::kOnePerGpu) {

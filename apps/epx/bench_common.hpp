@@ -68,8 +68,11 @@ class ForkJoin {
   int device_of(int r) const { return devices_[r]; }
   int size() const { return int(streams_.size()); }
   // Enqueues on the main stream: fork -> op(r, stream_r) on every rank -> join. No allocation
-  // or synchronous CUDA call happens between the first and the last rank's op.
-  void run(const std::function<void(int, cudaStream_t)>& op);
+  // or synchronous CUDA call happens between the first and the last rank's op. With
+  // `thread_per_rank` every op(r) runs at once on a host thread of its own (rank r's GPU
+  // current): for ops that wait on the host for their peers (high_throughput sized per call),
+  // which from one thread would wait for a peer whose op is not yet enqueued.
+  void run(const std::function<void(int, cudaStream_t)>& op, bool thread_per_rank = false);
   // Waits for every stream, ignoring errors (used after a failure, before freeing memory).
   void drain() noexcept;
 
@@ -106,7 +109,8 @@ using Group = std::vector<std::unique_ptr<All2All>>;
 // `warmup` untimed then `iters` timed dispatch+combine rounds of every rank, with the method
 // described at the top of this file (kPerRank), or with one launch per GPU per op (kOnePerGpu:
 // on the main stream when every rank shares its GPU, else forked to each GPU's first rank
-// stream). The expert stage is skipped: combine reads whatever its buffer holds. Throws what the
+// stream; when a dispatch waits on the host for its peers — high_throughput sized per call —
+// each GPU's launches are enqueued from a host thread of their own). The expert stage is skipped: combine reads whatever its buffer holds. Throws what the
 // backend throws (the group is then unusable); the streams are drained before the exception
 // leaves.
 RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj, TimingMode mode,

@@ -17,7 +17,10 @@
 // calls' slots: replay it where the eager sequence would make the same calls); a round that one
 // rank placed in another slot than its peers is reported as a PeerError, never read.
 //
-// Errors: host-side argument problems throw InputError immediately and nothing is launched.
+// Errors: host-side argument problems throw InputError immediately and nothing is launched;
+// among them a pointer that is not device memory of the rank's own GPU (host memory, or another
+// GPU's: named with the argument and both GPUs; managed memory is accepted).
+// Every call leaves the calling thread's current CUDA device as it found it.
 // Device-side problems (timeouts, peers that never arrive, expert ids outside [-1, E) or
 // repeated in one token) are recorded in a device status word; poll(), synchronize() and the
 // next dispatch() throw the matching TimeoutError / InputError once, and every later call throws
@@ -39,8 +42,10 @@
 // Backend high_throughput (prefill-sized calls; between processes rows and partials flow through
 // rings of fixed size, so its memory does not grow with max_tokens_per_rank; in an in-process
 // group they go straight between the ranks' receive areas at the offsets of the count exchange,
-// unless the launch shapes set ring_rows; the caller's expert_out must then be readable from the
-// peers' GPUs, as cudaMalloc memory is with peer access): token-major rows only, always ordered by
+// unless the launch shapes set ring_rows; there the peers read the partials where the combine
+// buffer holds them, and combine first copies an expert_out that is not combine_buffer() into
+// it, on the caller's stream, so any memory of the rank's GPU will do — a stream-ordered pool,
+// PyTorch's expandable segments): token-major rows only, always ordered by
 // (source rank, source index), one round in flight, no send/receive halves (ConfigError), no
 // masking. Its dispatch exchanges counts first; unless cfg.worst_case_output, it then reads the
 // round's row count M back on the host (dispatch synchronises `stream` once and waits there for

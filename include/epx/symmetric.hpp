@@ -66,6 +66,13 @@ class SymmetricBuffer {
   // must be destroyed before its world (it deregisters the window on the world's communicator).
   static SymmetricBuffer create_nccl(NcclWorld& world, size_t bytes);
 
+  // Waits for every GPU whose kernels may use this buffer: in an in-process world, every GPU
+  // of the world (a peer may still read it, e.g. after a timeout made this rank give up); in a
+  // process world, this rank's own (the peers' processes are theirs to wait for: destroy after
+  // a barrier). Errors of the devices are left for the caller's next CUDA call. The destructor
+  // calls it before freeing anything. The caller's current device is kept.
+  void synchronize_devices() const noexcept;
+
   DeviceHandle device_handle() const { return {peers_dev_, local_, rank_, world_size_}; }
   uint8_t* local() const { return local_; }
   size_t bytes() const { return bytes_; }
@@ -85,6 +92,8 @@ class SymmetricBuffer {
   std::unique_ptr<detail::IpcMappings, detail::IpcMappingsDeleter> ipc_;
   // Set by create_nccl only: releases the NCCL window and its memory (which is local_).
   std::shared_ptr<void> external_;
+  // Set by create_in_process only: the world's distinct GPUs, shared by its buffers.
+  std::shared_ptr<const std::vector<int>> group_devices_;
 };
 
 }  // namespace epx

@@ -21,7 +21,11 @@ namespace epx {
 // a process that places more ranks on one GPU must set it first (the `epx` CLI sets 32).
 //
 // Throws UnsupportedError when no GPU is visible, InputError for a bad rank count or device,
-// ConfigError when more ranks share a GPU than CUDA_DEVICE_MAX_CONNECTIONS allows.
+// ConfigError when more ranks share a GPU than CUDA_DEVICE_MAX_CONNECTIONS allows,
+// UnsupportedError naming the pair when two of its GPUs lack peer access or native peer atomics
+// (dispatch reserves rows in peers' memory with system-scope atomics, which a PCIe link without
+// native atomics silently breaks). The calling thread's current device is left as it was (as by
+// every epx call that visits other GPUs).
 class InProcessWorld {
  public:
   explicit InProcessWorld(int num_ranks, std::vector<int> devices = {});
@@ -39,10 +43,22 @@ class InProcessWorld {
 };
 
 // How an IpcWorld shares device memory between its processes.
+//
+// Memory cost of kCudaIpc on several GPUs (not measured here; what CUDA documents): its handles
+// are opened with cudaIpcMemLazyEnablePeerAccess, and opening a peer's allocation may create a
+// CUDA context for the peer's GPU in this process, so that with one process per GPU on a node
+// every process may hold a context on every GPU — a few hundred MiB each, gigabytes per GPU at
+// 8 GPUs — that the engine's own memory budget does not see. kPosixFd maps the peers' memory
+// into this process's one context (cuMemImportFromShareableHandle + cuMemMap + cuMemSetAccess
+// for this GPU only) and creates no context on another GPU: it is what kAuto picks wherever the
+// bootstrap can pass descriptors (UnixSocketBootstrap, `epx launch`). kCudaIpc remains for a
+// framework's bootstrap that cannot (a CallbackBootstrap over torch.distributed); there, give
+// each process only its own GPU (CUDA_VISIBLE_DEVICES) if the extra contexts matter.
 enum class IpcHandles {
   kAuto,     // kPosixFd when every rank's bootstrap and GPU support it, else kCudaIpc
   kPosixFd,  // cuMem allocations exported as POSIX file descriptors, passed over Unix sockets
-  kCudaIpc,  // cudaIpcGetMemHandle / cudaIpcOpenMemHandle, exchanged as bytes (any bootstrap)
+  kCudaIpc,  // cudaIpcGetMemHandle / cudaIpcOpenMemHandle, exchanged as bytes (any bootstrap);
+             // may create a context on every peer GPU in every process (see above)
 };
 const char* to_string(IpcHandles h);
 
@@ -58,8 +74,10 @@ const char* to_string(IpcHandles h);
 // on one GPU are time-sliced unless MPS is running; correct, but not for timing).
 //
 // Errors, on every rank: UnsupportedError when a rank has no GPU, when ranks run on different
-// hosts (use NcclWorld across nodes), when two ranks' GPUs cannot access each other (no P2P),
-// or when kPosixFd is requested and a rank cannot use it (the failing rank's own error; the
+// hosts (use NcclWorld across nodes), when two ranks' GPUs cannot access each other (no P2P) or
+// lack native peer atomics (naming the pair; each process reports the pairs of GPUs it can see,
+// a pair hidden from every process by CUDA_VISIBLE_DEVICES is not checked), or when kPosixFd is
+// requested and a rank cannot use it (the failing rank's own error; the
 // others a PeerError naming it); InputError for a device outside the visible ones; the
 // bootstrap's TimeoutError / PeerError when a rank does not take part.
 class IpcWorld {
@@ -101,6 +119,10 @@ class IpcWorld {
 // LSA pointers (NCCL's device API), so the intra-node kernels are those of every other world.
 // NVLink multicast is never used. Inter-node traffic (GIN put + signal) is not implemented:
 // every rank must be in this communicator's LSA team (one node), UnsupportedError otherwise.
+// UnsupportedError too, on every rank, when NCCL has no symmetric memory for the communicator
+// (NCCL_CUMEM_ENABLE=0, NCCL_P2P_DISABLE=1, or no direct P2P: NCCL would hand out a window the
+// GPU cannot read, and the first kernel would fault on every rank), naming those variables; and
+// when two ranks' GPUs lack peer access or native peer atomics, naming the pair (as IpcWorld).
 //
 // NCCL is loaded at run time (dlopen of libnccl.so.2, or EPX_NCCL_LIBRARY), so that nothing else
 // depends on it; UnsupportedError names what is missing when it cannot be loaded. One GPU per

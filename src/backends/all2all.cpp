@@ -7,6 +7,7 @@
 
 #include "backends/high_throughput/ht_all2all.hpp"
 #include "backends/peer/peer_all2all.hpp"
+#include "core/device_guard.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
 
@@ -42,18 +43,21 @@ const peer::Algorithm& algorithm_of(Backend backend) {
 std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
                                                          const InProcessWorld& world,
                                                          LaunchConfigs launch) {
+  const DeviceGuard guard;  // creation visits every rank's GPU; the caller's stays current
   if (backend == Backend::kHighThroughput) return ht::make_in_process_group(cfg, world, launch);
   return peer::make_in_process_group(cfg, world, launch, algorithm_of(backend));
 }
 
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& world,
                                       LaunchConfigs launch) {
+  const DeviceGuard guard;
   if (backend == Backend::kHighThroughput) return ht::make_ipc_rank(cfg, world, launch);
   return peer::make_ipc_rank(cfg, world, launch, algorithm_of(backend));
 }
 
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch) {
+  const DeviceGuard guard;
   if (backend == Backend::kHighThroughput) return ht::make_nccl_rank(cfg, world, launch);
   return peer::make_nccl_rank(cfg, world, launch, algorithm_of(backend));
 }
@@ -61,12 +65,14 @@ std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& 
 std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
                                            std::span<const DispatchInput> inputs,
                                            cudaStream_t stream) {
+  const DeviceGuard guard;
   if (!ranks.empty() && ht::is_rank(ranks[0])) return ht::dispatch_group(ranks, inputs, stream);
   return peer::dispatch_group(ranks, inputs, stream);
 }
 
 void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
                    std::span<void* const> y, cudaStream_t stream) {
+  const DeviceGuard guard;
   if (!ranks.empty() && ht::is_rank(ranks[0])) return ht::combine_group(ranks, expert_out, y, stream);
   peer::combine_group(ranks, expert_out, y, stream);
 }

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "testing/harness_internal.hpp"
+#include "testing/threads.hpp"
 #include "testing/identity_expert.hpp"
 #include "testing/graph_capture.hpp"
 #include "epx/all2all.hpp"
@@ -128,6 +129,13 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     EPX_CUDA_CHECK(cudaMalloc(&rb[i].ids, maxT * K * sizeof(int64_t)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[i].weights, maxT * K * sizeof(float)));
     EPX_CUDA_CHECK(cudaMalloc(&rb[i].y, maxT * H * 2));
+    if (o.pool_expert_out) {
+      // As many rows as any round's combine buffer (token-major or expert-major).
+      const size_t rows = size_t(cfg.capacity()) *
+                          (cfg.layout == OutputLayout::kExpertMajor ? cfg.num_local_experts() : 1);
+      EPX_CUDA_CHECK(cudaMallocAsync(&rb[i].pool_out, rows * H * 2, rb[size_t(r)].stream));
+      EPX_CUDA_CHECK(cudaStreamSynchronize(rb[size_t(r)].stream));
+    }
   }
   auto io = [&](int r, int k) -> RankBuffers& { return rb[size_t(k) * W + r]; };
   // The side streams (they only record conditional bodies) after every rank stream: streams
@@ -146,6 +154,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
         (void)cudaFree(b.ids);
         (void)cudaFree(b.weights);
         (void)cudaFree(b.y);
+        if (b.pool_out) (void)cudaFree(b.pool_out);  // waits for the device
         if (b.stream) (void)cudaStreamDestroy(b.stream);
         if (b.side) (void)cudaStreamDestroy(b.side);
       }
@@ -200,13 +209,14 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (cut) cut();
     for (int k = 0; k < R; ++k) {
       const DispatchResult& d = result_of(r, k);
+      void* out = o.pool_expert_out ? io(r, k).pool_out : d.combine_buffer;
       if (capturing && o.conditional) {
-        capture_identity_expert_switch(a.config(), d, d.combine_buffer, st, rb[r].side);
+        capture_identity_expert_switch(a.config(), d, out, st, rb[r].side);
       } else {
-        launch_identity_expert(a.config(), d, d.combine_buffer, st);
+        launch_identity_expert(a.config(), d, out, st);
       }
       if (cut) cut();
-      a.combine(d.combine_buffer, io(r, k).y, st);
+      a.combine(out, io(r, k).y, st);
     }
   };
   // one_launch / halves: the ranks of GPU g (r % gpus == g) on their first rank's stream, in one
@@ -236,8 +246,9 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       std::vector<void*> ys;
       for (size_t i = 0; i < ranks.size(); ++i) {
         const DispatchResult& d = result_of(rank_at(i), k);
-        launch_identity_expert(ranks[i]->config(), d, d.combine_buffer, st);
-        outs.push_back(d.combine_buffer);
+        void* out = o.pool_expert_out ? io(rank_at(i), k).pool_out : d.combine_buffer;
+        launch_identity_expert(ranks[i]->config(), d, out, st);
+        outs.push_back(out);
         ys.push_back(io(rank_at(i), k).y);
       }
       if (o.halves) {
@@ -323,14 +334,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
       for (int r = 0; r < W; ++r) fn(r);
       return;
     }
-    std::vector<std::future<void>> done;
-    for (int r = 0; r < W; ++r) {
-      done.push_back(std::async(std::launch::async, [&, r] {
-        EPX_CUDA_CHECK(cudaSetDevice(world.device_of(r)));
-        fn(r);
-      }));
-    }
-    for (auto& f : done) f.get();  // rethrows the first rank's exception
+    run_on_threads(W, [&](int r) { return world.device_of(r); }, fn);
   };
 
   // Eager calls.
@@ -339,10 +343,7 @@ CheckReport Checker::run(const LaunchConfigs& launch) const {
     if (one_stream && host_waits && num_gpus > 1) {
       // Each GPU's group waits on the host for the other GPUs' counts: one thread per GPU.
       sync_all();
-      std::vector<std::future<void>> done;
-      for (int g = 0; g < num_gpus; ++g)
-        done.push_back(std::async(std::launch::async, [&, g] { enqueue_gpu(g); }));
-      for (auto& f : done) f.get();
+      run_on_threads(num_gpus, [&](int g) { return world.device_of(g); }, enqueue_gpu);
     } else if (one_stream) {
       sync_all();
       for (int g = 0; g < num_gpus; ++g) enqueue_gpu(g);

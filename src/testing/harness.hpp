@@ -51,6 +51,10 @@ struct CheckOptions {
                                     // replayed in turn (as serve-bench's buckets)
   bool graph_split = false;         // dispatch, expert and combine captured as three graphs
                                     // replayed in order (MoeLayer's set_capture_split), not one
+  bool pool_expert_out = false;     // in-process: the expert stage writes into memory of its
+                                    // own from the GPU's stream-ordered pool (cudaMallocAsync,
+                                    // unreadable from other GPUs), not into combine_buffer(),
+                                    // and combine takes it from there
   int pool = 3;                     // distinct input sets cycled through (each call differs)
   bool ids_int64 = false;
   int max_report = 8;               // mismatches listed

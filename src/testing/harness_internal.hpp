@@ -223,6 +223,7 @@ struct RankBuffers {
   cudaStream_t stream = nullptr;
   cudaStream_t side = nullptr;  // records conditional bodies (CheckOptions::conditional)
   cudaGraphExec_t exec = nullptr;
+  void* pool_out = nullptr;  // CheckOptions::pool_expert_out: the expert stage's own output
 };
 
 // Checks the options shared by every world (validate_shared_check_options) and returns the

@@ -1,12 +1,15 @@
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
-#include "epx/cuda_check.hpp"
+#include "core/device_guard.hpp"
 #include "core/env.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/config.hpp"
 #include "epx/world.hpp"
+#include "transport/peer_links.hpp"
 
 namespace epx {
 
@@ -37,18 +40,26 @@ InProcessWorld::InProcessWorld(int num_ranks, std::vector<int> devices)
                             n, d, queues, std::min(32, n)));
     }
   }
-  // Peer access between every pair of distinct devices used by the world.
+  // Peer access and native peer atomics between every pair of distinct devices of the world
+  // (transport/peer_links.hpp), then peer access enabled; the caller's device is kept.
+  {
+    std::vector<std::string> gpu_of_rank, label_of_rank;
+    std::vector<int> ordinal_of_rank;
+    for (int r = 0; r < num_ranks_; ++r) {
+      const int d = device_of(r);
+      gpu_of_rank.push_back(std::to_string(d));
+      label_of_rank.push_back("GPU " + std::to_string(d));
+      ordinal_of_rank.push_back(d);
+    }
+    transport::require_peer_links(
+        {transport::link_report(gpu_of_rank, ordinal_of_rank, transport::peer_link_query())},
+        label_of_rank, "InProcessWorld");
+  }
+  DeviceGuard guard;
   for (size_t i = 0; i < devices_.size(); ++i) {
     for (size_t j = 0; j < devices_.size(); ++j) {
       if (devices_[i] == devices_[j]) continue;
-      int can = 0;
-      EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, devices_[i], devices_[j]));
-      if (!can) {
-        EPX_THROW(UnsupportedError, "GPU " + std::to_string(devices_[i]) + " cannot access GPU " +
-                                        std::to_string(devices_[j]) +
-                                        " (no peer access): an in-process world needs it");
-      }
-      EPX_CUDA_CHECK(cudaSetDevice(devices_[i]));
+      guard.set(devices_[i]);
       const cudaError_t e = cudaDeviceEnablePeerAccess(devices_[j], 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled) {
         (void)cudaGetLastError();

@@ -28,11 +28,13 @@
 #include <string_view>
 #include <vector>
 
-#include "epx/cuda_check.hpp"
+#include "core/device_guard.hpp"
 #include "epx/bootstrap.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/symmetric.hpp"
 #include "epx/world.hpp"
 #include "transport/collective.hpp"
+#include "transport/peer_links.hpp"
 
 namespace epx {
 
@@ -185,6 +187,7 @@ void bootstrap_rank_size(const Bootstrap* bootstrap, int* rank, int* size) {
 
 IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles handles)
     : bootstrap_(std::move(bootstrap)) {
+  const DeviceGuard guard;  // the world's device is current while it is built, then the caller's
   transport::bootstrap_rank_size(bootstrap_.get(), &rank_, &size_);
   // Local facts first; a rank that fails here still takes part in the all-gather below, so
   // that every rank hears about it.
@@ -239,30 +242,9 @@ IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles 
   }
   handles_ = every_fd ? IpcHandles::kPosixFd : IpcHandles::kCudaIpc;
 
-  // Peer access to every other GPU that this process can see (a GPU it cannot see is left to
-  // the mapping calls of create_ipc, which report it).
-  const Step p2p = attempt([&] {
-    const int count = cuda_device_count();
-    for (int r = 0; r < size_; ++r) {
-      const std::string uuid = field(all[size_t(r)], "uuid");
-      if (uuid == my_uuid) continue;
-      for (int d = 0; d < count; ++d) {
-        cudaDeviceProp prop{};
-        EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, d));
-        if (uuid_hex(prop.uuid) != uuid) continue;
-        int can = 0;
-        EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, d));
-        if (!can) {
-          EPX_THROW(UnsupportedError,
-                    fmt::format("IpcWorld rank {}: GPU {} cannot access the GPU of rank {} "
-                                "(device {}, no peer access): the ranks' GPUs must reach each "
-                                "other over NVLink or PCIe P2P",
-                                rank_, device_, r, d));
-        }
-      }
-    }
-  });
-  (void)gather_checked(*bootstrap_, "checking peer access between the ranks' GPUs", p2p, "");
+  // Peer access and native peer atomics between every pair of the ranks' GPUs, as far as any
+  // process can see them (transport/peer_links.hpp).
+  transport::check_process_peer_links(*bootstrap_, device_, "IpcWorld");
 }
 
 IpcWorld IpcWorld::from_env(int device, IpcHandles handles) {
@@ -298,8 +280,7 @@ struct IpcMappings {
   IpcMappings& operator=(const IpcMappings&) = delete;
 
   ~IpcMappings() {
-    int prev = 0;
-    (void)cudaGetDevice(&prev);
+    const DeviceGuard guard;
     (void)cudaSetDevice(device);
     // Kernels of this rank may still read or write the mappings: let them finish first.
     (void)cudaDeviceSynchronize();
@@ -317,7 +298,6 @@ struct IpcMappings {
       }
     }
     (void)cudaGetLastError();
-    (void)cudaSetDevice(prev);
   }
 };
 
@@ -473,7 +453,7 @@ std::vector<uint8_t*> share_cuda_ipc(IpcWorld& world, IpcMappings& m, size_t byt
 
 SymmetricBuffer SymmetricBuffer::create_ipc(IpcWorld& world, size_t bytes) {
   EPX_CHECK(bytes > 0, InputError, "bytes", bytes, "> 0");
-  EPX_CUDA_CHECK(cudaSetDevice(world.device()));
+  const DeviceGuard guard(world.device());
   SymmetricBuffer out;
   out.rank_ = world.rank();
   out.world_size_ = world.size();
@@ -490,6 +470,9 @@ SymmetricBuffer SymmetricBuffer::create_ipc(IpcWorld& world, size_t bytes) {
                               sizeof(uint8_t*) * bases.size()));
     EPX_CUDA_CHECK(cudaMemcpy(out.peers_dev_, bases.data(), sizeof(uint8_t*) * bases.size(),
                               cudaMemcpyHostToDevice));
+    // A pageable copy may return before it lands: the table is complete before any kernel of
+    // this rank (on a stream of its own) reads it.
+    EPX_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   });
   // Also the closing barrier: no rank returns before every rank's table is complete.
   (void)gather_checked(world.bootstrap(), "building the peer table", table, "");

@@ -14,14 +14,16 @@
 #include <string>
 #include <thread>
 
-#include "epx/cuda_check.hpp"
+#include "core/device_guard.hpp"
 #include "core/env.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/config.hpp"
 #include "epx/symmetric.hpp"
 #include "epx/world.hpp"
 #include "transport/collective.hpp"
 #include "transport/nccl_peers.hpp"
+#include "transport/peer_links.hpp"
 
 namespace epx {
 namespace {
@@ -55,6 +57,8 @@ struct Nccl {
   decltype(&ncclGroupStart) group_start = nullptr;
   decltype(&ncclGroupEnd) group_end = nullptr;
   LsaTeam (*team_lsa)(ncclComm_t) = nullptr;
+  void* dev_comm_create = nullptr;   // ncclDevCommCreate (nccl_peers.cu calls it)
+  void* dev_comm_destroy = nullptr;  // ncclDevCommDestroy
   int version = 0;
 };
 
@@ -96,6 +100,8 @@ const Nccl& nccl() {
     sym(lib.recv, "ncclRecv");
     sym(lib.group_start, "ncclGroupStart");
     sym(lib.group_end, "ncclGroupEnd");
+    sym(lib.dev_comm_create, "ncclDevCommCreate");
+    sym(lib.dev_comm_destroy, "ncclDevCommDestroy");
     if (error.empty()) (void)lib.get_version(&lib.version);
   });
   if (!error.empty()) EPX_THROW(UnsupportedError, error);
@@ -137,10 +143,28 @@ void nccl_finish(ncclResult_t r, ncclComm_t comm, const char* call) {
 
 #define EPX_NCCL_FINISH(comm, call) nccl_finish((call), (comm), #call)
 
+std::string env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string("unset") : fmt::format("{}={}", name, v);
+}
+
+// Without symmetric memory NCCL may still register a window, as host memory the device cannot
+// read (an illegal address that ends every rank's context): refused up front, by name.
+[[noreturn]] void no_symmetric_memory(const std::string& seen) {
+  EPX_THROW(UnsupportedError,
+            fmt::format("NcclWorld needs NCCL's symmetric memory (its device API), and this "
+                        "communicator has none ({}): NCCL_CUMEM_ENABLE=0 or NCCL_P2P_DISABLE=1 "
+                        "turns it off (here NCCL_CUMEM_ENABLE is {}, NCCL_P2P_DISABLE is {}), as "
+                        "do GPUs without direct P2P between them; unset those variables, or use "
+                        "IpcWorld",
+                        seen, env_value("NCCL_CUMEM_ENABLE"), env_value("NCCL_P2P_DISABLE")));
+}
+
 }  // namespace
 
 NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
     : bootstrap_(std::move(bootstrap)) {
+  const DeviceGuard guard;  // the world's device is current while it is built, then the caller's
   transport::bootstrap_rank_size(bootstrap_.get(), &rank_, &size_);
   // NVLink multicast stays off unless the caller decided otherwise (it can take a shared GPU out
   // of service, and epx never needs it).
@@ -157,6 +181,9 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   const std::string mine(reinterpret_cast<const char*>(&id), sizeof(id));
   const std::vector<std::string> ids = gather_checked(*bootstrap_, "NCCL set-up", local, mine);
   std::memcpy(&id, ids[0].data(), sizeof(id));
+  // Peer access and native peer atomics between the ranks' GPUs, before NCCL is asked for
+  // anything (transport/peer_links.hpp).
+  transport::check_process_peer_links(*bootstrap_, device_, "NcclWorld");
   // 2. The communicator (collective inside NCCL), then its LSA team must be the whole world.
   const Step comm = attempt([&] {
     ncclComm_t c = nullptr;
@@ -172,6 +199,20 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
               fmt::format("the world size {} (every rank on one node over NVLink; inter-node "
                           "GIN transport is not implemented)",
                           size_));
+    // NCCL refuses a device communicator without symmetric memory (NCCL_CUMEM_ENABLE=0,
+    // NCCL_P2P_DISABLE=1), while its window registration still succeeds. The requirements'
+    // layout is that of the headers epx was built with: probed only when the library is of
+    // the same release (others: the checks of create_nccl's window remain).
+    if (nccl().version / 100 == NCCL_VERSION_CODE / 100) {
+      try {
+        transport::probe_device_comm(c, nccl().dev_comm_create, nccl().dev_comm_destroy,
+                                     [&](int r, const char* call) {
+                                       nccl_finish(ncclResult_t(r), c, call);
+                                     });
+      } catch (const CudaError& e) {
+        no_symmetric_memory(fmt::format("ncclDevCommCreate refused: {}", e.what()));
+      }
+    }
   });
   try {
     (void)gather_checked(*bootstrap_, "NCCL communicator", comm, "");
@@ -257,6 +298,7 @@ struct NcclWindow {
   void* memory = nullptr;
   int device = 0;
   ~NcclWindow() {
+    const DeviceGuard guard;
     (void)cudaSetDevice(device);
     (void)cudaDeviceSynchronize();  // no kernel of this device still uses the window
     if (window != nullptr) {
@@ -279,6 +321,7 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
     EPX_CHECK(sizes[size_t(r)] == std::to_string(bytes), InputError, "bytes", bytes,
               fmt::format("the same on every rank (rank {} asks for {})", r, sizes[size_t(r)]));
   }
+  const DeviceGuard guard(world.device());
   SymmetricBuffer out;
   out.rank_ = world.rank();
   out.world_size_ = world.size();
@@ -291,7 +334,6 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
   const size_t rounded = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
                          NCCL_WIN_REQUIRED_ALIGNMENT;
   const Step allocated = attempt([&] {
-    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
     EPX_NCCL_CHECK(nccl().mem_alloc(&win->memory, rounded));
   });
   (void)gather_checked(world.bootstrap(), "ncclMemAlloc", allocated, "");
@@ -300,13 +342,20 @@ SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
   const Step registered = attempt([&] {
     EPX_NCCL_FINISH(win->comm, nccl().window_register(win->comm, win->memory, rounded,
                                                       &win->window, NCCL_WIN_DEFAULT));
-    EPX_CHECK(win->window != nullptr, UnsupportedError, "NCCL window", "null",
-              "symmetric memory support (every rank on one node with direct P2P, cuMem on, "
-              "NCCL_WIN_ENABLE=1)");
+    if (win->window == nullptr) no_symmetric_memory("ncclCommWindowRegister gave no window");
+    // The window is a device object the peer-table kernel reads: anything else is NCCL's
+    // fallback registration, which faults there.
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, win->window) != cudaSuccess) {
+      (void)cudaGetLastError();
+      attr.type = cudaMemoryTypeUnregistered;
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+      no_symmetric_memory("ncclCommWindowRegister gave a window the GPU cannot read");
+    }
   });
   (void)gather_checked(world.bootstrap(), "ncclCommWindowRegister", registered, "");
   const Step table = attempt([&] {
-    EPX_CUDA_CHECK(cudaSetDevice(world.device()));
     EPX_CUDA_CHECK(cudaMemset(win->memory, 0, rounded));
     EPX_CUDA_CHECK(
         cudaMalloc(reinterpret_cast<void**>(&out.peers_dev_), sizeof(uint8_t*) * world.size()));

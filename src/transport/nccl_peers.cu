@@ -23,4 +23,19 @@ void fill_lsa_peer_table(void* window, int world_size, uint8_t** peers_dev, cuda
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
+void probe_device_comm(void* comm, void* create, void* destroy,
+                       const std::function<void(int result, const char* call)>& finish) {
+  using Create = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements*, ncclDevComm*);
+  using Destroy = ncclResult_t (*)(ncclComm_t, const ncclDevComm*);
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  const ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+  const ncclDevCommRequirements reqs{};  // NCCL 2.28: no barriers, no resources, no GIN
+#endif
+  ncclDevComm dev{};
+  const auto c = static_cast<ncclComm_t>(comm);
+  finish(int(reinterpret_cast<Create>(create)(c, &reqs, &dev)), "ncclDevCommCreate");
+  (void)reinterpret_cast<Destroy>(destroy)(c, &dev);
+}
+
 }  // namespace epx::transport

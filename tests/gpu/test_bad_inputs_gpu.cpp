@@ -188,6 +188,27 @@ std::map<std::string, std::function<void()>> scenarios() {
     g.a2a[0]->dispatch(g.input(kTwoTokens), g.streams[0]);
     g.a2a[0]->combine(offset(g.a2a[0]->combine_buffer(), 2), g.output(2), g.streams[0]);
   };
+  s["gpu.combine.pinned_host_expert_out_ht"] = [] {
+    // Rank 0's combine is refused on the host; the round completes first (worst-case areas: no
+    // host wait, so both ranks' dispatches go from this thread), so that nobody waits in vain.
+    EpConfig cfg = small_config();
+    cfg.worst_case_output = true;
+    Group g(cfg, 2, Backend::kHighThroughput);
+    for (int r = 0; r < 2; ++r) g.a2a[r]->dispatch(g.input(kTwoTokens), g.streams[r]);
+    g.a2a[1]->combine(g.a2a[1]->combine_buffer(), g.output(2), g.streams[1]);
+    void* pinned = nullptr;
+    EPX_CUDA_CHECK(cudaMallocHost(&pinned, size_t(cfg.capacity()) * kHidden * 2));
+    std::unique_ptr<void, void (*)(void*)> free_pinned(pinned,
+                                                       [](void* p) { (void)cudaFreeHost(p); });
+    try {
+      g.a2a[0]->combine(pinned, g.output(2), g.streams[0]);
+    } catch (const InputError&) {
+      // rank 1 still waits for rank 0's partials: give them, then finish both
+      g.a2a[0]->combine(g.a2a[0]->combine_buffer(), g.output(2), g.streams[0]);
+      for (int r = 0; r < 2; ++r) g.a2a[r]->synchronize(g.streams[r]);
+      throw;
+    }
+  };
   s["gpu.launch.dispatch_blocks_over_budget"] = [] {
     InProcessWorld world(8);
     LaunchConfigs lc;

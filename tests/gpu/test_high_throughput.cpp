@@ -7,10 +7,12 @@
 // with rings small enough that every call laps them many times.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "epx/all2all.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "gpu_group.hpp"
 #include "testing/harness.hpp"
@@ -150,6 +152,29 @@ TEST(HighThroughput, OneLaunchSizedAndReplayed) {
     o.graph_replays = worst_case ? 20 : 0;
     const auto rep = testing::run_check(o);
     EXPECT_TRUE(rep.ok) << (worst_case ? "worst case" : "sized") << describe(rep);
+  }
+}
+
+// The expert stage writes into the caller's own memory from a stream-ordered pool (what PyTorch's
+// caching allocator or expandable segments hand out: not readable from another GPU), not into
+// combine_buffer(): direct mode copies it into the combine buffer before the peers read it.
+// Per rank and one launch per GPU, sized per call and worst case; on every visible GPU (two or
+// more: the peers on other GPUs would fault on the caller's memory without the copy).
+TEST(HighThroughput, ExpertOutFromAStreamOrderedPool) {
+  REQUIRE_GPU();
+  const int gpus = std::min(cuda_device_count(), 4);
+  for (const bool worst_case : {false, true}) {
+    for (const bool one_launch : {false, true}) {
+      auto o = options_for(kCases[4], worst_case);  // 4 ranks, 1024/128/0/7 tokens
+      o.pool_expert_out = true;
+      o.one_launch = one_launch;
+      o.gpus = gpus;
+      o.graph_replays = worst_case ? 5 : 0;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << (worst_case ? "worst case" : "sized")
+                          << (one_launch ? ", one launch" : ", per rank") << ", " << gpus
+                          << " GPU(s)" << describe(rep);
+    }
   }
 }
 

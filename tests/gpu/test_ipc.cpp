@@ -194,5 +194,66 @@ TEST(IpcCheck, MissingRankIsATimeoutNotAHang) {
   EXPECT_LT(r.seconds, timeout_ms / 1000.0 + 1.0 + 2.0) << r.out << r.err;
 }
 
+// ---- NcclWorld with one rank (one GPU is enough: NCCL takes a communicator of one) ---------------
+
+// epx launch -n 1 -- epx check --world-kind nccl <small shape>, with `env` added.
+CommandResult nccl_one_rank(const std::vector<std::pair<std::string, std::string>>& env) {
+  std::vector<std::pair<std::string, std::string>> all = env;
+  all.emplace_back("NCCL_NVLS_ENABLE", "0");
+  return run_command({epx_cli(), "launch", "-n", "1", "--", epx_cli(), "check", "--world-kind",
+                      "nccl", "--hidden", "2048", "--experts", "16", "--topk", "4", "--tokens",
+                      "7", "--iters", "1"},
+                     all, 120);
+}
+
+#define REQUIRE_NCCL(r)                                                                       \
+  do {                                                                                        \
+    if ((r).err.find("NCCL: cannot load") != std::string::npos)                               \
+      GTEST_SKIP() << "no libnccl.so.2 (set EPX_NCCL_LIBRARY): " << (r).err.substr(0, 300);  \
+  } while (0)
+
+// With symmetric memory (NCCL's defaults), the world runs and the check passes: the probe for
+// symmetric memory does not refuse a communicator that has it.
+TEST(NcclOneRank, ChecksWithSymmetricMemory) {
+  REQUIRE_GPU();
+  const auto r = nccl_one_rank({});
+  REQUIRE_NCCL(r);
+  EXPECT_EQ(exit_code(r), 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[rank 0] PASS"), std::string::npos) << r.out << r.err;
+}
+
+// NCCL_CUMEM_ENABLE=0: NCCL has no symmetric memory for the communicator (its window would be
+// memory the GPU cannot read); the world refuses up front, naming the variable, with
+// UnsupportedError's exit code 3 — no illegal address, no hang.
+TEST(NcclOneRank, RefusesWithoutSymmetricMemoryNamingTheVariable) {
+  REQUIRE_GPU();
+  const auto r = nccl_one_rank({{"NCCL_CUMEM_ENABLE", "0"}, {"EPX_TIMEOUT_MS", "5000"}});
+  REQUIRE_NCCL(r);
+  EXPECT_EQ(exit_code(r), 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("NCCL_CUMEM_ENABLE=0"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.err.find("symmetric memory"), std::string::npos) << r.out << r.err;
+  EXPECT_EQ(r.err.find("illegal"), std::string::npos) << r.out << r.err;
+  EXPECT_LT(r.seconds, 60.0);
+}
+
+// ---- several GPUs -----------------------------------------------------------------------------
+
+// `epx bench` of high_throughput sized per call over every GPU: each GPU's dispatch waits on the
+// host for the others' counts, so the bench enqueues each GPU from a thread of its own (from one
+// thread it waited for a GPU not yet launched, and timed out).
+TEST(MultiGpuCli, BenchHighThroughputOverEveryGpu) {
+  const int gpus = cuda_device_count();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs";
+  const auto r = run_command({epx_cli(), "bench", "--backends", "high_throughput", "--world",
+                              std::to_string(gpus), "--gpus", std::to_string(gpus), "--hidden",
+                              "2048", "--experts", std::to_string(8 * gpus), "--topk", "4",
+                              "--tokens", "256", "--iters", "50", "--warmup", "2"},
+                             {{"EPX_TIMEOUT_MS", "5000"}}, 180);
+  EXPECT_EQ(exit_code(r), 0) << r.out << r.err;
+  EXPECT_EQ((r.out + r.err).find("timing error"), std::string::npos) << r.out << r.err;
+  EXPECT_EQ((r.out + r.err).find("TimeoutError"), std::string::npos) << r.out << r.err;
+  EXPECT_NE(r.out.find("high_throughput"), std::string::npos) << r.out << r.err;
+}
+
 }  // namespace
 }  // namespace epx

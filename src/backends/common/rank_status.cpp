@@ -127,6 +127,11 @@ void RankStatus::check_ptr(const void* p, const char* name, size_t align) const 
   EPX_CHECK(on_device, InputError, name, p,
             fmt::format("device memory on GPU {} (this is {} memory)", device_,
                         attr.type == cudaMemoryTypeHost ? "pinned host" : "unregistered host"));
+  // Another GPU's memory would be read through the link at best, or fault (without peer access)
+  // and take every rank's context with it. Managed memory migrates: any GPU is fine.
+  EPX_CHECK(attr.type == cudaMemoryTypeManaged || attr.device == device_, InputError, name, p,
+            fmt::format("device memory on GPU {}, this rank's (this is memory of GPU {})", device_,
+                        attr.device));
 }
 
 }  // namespace epx

@@ -12,6 +12,7 @@
 #include "backends/common/phase_clock.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/high_throughput/ht_kernels.hpp"
+#include "core/device_guard.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/symmetric.hpp"
@@ -163,10 +164,11 @@ class HtAll2All final : public All2All {
 #endif
   }
   ~HtAll2All() override {
-    int prev = 0;
-    (void)cudaGetDevice(&prev);
+    // No kernel reads or writes the areas any more: this rank's, nor (direct mode on several
+    // GPUs) a peer's that may still run, e.g. after a timeout made this rank give up.
+    buf_.synchronize_devices();
+    const DeviceGuard guard;
     (void)cudaSetDevice(buf_.device());
-    (void)cudaDeviceSynchronize();  // no kernel of this rank reads the areas any more
 #if EPX_MEASUREMENT
     if (clock_ != nullptr) {
       print_phase_clock();
@@ -181,7 +183,6 @@ class HtAll2All final : public All2All {
     }
     if (pool_ != nullptr) (void)cudaMemPoolDestroy(pool_);
     if (host_rows_ != nullptr) (void)cudaFreeHost(host_rows_);
-    (void)cudaSetDevice(prev);
   }
 
 #if EPX_MEASUREMENT
@@ -230,7 +231,7 @@ class HtAll2All final : public All2All {
     HtDispatchParams p{};
     p.ranks[0] = prepare_dispatch(in, stream);
     p.common = common(1);
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     launch_ht_count(p, launch_.dispatch.warps_per_block, stream);
     if (!cfg_.worst_case_output) {
       read_rows_back(stream);
@@ -244,10 +245,10 @@ class HtAll2All final : public All2All {
   }
 
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
+    const DeviceGuard guard(buf_.device());
     HtCombineParams p{};
-    p.ranks[0] = prepare_combine(expert_out, y);
+    p.ranks[0] = prepare_combine(expert_out, y, stream);
     p.common = common(1);
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
     launch_ht_combine(p, layout_.channels, launch_.combine.warps_per_block, stream);
   }
 
@@ -258,7 +259,7 @@ class HtAll2All final : public All2All {
 
   void poll() override { status_.poll(); }
   void synchronize(cudaStream_t stream) override {
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
     poll();
   }
@@ -300,13 +301,24 @@ class HtAll2All final : public All2All {
                           .area_rows = 0};
   }
 
-  HtCombineRank prepare_combine(const void* expert_out, void* y) {
+  // Direct mode: the peers read the partials where this rank points them, so partials outside
+  // the combine buffer are first copied into it (enqueued on `stream`, this rank's GPU current):
+  // the caller's memory may be unreadable from the peers' GPUs (a stream-ordered pool, PyTorch's
+  // expandable segments) or change after combine returns.
+  HtCombineRank prepare_combine(const void* expert_out, void* y, cudaStream_t stream) {
     status_.check_usable();
     EPX_CHECK(dispatched_, StateError, "combine", "called before any dispatch",
               "after a dispatch (combine returns the tokens of the last dispatch)");
     status_.check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer is fine (as for every backend).
     if (tokens_ > 0) status_.check_ptr(y, "y", 16);
+    if (layout_.direct && expert_out != combine_buffer()) {
+      launch_ht_copy_partials(expert_out, combine_buffer(),
+                              reinterpret_cast<const int32_t*>(buf_.local() + layout_.state +
+                                                               offsetof(HtState, recv_count)),
+                              cfg_.hidden, stream);
+      expert_out = combine_buffer();
+    }
     return HtCombineRank{.local = buf_.local(),
                          .host_status = status_.device_mirror(),
                          .rank = cfg_.rank,
@@ -334,7 +346,7 @@ class HtAll2All final : public All2All {
     if (M <= rows_cap_ && rows_ != nullptr) return;
     // Grow by a quarter at least, so that slowly rising counts reallocate rarely.
     const int want = std::min(cfg_.capacity(), std::max({M, rows_cap_ + rows_cap_ / 4, 256}));
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     if (rows_ != nullptr) EPX_CUDA_CHECK(cudaFreeAsync(rows_, stream));
     rows_ = nullptr;
     rows_cap_ = 0;
@@ -492,7 +504,7 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   p.common = first.common(int32_t(rs.size()));
   const int channels = first.layout().channels,
             warps = first.launch_configs().dispatch.warps_per_block;
-  EPX_CUDA_CHECK(cudaSetDevice(first.device()));
+  const DeviceGuard guard(first.device());
   launch_ht_count(p, warps, stream);
   if (!first.config().worst_case_output) {
     for (HtAll2All* r : rs) r->read_rows_back(stream);
@@ -523,23 +535,21 @@ void combine_group(std::span<All2All* const> ranks, std::span<const void* const>
   const std::vector<HtAll2All*> rs = group_ranks(ranks, expert_out.size(), "combine_group");
   EPX_CHECK(y.size() == rs.size(), InputError, "combine_group y", y.size(),
             fmt::format("one per rank ({})", rs.size()));
+  const DeviceGuard guard(rs[0]->device());
   HtCombineParams p{};
-  for (size_t i = 0; i < rs.size(); ++i) p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i]);
+  for (size_t i = 0; i < rs.size(); ++i)
+    p.ranks[i] = rs[i]->prepare_combine(expert_out[i], y[i], stream);
   HtAll2All& first = *rs[0];
   p.common = first.common(int32_t(rs.size()));
-  EPX_CUDA_CHECK(cudaSetDevice(first.device()));
   launch_ht_combine(p, first.layout().channels, first.launch_configs().combine.warps_per_block,
                     stream);
 }
 
 namespace {
 void preload(int device) {
-  int prev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&prev));
-  EPX_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard guard(device);
   load_ht_dispatch_kernels();
   load_ht_combine_kernels();
-  EPX_CUDA_CHECK(cudaSetDevice(prev));
 }
 
 // The ring geometry every rank's buffer must share, appended to the start-up fingerprint.

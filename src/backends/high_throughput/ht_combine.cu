@@ -323,11 +323,29 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// dst[0, *rows * vecs_per_row) = src[...]: the rows the round received, however many.
+__global__ void ht_copy_partials_kernel(const int4* __restrict__ src, int4* __restrict__ dst,
+                                        const int32_t* rows, size_t vecs_per_row) {
+  const size_t total = size_t(max(*rows, 0)) * vecs_per_row;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = __ldg(src + i);
+}
+
 }  // namespace
 
 void load_ht_combine_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_partials_kernel));
+}
+
+void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, int hidden,
+                             cudaStream_t stream) {
+  constexpr int kThreads = 256, kBlocks = 264;  // enough to stream at HBM speed on an H100
+  ht_copy_partials_kernel<<<kBlocks, kThreads, 0, stream>>>(
+      static_cast<const int4*>(src), static_cast<int4*>(dst), rows, size_t(hidden) * 2 / 16);
+  EPX_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream) {

@@ -213,5 +213,9 @@ void launch_ht_count(const HtDispatchParams& p, int warps, cudaStream_t stream);
 void launch_ht_transfer(const HtDispatchParams& p, DispatchDtype dtype, int channels, int warps,
                         cudaStream_t stream);
 void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream);
+// dst = src for the first *rows (a device scalar) partial rows of `hidden` bf16 each (hidden * 2
+// a multiple of 16 bytes, both pointers 16-byte aligned).
+void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, int hidden,
+                             cudaStream_t stream);
 
 }  // namespace epx::ht

@@ -18,6 +18,7 @@
 #include "backends/common/rank_status.hpp"
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
+#include "core/device_guard.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/symmetric.hpp"
@@ -133,7 +134,7 @@ class PeerAll2All final : public All2All {
   uint64_t dropped_pairs() const override { return status_.dropped(); }
   void clear_mask(cudaStream_t stream) override {
     check_usable();
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     // State's first two words: masked, dropped.
     static_assert(offsetof(State, masked) == 0 && offsetof(State, dropped) == 8);
     EPX_CUDA_CHECK(cudaMemsetAsync(buf_.local() + layout_.state, 0, 16, stream));
@@ -182,7 +183,7 @@ class PeerAll2All final : public All2All {
     }
     p.common = launch_common(half, due_.back());
     pending_ = half == Half::kSend ? Pending::kDispatchReceive : Pending::kNone;
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     launch_dispatch(p, cfg_.dtype, launch_for(half, launch_.dispatch, true), stream);
   }
 
@@ -200,7 +201,7 @@ class PeerAll2All final : public All2All {
     }
     p.common = launch_common(half, combined_slot_);
     pending_ = half == Half::kSend ? Pending::kCombineReceive : Pending::kNone;
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     launch_combine(p, launch_for(half, launch_.combine, false), stream);
   }
 
@@ -315,7 +316,7 @@ class PeerAll2All final : public All2All {
   void poll() override { status_.poll(); }
 
   void synchronize(cudaStream_t stream) override {
-    EPX_CUDA_CHECK(cudaSetDevice(buf_.device()));
+    const DeviceGuard guard(buf_.device());
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
     poll();
   }
@@ -521,7 +522,7 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
   }
   p.common = rs[0]->launch_common(Half::kWhole, rs[0]->dispatched_slot());
   p.common.num_ranks = int32_t(rs.size());
-  EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
+  const DeviceGuard guard(rs[0]->device());
   launch_dispatch(p, rs[0]->config().dtype, rs[0]->launch_configs().dispatch, stream);
   std::vector<DispatchResult> out;
   for (PeerAll2All* r : rs) out.push_back(r->dispatch_result());
@@ -541,17 +542,14 @@ void combine_group(std::span<All2All* const> ranks, std::span<const void* const>
   }
   p.common = rs[0]->launch_common(Half::kWhole, rs[0]->combined_slot());
   p.common.num_ranks = int32_t(rs.size());
-  EPX_CUDA_CHECK(cudaSetDevice(rs[0]->device()));
+  const DeviceGuard guard(rs[0]->device());
   launch_combine(p, rs[0]->launch_configs().combine, stream);
 }
 
 void preload_kernels(int device) {
-  int prev = 0;
-  EPX_CUDA_CHECK(cudaGetDevice(&prev));
-  EPX_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard guard(device);
   load_dispatch_kernels();
   load_combine_kernels();
-  EPX_CUDA_CHECK(cudaSetDevice(prev));
 }
 
 std::vector<std::unique_ptr<All2All>> make_in_process_group(const EpConfig& base,
