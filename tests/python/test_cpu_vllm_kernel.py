@@ -37,14 +37,30 @@ CPU = torch.device("cpu")
 SHAPE = case.Shape()
 
 
+@pytest.fixture(autouse=True)
+def no_accelerator(monkeypatch):
+    """vLLM's batched experts ask torch.accelerator whether a CUDA graph is being captured,
+    which raises where no accelerator exists: on the CPU nothing is ever captured."""
+    if not torch.accelerator.is_available():
+        from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+
+        monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling",
+                            lambda: torch.compiler.is_compiling())
+
+
 def on_ranks(world, body):
-    """Runs body(rank, fake_world) on `world` threads; raises with every failing rank's trace."""
+    """Runs body(rank, fake_world) on `world` threads; raises with every failing rank's trace.
+    vLLM's workspace manager is one per process: each rank (thread) gets a lane of its own."""
+    from vllm.v1.worker import workspace
+
+    workspace.init_workspace_manager(CPU, num_lanes=world)
     fabric = fake.Fabric(world)
     outcome = {}
 
     def main(rank):
         try:
-            body(rank, fake.FakeWorld(fabric, rank))
+            with workspace.use_workspace_lane(rank):
+                body(rank, fake.FakeWorld(fabric, rank))
             outcome[rank] = "ok"
         except BaseException:
             outcome[rank] = traceback.format_exc()
@@ -82,7 +98,13 @@ TOKENS = {1: [[5], [16], [37]], 2: [[5, 11], [0, 9], [16, 16], [37, 3]]}
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("experts", ["naive_batched", "torch_standard"])
-def test_vllm_kernel_with_epx(world, dtype, experts):
+@pytest.mark.parametrize("fused_output", ["combine_buffer", "vllms"])
+def test_vllm_kernel_with_epx(monkeypatch, world, dtype, experts, fused_output):
+    """fused_output 'vllms': the experts write vLLM's own buffer (epx offers none), which is the
+    layer's output itself where the shapes agree (one rank, Standard rows = tokens)."""
+    if fused_output == "vllms":
+        monkeypatch.setattr(epx.vllm._PrepareFinalizeMethods, "allocate_fused_expert_output",
+                            lambda self, *args: None)
     weights = case.Weights(SHAPE, dtype, CPU)
 
     def body(rank, fw):

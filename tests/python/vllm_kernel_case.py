@@ -135,8 +135,10 @@ class Weights:
         return cfg.fp8_w8a8_moe_quant_config(w1_scale=s1, w2_scale=s2,
                                              per_act_token_quant=False, block_shape=[128, 128])
 
-    def reference(self, x, ids, w):
-        """Dense MoE in f32 over every expert: sum_k w_k * W2_e(silu(gate) * up)."""
+    def reference(self, x, ids, w, intermediate_fp8=True):
+        """Dense MoE in f32 over every expert: sum_k w_k * W2_e(silu(gate) * up); fp8: the
+        input through fp8 per 1x128 and, with intermediate_fp8, the intermediate too (as the
+        experts that quantise it before the second product do)."""
         I = self.shape.intermediate
         fp8 = self.dtype == "fp8"
         xf = _act_quant(x) if fp8 else x.float()
@@ -149,7 +151,7 @@ class Weights:
                 h = self.w1_ref[e] @ xf[n]
                 a = torch.nn.functional.silu(h[:I]) * h[I:]
                 a = a.to(torch.bfloat16).float()
-                if fp8:
+                if fp8 and intermediate_fp8:
                     a = _act_quant(a[None])[0]
                 y[n] += float(w[n, k]) * (self.w2_ref[e] @ a)
         return y
@@ -299,9 +301,11 @@ def run_rank(kernel, weights: Weights, shape: Shape, world: int, rank: int, toke
     """Runs `kernel` on this rank's tokens: for each entry of `tokens` (every rank's token count
     per step; a step with more than max_tokens is split into chunks of at most max_tokens, each
     one apply call, as vLLM's layer does, and every rank makes as many calls as the rank with the
-    most chunks), compares with the dense reference. Returns the worst |error| / (1 + |ref|)."""
+    most chunks), compares with the dense reference (NaiveBatchedExperts keeps the fp8 path's
+    intermediate in bf16, the others round it through fp8: the reference follows). Returns the worst |error| / (1 + |ref|)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
+    intermediate_fp8 = type(kernel.fused_experts).__name__ != "NaiveBatchedExperts"
     w1, w2, _, _ = weights.local(world, rank)
     emap = expert_map(shape, world, rank, device)
     worst = 0.0
@@ -322,7 +326,7 @@ def run_rank(kernel, weights: Weights, shape: Shape, world: int, rank: int, toke
         if sync is not None:
             sync()
         y = torch.cat(outs).float()
-        want = weights.reference(x, ids, w)
+        want = weights.reference(x, ids, w, intermediate_fp8)
         torch.testing.assert_close(y, want, rtol=TOLERANCE, atol=TOLERANCE)
         if n:
             worst = max(worst, float(((y - want).abs() / (1 + want.abs())).max()))
