@@ -289,11 +289,15 @@ def make_kernel(pf, moe, quant_config, experts: str):
     return mk.FusedMoEKernel(pf, cls(moe_config=moe, quant_config=quant_config, **extra))
 
 
+def handle_kwargs(shape: Shape, experts: str, dtype: str) -> dict:
+    """EpConfig fields of the case (an all2all manager's get_handle takes them)."""
+    return dict(hidden=shape.hidden, num_experts=shape.num_experts, topk=shape.topk,
+                max_tokens_per_rank=shape.max_tokens,
+                dtype="bf16-to-fp8" if dtype == "fp8" else "bf16", layout=layout_of(experts))
+
+
 def ep_config(shape: Shape, experts: str, dtype: str) -> epx.EpConfig:
-    return epx.EpConfig(hidden=shape.hidden, num_experts=shape.num_experts, topk=shape.topk,
-                        max_tokens_per_rank=shape.max_tokens,
-                        dtype="bf16-to-fp8" if dtype == "fp8" else "bf16",
-                        layout=layout_of(experts))
+    return epx.EpConfig(**handle_kwargs(shape, experts, dtype))
 
 
 def run_rank(kernel, weights: Weights, shape: Shape, world: int, rank: int, tokens: list,

@@ -58,6 +58,14 @@ DEPS = [
     "llguidance", "xgrammar", "apache-tvm-ffi",
 ]
 
+# What vLLM 0.33's fused-MoE import needs on top (its reasoning parsers import the server's tool
+# code: openai, fastapi, harmony, tracing).
+DEPS_BEFORE_0_34 = [
+    "oss-harmony", "openai", "jiter", "distro", "fastapi", "starlette", "annotated-doc",
+    "sniffio", "partial-json-parser", "einops", "opentelemetry-api", "opentelemetry-sdk",
+    "opentelemetry-semantic-conventions", "importlib-metadata", "zipp",
+]
+
 # vLLM's compiled extension modules that its imports need, as stand-ins.
 STUBS = ["_C", "_C_stable_libtorch", "_moe_C", "_moe_C_stable_libtorch"]
 STUB_TEXT = '''"""Stands in for vLLM's compiled extension module vllm.{name} in a bundle made by epx's
@@ -71,9 +79,9 @@ _epx_vllm_ops.register()
 
 KEEP_SUFFIXES = (".py", ".json")
 # Parts of vLLM's tree that its fused-MoE kernel never imports, left out for size: the model
-# implementations, the server, the benchmarks, and the third-party kernels whose compiled parts
+# implementations, the benchmarks, and the third-party kernels whose compiled parts
 # are not in the bundle anyway (their Python alone would look usable).
-DROP_PREFIXES = ("vllm/models/", "vllm/entrypoints/", "vllm/benchmarks/",
+DROP_PREFIXES = ("vllm/models/", "vllm/benchmarks/",
                  "vllm/third_party/deep_gemm/", "vllm/third_party/fmha_sm100/",
                  "vllm/third_party/tml_fa4/", "vllm/third_party/flashmla/")
 DROP_DIST_INFO = ("RECORD",)
@@ -141,7 +149,8 @@ def main(argv=None) -> int:
         wheel = next(tmp.glob("vllm-*.whl"))
         info = make_site_zip(wheel, out / "site.zip")
     reqs = _requirements(info["metadata"])
-    for d in DEPS:
+    release = tuple(int(p) for p in re.findall(r"\d+", args.version)[:2])
+    for d in DEPS + (DEPS_BEFORE_0_34 if release < (0, 34) else []):
         try:
             _pip_download([f"{d}{reqs.get(d, '')}"], out / "wheels", args.python)
         except subprocess.CalledProcessError:  # vLLM's pin not served: the newest there is
