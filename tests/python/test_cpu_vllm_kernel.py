@@ -195,3 +195,30 @@ def test_layout_must_follow_vllms_format(monkeypatch):
     monkeypatch.setenv("EPX_VLLM_LAYOUT", "expert")
     with pytest.raises(epx.ConfigError, match="EPX_VLLM_LAYOUT = 'expert', expected 'token'"):
         epx.vllm._layout_for(moe)
+
+
+def test_bundle_stand_in_operators():
+    """The torch stand-ins of vLLM's _C operators that a bundle defines where vLLM's extension
+    is absent (tools/vllm/_epx_vllm_ops.py), against torch and ref.quantize."""
+    import ref
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "vllm"))
+    import _epx_vllm_ops as ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 2 * 256, generator=g).to(torch.bfloat16)
+    out = torch.full((3, 5, 256), 7.0, dtype=torch.bfloat16)
+    counts = torch.tensor([5, 0, 2], dtype=torch.int32)
+    ops._masked_moe_activation(out, x, counts, "silu", 0.0, 1.0, 0.0, 1.0, -1.0)
+    want = (torch.nn.functional.silu(x[..., :256].float()) * x[..., 256:].float()).bfloat16()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[2, :2], want[2, :2])
+    assert (out[1] == 7).all() and (out[2, 2:] == 7).all()
+    flat = torch.empty(3, 5, 256, dtype=torch.bfloat16)
+    ops._and_mul("silu")(flat, x)
+    assert torch.equal(flat, want)
+    a = (torch.randn(6, 384, generator=g) * 3).to(torch.bfloat16)
+    q = torch.empty(6, 384, dtype=torch.float8_e4m3fn)
+    s = torch.empty(3, 6).t()  # column-major scales, as vLLM allocates them
+    ops._per_token_group_fp8_quant(a, q, s, 128, 1e-10, -448.0, 448.0, False, True, False)
+    torch.testing.assert_close(ref.dequantize(q, s), ref.dequantize(*ref.quantize(a)),
+                               rtol=0.07, atol=1e-2)
