@@ -62,13 +62,9 @@ def _commit() -> str:
 
 
 def _activate(bundle):
-    try:
-        import vllm  # noqa: F401
-
-        if not bundle:
-            return "installed"
-    except ImportError:
-        pass
+    """Puts the bundle on sys.path (before vLLM is imported); without one, vLLM as installed."""
+    if not bundle:
+        return "installed"
     import bundle_env
 
     return bundle_env.activate(bundle)["vllm"]
