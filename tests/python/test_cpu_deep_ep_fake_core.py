@@ -101,7 +101,9 @@ class FakeAll2All:
             self.shared = world.fabric.objects.setdefault(world.made, {})
         world.made += 1
         c = self.config
-        self.buffer = torch.zeros(c.num_local_experts, c.capacity, c.hidden, dtype=torch.bfloat16)
+        shape = (c.num_local_experts, c.capacity) if c.layout == "expert" else (c.capacity,)
+        self.buffer = torch.zeros(*shape, c.hidden, dtype=torch.bfloat16)
+        self.rows = {}
         self.slots = {}
         self.num_tokens = 0
         self.dispatches = 0
@@ -161,14 +163,33 @@ class FakeAll2All:
         for j, (q, n) in enumerate(rows):
             d.recv_src_rank[j], d.recv_src_idx[j] = q, n
             d.recv_topk_weights[j] = posted[q][2][n]
+        fp8 = c.dtype == "bf16-to-fp8"
+        H, G = c.hidden, c.hidden // 128
+        quantize = ref.quantize_pow2 if c.round_scale else ref.quantize
+        d.expert_counts = torch.zeros(L, dtype=torch.int32)
+        if c.layout == "token":
+            # Token-major rows (garbage past recv_count): x (fp8 wires: quantised, with its
+            # scales), the token's full top-k row; combine adds each rank's row of a token.
+            d.recv_x = torch.randn(cap, H).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            d.recv_scales = torch.rand(cap, G) if fp8 else None
+            d.recv_topk_ids = garbage(cap, K)
+            self.rows = {}
+            for j, (q, n) in enumerate(rows):
+                xq, iq, _ = posted[q]
+                if fp8:
+                    d.recv_x[j], d.recv_scales[j] = (v[0] for v in quantize(xq[n:n + 1]))
+                else:
+                    d.recv_x[j] = xq[n]
+                d.recv_topk_ids[j] = iq[n]
+                self.rows[(q, n)] = j
+                for e in iq[n].tolist():
+                    if r * L <= e < (r + 1) * L:
+                        d.expert_counts[e - r * L] += 1
         if c.layout == "expert":
-            fp8 = c.dtype == "bf16-to-fp8"
-            H, G = c.hidden, c.hidden // 128
             d.expert_x = torch.randn(L, cap, H).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
             d.expert_scales = torch.rand(L, G, cap).transpose(1, 2) if fp8 else None
             d.expert_src_rank, d.expert_src_idx = garbage(L, cap), garbage(L, cap)
             d.expert_topk_slot = garbage(L, cap)
-            d.expert_counts = torch.zeros(L, dtype=torch.int32)
             self.slots = {}
             for q, n in rows:
                 xq, iq, _ = posted[q]
@@ -179,7 +200,6 @@ class FakeAll2All:
                     s = int(d.expert_counts[e])
                     d.expert_counts[e] += 1
                     if fp8:
-                        quantize = ref.quantize_pow2 if c.round_scale else ref.quantize
                         qv, sv = quantize(xq[n:n + 1])
                         d.expert_x[e, s], d.expert_scales[e, s] = qv[0], sv[0]
                     else:
@@ -194,15 +214,25 @@ class FakeAll2All:
     def combine(self, expert_out, out=None):
         c = self.config
         r, L = c.rank, c.num_local_experts
+        if out is not None and out.numel() and expert_out.numel() and \
+                out.untyped_storage().data_ptr() == expert_out.untyped_storage().data_ptr():
+            # epx's kernels read expert_out while they write out
+            raise epx.InputError("combine: out shares memory with expert_out")
         self.combines += 1
-        posted = self._exchange("out", self.combines, (expert_out.clone(), dict(self.slots)))
+        posted = self._exchange("out", self.combines, (expert_out.clone(), dict(self.slots),
+                                                         dict(self.rows)))
         ids, weights = self.inputs
         y = torch.zeros(self.num_tokens, c.hidden)
-        for n in range(self.num_tokens):
+        if c.layout == "token":  # each rank's row of the token holds its weighted partial sum
+            for n in range(self.num_tokens):
+                for q, (partials, _, rows) in posted.items():
+                    if (r, n) in rows:
+                        y[n] += partials[rows[(r, n)]].float()
+        for n in range(self.num_tokens if c.layout == "expert" else 0):
             for k in range(c.topk):
                 e = int(ids[n, k])
                 if e >= 0 and e // L in posted:  # a masked rank's partials are left out
-                    rows, slots = posted[e // L]
+                    rows, slots, _ = posted[e // L]
                     y[n] += weights[n, k] * rows[slots[(r, n, k)]].float()
         y = y.to(torch.bfloat16)
         if out is None:
