@@ -79,6 +79,7 @@ echo "=== fresh_warnings: our own code's warnings with $(c++ -dumpfullversion) a
 if [ -z "$own" ]; then passed=$((passed+1)); echo "    ok: none"
 else failed=$((failed+1)); echo "    FAILED:"; echo "$own" | head -20 | sed 's/^/      /'; fi
 cp "$fresh/bench.json" "$logs/fresh_bench.json" 2>/dev/null || true  # the main job's table
+cp "$fresh/build/Testing/Temporary/LastTest.log" "$logs/fresh_gpu_suites.log" 2>/dev/null || true
 rm -rf "$fresh"
 fi  # fresh
 
