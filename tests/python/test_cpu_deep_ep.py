@@ -184,15 +184,19 @@ def test_event_overlap():
 
 
 def test_hook_runs_its_receive_half_once():
+    from epx.deep_ep._common import _Hook
+
     runs = []
-    hook = deep_ep._Hook(lambda: runs.append(1))
+    hook = _Hook(lambda: runs.append(1))
     hook()
     hook()
     assert runs == [1]
 
 
 def test_handle_is_deepeps_tuple():
-    h = deep_ep._Handle(("src_info", "layout_range", 128, 7168, 32), None, None, 0, 1, 5)
+    from epx.deep_ep._low_latency import _Handle
+
+    h = _Handle(("src_info", "layout_range", 128, 7168, 32), None, None, 0, 1, 5)
     src_info, layout_range, tokens, hidden, experts = h
     assert isinstance(h, tuple) and len(h) == 5 and (tokens, hidden, experts) == (128, 7168, 32)
     assert h[0] == "src_info" and h[1] == "layout_range"

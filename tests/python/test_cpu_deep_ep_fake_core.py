@@ -262,7 +262,7 @@ def test_scenario_over_a_fake_core(monkeypatch):
     import epx.deep_ep as deep_ep
 
     fabric = Fabric(scenario.WORLD)
-    monkeypatch.setattr(deep_ep, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep._low_latency_shapes, "All2All", FakeAll2All)
     monkeypatch.setattr(deep_ep.Buffer, "_make_world",
                         staticmethod(lambda group, comm: FakeWorld(fabric, group.rank())))
     outcome = {}
@@ -295,7 +295,7 @@ def test_shrink_scenario_over_a_fake_core(monkeypatch):
     W = shrink_scenario.WORLD
     fabric = Fabric(W)
     monkeypatch.setenv("EPX_TIMEOUT_MS", "400")
-    monkeypatch.setattr(deep_ep, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep._low_latency_shapes, "All2All", FakeAll2All)
     monkeypatch.setattr(deep_ep.Buffer, "_make_world",
                         staticmethod(lambda group, comm: FakeWorld(fabric, group.rank())))
     aligners = {frozenset(range(W)): threading.Barrier(W, timeout=HANG_S),
@@ -333,7 +333,7 @@ def test_shrink_scenario_over_a_fake_core(monkeypatch):
 def test_mask_calls_need_shrink_mode(monkeypatch):
     import epx.deep_ep as deep_ep
 
-    monkeypatch.setattr(deep_ep, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep._low_latency_shapes, "All2All", FakeAll2All)
     monkeypatch.setattr(deep_ep.Buffer, "_make_world",
                         staticmethod(lambda group, comm: FakeWorld(Fabric(1), 0)))
     b = deep_ep.Buffer(FakeGroup(0, 1), low_latency_mode=True)

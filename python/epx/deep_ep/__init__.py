@@ -1,0 +1,85 @@
+"""DeepEP's low-latency ``Buffer`` over epx: a DeepEP user changes an import.
+
+    import epx.deep_ep as deep_ep          # or: epx.deep_ep.install_as_deep_ep(); import deep_ep
+
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
+                            num_qps_per_rank=E // W)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T, E)
+    ...experts: expert e's rows [0, recv_count[e]) of recv_x [E/W, W*T, H]...
+    y, event, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+The signatures, shapes, dtypes and strides are DeepEP's (deep_ep/buffers/legacy.py, commit
+dd758ca); the group is a torch.distributed process group (gloo is enough: it only carries the
+start-up handshake) or an mpi4py communicator (``comm``).
+
+The modes live in modules of this package, one each, beside what they share:
+- ``_low_latency.py``: DeepEP's low-latency mode (low_latency_dispatch / low_latency_combine),
+  with the epx objects of its shapes in ``_low_latency_shapes.py``; its docstring says how the
+  mode maps onto epx.
+- ``_shrink.py``: shrink mode (``Buffer(..., enable_shrink=True)``, DeepEP's rank masking); its
+  docstring says what it does and how it differs from DeepEP's.
+- ``_normal.py``: DeepEP's normal (high-throughput) mode, not provided yet (Config and the
+  mode's Buffer methods refuse).
+- ``_buffer.py``: Buffer, one mixin per mode and what is common to them; ``_common.py``: events,
+  hooks and how a missing feature is refused.
+
+Not provided (NotImplementedError naming what and why): DeepEP's normal (high-throughput) mode
+(get_dispatch_layout, dispatch, combine, internode_*, Config, ElasticBuffer), LogFMT combine, the
+per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
+without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
+than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
+combine; the mask updates above that epx cannot express.
+
+Differences worth knowing: the returned tensors are views of epx memory, valid until the
+dispatch after next of the same shape (DeepEP's "no more than 2 results at a time");
+num_rdma_bytes / num_nvl_bytes / num_qps_per_rank are accepted and not used (epx sizes its memory
+per shape, get_low_latency_rdma_size_hint says how much); a combine repeated for one dispatch is
+only sound when the expert outputs and weights are unchanged (epx's combine serves its
+dispatch's round, so a peer may read the earlier sums). Every rank must take the same path:
+weights at dispatch on every rank, or on none.
+
+Importing this package needs neither torch nor a GPU; tensors need torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import _torch as T
+from ._buffer import Buffer, ElasticBuffer
+from ._common import EventHandle, EventOverlap
+from ._normal import Config
+
+# Also an attribute: topk_idx_t (torch.int64, read when asked for: importing needs no torch).
+__all__ = [
+    "Buffer", "Config", "ElasticBuffer", "EventHandle", "EventOverlap", "install_as_deep_ep",
+]
+
+
+def __getattr__(name):
+    # deep_ep.topk_idx_t: the dtype of topk_idx DeepEP is built with by default (64-bit).
+    if name == "topk_idx_t":
+        return T.torch().int64
+    raise AttributeError(f"module 'epx.deep_ep' has no attribute '{name}'")
+
+
+def install_as_deep_ep() -> None:
+    """Makes ``import deep_ep`` (anywhere in this process) give this package.
+
+    Refuses (ImportError) when another ``deep_ep`` is already imported: two Buffers of different
+    libraries in one process is never what was meant."""
+    current = sys.modules.get("deep_ep")
+    if current is not None and current is not sys.modules[__name__]:
+        raise ImportError(
+            f"deep_ep is already imported from {getattr(current, '__file__', current)!r}; "
+            "call epx.deep_ep.install_as_deep_ep() before anything imports DeepEP"
+        )
+    sys.modules["deep_ep"] = sys.modules[__name__]
+
+
+# The other module-level names of epx.deep_ep as one module (its imports), importable as before.
+from typing import Callable, List, NamedTuple, Optional  # noqa: E402,F401
+
+from ..all2all import All2All  # noqa: E402,F401
+from ..config import EpConfig, buffer_bytes, with_env_timeout  # noqa: E402,F401
