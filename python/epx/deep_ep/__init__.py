@@ -77,9 +77,3 @@ def install_as_deep_ep() -> None:
         )
     sys.modules["deep_ep"] = sys.modules[__name__]
 
-
-# The other module-level names of epx.deep_ep as one module (its imports), importable as before.
-from typing import Callable, List, NamedTuple, Optional  # noqa: E402,F401
-
-from ..all2all import All2All  # noqa: E402,F401
-from ..config import EpConfig, buffer_bytes, with_env_timeout  # noqa: E402,F401
