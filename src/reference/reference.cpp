@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/logfmt.hpp"
 #include "epx/error.hpp"
 
 namespace epx::ref {
@@ -22,6 +23,12 @@ struct WireRows {
   std::vector<uint8_t> x;     // [N][wire_row_bytes]
   std::vector<float> scales;  // [N][H/128], fp8 wires only
 };
+
+// LogFMT blocks are 128 values: a row must hold whole blocks.
+void check_format(const EpConfig& cfg, CombineFormat format) {
+  EPX_CHECK(format != CombineFormat::kLogFMT || cfg.hidden % logfmt::kBlockValues == 0, InputError,
+            "hidden (LogFMT combine)", cfg.hidden, "a multiple of 128");
+}
 
 void check_inputs(const EpConfig& cfg, const std::vector<RankInput>& inputs) {
   cfg.validate();
@@ -214,8 +221,10 @@ std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
 
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
-    const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials) {
+    const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,
+    CombineFormat format) {
   check_inputs(cfg, inputs);
+  check_format(cfg, format);
   const int world = cfg.world_size;
   const size_t hidden = static_cast<size_t>(cfg.hidden);
   EPX_CHECK(recv.size() == inputs.size(), InputError, "recv.size()", recv.size(),
@@ -249,6 +258,7 @@ std::vector<std::vector<uint16_t>> combine_token_major(
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(world));
   for_each_index(world, [&](int s) {
     std::vector<float> acc(hidden);
+    std::vector<float> decoded(format == CombineFormat::kLogFMT ? hidden : 0);
     y[s].resize(static_cast<size_t>(inputs[s].num_tokens) * hidden);
     for (int n = 0; n < inputs[s].num_tokens; ++n) {
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -256,7 +266,12 @@ std::vector<std::vector<uint16_t>> combine_token_major(
         const int j = row_of[r][offset[s] + n];
         if (j < 0) continue;
         const uint16_t* p = partials[r].data() + static_cast<size_t>(j) * hidden;
-        for (size_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(p[h]);
+        if (format == CombineFormat::kLogFMT) {
+          logfmt_round_trip_row(p, cfg.hidden, decoded.data());
+          for (size_t h = 0; h < hidden; ++h) acc[h] += decoded[h];
+        } else {
+          for (size_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(p[h]);
+        }
       }
       uint16_t* out = y[s].data() + static_cast<size_t>(n) * hidden;
       for (size_t h = 0; h < hidden; ++h) out[h] = bf16_from_float(acc[h]);
@@ -268,8 +283,9 @@ std::vector<std::vector<uint16_t>> combine_token_major(
 std::vector<std::vector<uint16_t>> combine_expert_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<ExpertMajorRecv>& recv,
-    const std::vector<std::vector<std::vector<uint16_t>>>& out) {
+    const std::vector<std::vector<std::vector<uint16_t>>>& out, CombineFormat format) {
   check_inputs(cfg, inputs);
+  check_format(cfg, format);
   const int world = cfg.world_size;
   const int topk = cfg.topk;
   const int local = cfg.num_local_experts();
@@ -318,6 +334,7 @@ std::vector<std::vector<uint16_t>> combine_expert_major(
   for_each_index(world, [&](int s) {
     std::vector<float> acc(hidden);
     std::vector<float> p(hidden);
+    std::vector<uint16_t> p_bf16(format == CombineFormat::kLogFMT ? hidden : 0);
     const RankInput& in = inputs[s];
     y[s].resize(static_cast<size_t>(in.num_tokens) * hidden);
     for (int n = 0; n < in.num_tokens; ++n) {
@@ -327,8 +344,10 @@ std::vector<std::vector<uint16_t>> combine_expert_major(
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int r = 0; valid && r < world; ++r) {
         std::fill(p.begin(), p.end(), 0.0f);
+        bool routed = false;  // rank r holds one of the token's experts: p_r crosses
         for (int k = 0; k < topk; ++k) {
           if (ids[k] < 0 || cfg.expert_rank(ids[k]) != r) continue;
+          routed = true;
           const int slot = slot_of[static_cast<size_t>(offset[s] + n) * topk + k];
           EPX_CHECK(slot >= 0, InputError,
                     "recv[" + std::to_string(r) + "] expert " + std::to_string(ids[k] - r * local),
@@ -337,6 +356,11 @@ std::vector<std::vector<uint16_t>> combine_expert_major(
           const uint16_t* o =
               out[r][ids[k] - r * local].data() + static_cast<size_t>(slot) * hidden;
           for (size_t h = 0; h < hidden; ++h) p[h] = std::fmaf(w[k], bf16_to_float(o[h]), p[h]);
+        }
+        if (routed &&
+            format == CombineFormat::kLogFMT) {  // p_r crosses as a LogFMT row of bf16(p_r)
+          for (size_t h = 0; h < hidden; ++h) p_bf16[h] = bf16_from_float(p[h]);
+          logfmt_round_trip_row(p_bf16.data(), cfg.hidden, p.data());
         }
         for (size_t h = 0; h < hidden; ++h) acc[h] += p[h];
       }

@@ -16,6 +16,9 @@
 //    float(partial_r[row]) ), f32 accumulation starting from +0.0f.
 //  * expert-major combine: p_r = sum over k ascending with e_k on rank r of
 //    fmaf(w_k, float(out[e_k][slot]), p_r) from +0.0f; y[n] = bf16(sum over r ascending of p_r).
+//  * LogFMT combine (CombineFormat::kLogFMT, src/core/logfmt.hpp): each partial crosses encoded
+//    and the token's rank adds decode(encode(partial)) instead of the partial, in the same order;
+//    token-major partials are bf16 already, an expert-major p_r is rounded to bf16 first.
 
 #include <array>
 #include <cstdint>
@@ -127,17 +130,33 @@ std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
 std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
                                                    const std::vector<RankInput>& inputs);
 
+// ---- LogFMT (src/core/logfmt.hpp: the format, its row layout and its error bound) ----------
+// x [rows][hidden] bf16 bits -> out [rows][logfmt::row_stride(hidden)] bytes (padding zeroed).
+// hidden must be a multiple of 128 (InputError otherwise).
+void logfmt_encode(const uint16_t* x, int rows, int hidden, uint8_t* out);
+// in [rows][logfmt::row_stride(hidden)] -> out [rows][hidden] f32, as combine adds them.
+void logfmt_decode(const uint8_t* in, int rows, int hidden, float* out);
+// decode(encode(x)) of rows of bf16 bits; of one row, into out [hidden].
+std::vector<float> logfmt_round_trip(const uint16_t* x, int rows, int hidden);
+void logfmt_round_trip_row(const uint16_t* x, int hidden, float* out);
+
 // ---- combine -------------------------------------------------------------------------------
+// What crosses between the ranks in combine: bf16 partials, or LogFMT-10 rows (about 0.64 of
+// the bytes; DeepEP's use_logfmt).
+enum class CombineFormat { kBF16, kLogFMT };
+
 // partials[r]: [M_r][H] bf16 bits, row-aligned with recv[r]. Returns y[s]: [N_s][H] bf16 bits.
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
-    const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials);
+    const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,
+    CombineFormat format = CombineFormat::kBF16);
 
 // out[r][e]: [count_e][H] bf16 bits, row-aligned with recv[r].x[e].
 std::vector<std::vector<uint16_t>> combine_expert_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<ExpertMajorRecv>& recv,
-    const std::vector<std::vector<std::vector<uint16_t>>>& out);
+    const std::vector<std::vector<std::vector<uint16_t>>>& out,
+    CombineFormat format = CombineFormat::kBF16);
 
 // ---- test helpers ------------------------------------------------------------------------
 // Deterministic "expert" used by tests: partial row of token-major row j on rank r is
