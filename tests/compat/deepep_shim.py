@@ -10,7 +10,7 @@ are in this project):
   process the test spawns) lets N processes share GPU 0: DeepEP's ``init_dist`` is replaced by one
   that makes a gloo group (NCCL refuses two ranks on one GPU) and selects GPU 0, and the CUDA
   collectives gloo lacks are staged through the CPU (``all_gather_into_tensor``, and
-  ``all_reduce`` of CUDA tensors). Only torch.distributed functions of the test's processes are
+  ``all_gather`` and ``all_reduce`` of CUDA tensors). Only torch.distributed functions of the test's processes are
   replaced; the epx side is unchanged (its bootstrap only needs the group's object all-gather).
 - ``preparing_buffer(Buffer, spec)`` (used by that package when EPX_DEEP_EP_SHAPES="T,H,E,K" is
   set, for DeepEP's --shrink-test): a Buffer whose constructor also makes the low-latency shapes
@@ -176,6 +176,7 @@ def install_one_gpu() -> None:
         return dist.get_rank(), dist.get_world_size(), group
 
     gather_into = dist.all_gather_into_tensor
+    gather = dist.all_gather
     reduce = dist.all_reduce
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -184,8 +185,17 @@ def install_one_gpu() -> None:
         n = dist.get_world_size(group)
         mine = input_tensor.detach().to("cpu").contiguous()
         parts = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(parts, mine, group=group)
+        gather(parts, mine, group=group)
         output_tensor.copy_(torch.cat(parts).reshape(output_tensor.shape))
+        return _Done() if async_op else None
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not (tensor.is_cuda or any(t.is_cuda for t in tensor_list)):
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        parts = [torch.empty_like(t, device="cpu") for t in tensor_list]
+        gather(parts, tensor.detach().to("cpu").contiguous(), group=group)
+        for t, part in zip(tensor_list, parts):
+            t.copy_(part)
         return _Done() if async_op else None
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -198,6 +208,7 @@ def install_one_gpu() -> None:
 
     envs.init_dist = init_dist
     dist.all_gather_into_tensor = all_gather_into_tensor
+    dist.all_gather = all_gather
     dist.all_reduce = all_reduce
     _installed = True
 

@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Runs DeepEP's own low-latency test (tests/legacy/test_low_latency.py of a DeepEP checkout,
-unmodified) against epx.deep_ep.
+"""Runs one of DeepEP's own tests (tests/legacy/test_low_latency.py by default, or the file
+``--test`` names, e.g. tests/legacy/test_intranode.py for the normal mode; unmodified) against
+epx.deep_ep.
 
     PYTHONPATH=<build>/python python3 tests/compat/run_deepep_low_latency.py <deepep-checkout> \\
         [--mode auto|one-gpu|gpu-per-rank] [--test PATH] [--shrink] [-- <the test's arguments>]
 
-The test's arguments default to ``--num-processes 2 --num-tokens 128 --hidden 7168 --num-topk 8
---num-experts 32``. A ``deep_ep`` package is assembled in a temporary folder (deepep_shim.py:
-epx's Buffer under DeepEP's name, DeepEP's own deep_ep/utils from the checkout), and the test
+``--test`` is a path, or one relative to the checkout (``tests/legacy/test_intranode.py``). The
+test's arguments default, for test_low_latency.py, to ``--num-processes 2 --num-tokens 128
+--hidden 7168 --num-topk 8 --num-experts 32``; for test_intranode.py to ``--num-processes 2
+--num-tokens 4096 --hidden 7168 --num-topk 8 --num-experts 256``; for any other file to none (the
+test's own defaults). The normal mode holds world_size x EPX_DEEP_EP_MAX_TOKENS received rows
+per shape: the runner sets that variable to the test's --num-tokens unless it is set. The
+test's folder is on the path of every process (test_intranode.py imports test_low_latency).
+
+A ``deep_ep`` package is assembled in a temporary folder (deepep_shim.py: epx's Buffer under
+DeepEP's name, DeepEP's own deep_ep/utils from the checkout), and the test
 runs as its own ``__main__``, spawning its processes as it always does.
 
 Modes: ``one-gpu`` (auto when there are fewer GPUs than processes) puts every process on GPU 0
@@ -24,8 +32,9 @@ rank is there (deepep_shim.preparing_buffer: epx's shrink mode needs that), and 
 defaults to 10 s: every epx object that waits for a stopped rank waits that long once (about a
 dozen times in the test), and the test runs no CPU GEMMs in this mode.
 
-The last line is ``deepep_low_latency: 1 passed, 0 failed`` (or ``0 passed, 1 failed``); the
-exit status is 0 when the test passed.
+The last line is ``deepep_low_latency: 1 passed, 0 failed`` (or ``0 passed, 1 failed``;
+``deepep_intranode: ...`` for test_intranode.py: the file's name without ``test_``); the exit
+status is 0 when the test passed.
 
 The DeepEP checkout is a tree of github.com/deepseek-ai/DeepEP (the acceptance commit is
 dd758ca), e.g. ``git -C <clone> archive dd758ca deep_ep/utils tests | tar -x -C <dir>``; it
@@ -53,6 +62,10 @@ DEFAULT_TEST_ARGS = ["--num-processes", "2", "--num-tokens", "128", "--hidden", 
 # A time-sliced GPU shared by every rank, and a test that runs CPU GEMMs between its hooks: the
 # kernels' waits get a wider bound than epx's default 10 s unless EPX_TIMEOUT_MS says otherwise.
 ONE_GPU_TIMEOUT_MS = "120000"
+INTRANODE_TEST_ARGS = ["--num-processes", "2", "--num-tokens", "4096", "--hidden", "7168",
+                       "--num-topk", "8", "--num-experts", "256"]
+DEFAULT_ARGS_BY_TEST = {"test_low_latency": DEFAULT_TEST_ARGS,
+                        "test_intranode": INTRANODE_TEST_ARGS}
 SHRINK_TEST_ARGS = ["--num-processes", "8"] + DEFAULT_TEST_ARGS[2:] + ["--shrink-test"]
 # Long enough for the ranks' host checks between calls, short enough for a dozen expiries
 # (the whole test took 168 s with 8 processes on one H200).
@@ -83,6 +96,25 @@ def _shape_spec(test_args) -> str:
     return f"{known.num_tokens},{known.hidden},{known.num_experts},{known.num_topk}"
 
 
+def _num_tokens(test_args) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--num-tokens", type=int, default=4096)  # the largest default (intranode)
+    known, _ = parser.parse_known_args(test_args)
+    return known.num_tokens
+
+
+def _test_path(checkout: Path, given) -> Path:
+    """The test file: DeepEP's low-latency test by default; a given path as is when it exists,
+    else relative to the checkout."""
+    if given is None:
+        return (checkout / "tests" / "legacy" / "test_low_latency.py").resolve()
+    given = Path(given)
+    path = given if given.exists() or given.is_absolute() else checkout / given
+    if not path.is_file():
+        raise SystemExit(f"--test {given}: no such file (here or in {checkout})")
+    return path.resolve()
+
+
 def _gpu_count() -> int:
     try:
         import torch
@@ -103,26 +135,29 @@ def main(argv=None) -> int:
     parser.add_argument("checkout", type=Path, help="a DeepEP tree (deep_ep/utils, tests)")
     parser.add_argument("--mode", choices=("auto", "one-gpu", "gpu-per-rank"), default="auto")
     parser.add_argument("--test", type=Path, default=None,
-                        help="the test file (default <checkout>/tests/legacy/test_low_latency.py)")
+                        help="the test file, a path or one relative to the checkout (default "
+                             "tests/legacy/test_low_latency.py)")
     parser.add_argument("--assemble-only", type=Path, default=None, metavar="DIR",
                         help="write the deep_ep package into DIR and exit")
     parser.add_argument("--shrink", action="store_true",
                         help="run the test's --shrink-test (rank masking; 8 processes by default)")
     args = parser.parse_args(argv)
+    checkout = args.checkout.resolve()
+    test = _test_path(checkout, args.test)
+    name = "deepep_" + test.stem.removeprefix("test_")
     if not test_args:
-        test_args = SHRINK_TEST_ARGS if args.shrink else DEFAULT_TEST_ARGS
+        test_args = SHRINK_TEST_ARGS if args.shrink else DEFAULT_ARGS_BY_TEST.get(test.stem, [])
     elif args.shrink and "--shrink-test" not in test_args:
         test_args = test_args + ["--shrink-test"]
     shrink = "--shrink-test" in test_args
-    checkout = args.checkout.resolve()
-    test = (args.test or checkout / "tests" / "legacy" / "test_low_latency.py").resolve()
 
     if args.assemble_only is not None:
         pkg = deepep_shim.assemble(checkout, args.assemble_only)
         where = pkg.parent.resolve()
         print(f"deep_ep assembled in {pkg}")
-        print(f"run DeepEP's test with it (one GPU per rank): PYTHONPATH={where}:$PYTHONPATH "
-              f"python3 {test} {' '.join(test_args)}")
+        print(f"run DeepEP's test with it (one GPU per rank): "
+              f"EPX_DEEP_EP_MAX_TOKENS={_num_tokens(test_args)} "
+              f"PYTHONPATH={where}:{test.parent}:$PYTHONPATH python3 {test} {' '.join(test_args)}")
         print(f"(all ranks on one GPU: also set {deepep_shim.ONE_GPU_ENV}=1)")
         if shrink:
             print(f"(shrink test: also set {deepep_shim.SHAPES_ENV}={_shape_spec(test_args)})")
@@ -135,11 +170,13 @@ def main(argv=None) -> int:
     where = Path(tempfile.mkdtemp(prefix="epx-deep_ep-"))
     deepep_shim.assemble(checkout, where)
     # The spawned processes get this sys.path from multiprocessing and the environment as is.
-    sys.path.insert(0, str(where))
+    sys.path[:0] = [str(where), str(test.parent)]
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(where)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        [str(where), str(test.parent)]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("EPX_DEEP_EP_MAX_TOKENS", str(_num_tokens(test_args)))
     if shrink:
         os.environ[deepep_shim.SHAPES_ENV] = _shape_spec(test_args)
         os.environ.setdefault("EPX_TIMEOUT_MS", SHRINK_TIMEOUT_MS)
@@ -149,7 +186,7 @@ def main(argv=None) -> int:
     # The test multiplies 8192 x 8192 matrices on the CPU between its hooks, in every process at
     # once: each gets its share of the cores instead of all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
-    print(f"deepep_low_latency: {test} {' '.join(test_args)} (mode {mode}, {processes} "
+    print(f"{name}: {test} {' '.join(test_args)} (mode {mode}, {processes} "
           f"processes, package in {where})", flush=True)
 
     sys.argv = [str(test)] + list(test_args)
@@ -162,8 +199,8 @@ def main(argv=None) -> int:
     except BaseException:
         traceback.print_exc()
         ok = False
-    print(f"deepep_low_latency: ran {time.monotonic() - start:.0f} s", flush=True)
-    print(f"deepep_low_latency: {int(ok)} passed, {int(not ok)} failed", flush=True)
+    print(f"{name}: ran {time.monotonic() - start:.0f} s", flush=True)
+    print(f"{name}: {int(ok)} passed, {int(not ok)} failed", flush=True)
     return 0 if ok else 1
 
 

@@ -3,6 +3,7 @@ defaults), the size hint, what is refused and how it says so, events and hooks, 
 alias, and the package the DeepEP runner assembles (tests/compat)."""
 
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,24 @@ def test_signatures_are_deepeps():
         ("low_latency_mode", False), ("num_qps_per_rank", 24),
         ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
         ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)]
+    # the normal mode's (DeepEP's legacy Buffer: same names, order and defaults)
+    assert params(deep_ep.Buffer.get_dispatch_layout) == [
+        ("self", empty), ("topk_idx", empty), ("num_experts", empty), ("previous_event", None),
+        ("async_finish", False), ("allocate_on_comm_stream", False)]
+    assert params(deep_ep.Buffer.dispatch) == [
+        ("self", empty), ("x", empty), ("handle", None), ("num_tokens_per_rank", None),
+        ("num_tokens_per_rdma_rank", None), ("is_token_in_rank", None),
+        ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+        ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None),
+        ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)]
+    assert params(deep_ep.Buffer.combine) == [
+        ("self", empty), ("x", empty), ("handle", empty), ("topk_weights", None), ("bias", None),
+        ("config", None), ("previous_event", None), ("async_finish", False),
+        ("allocate_on_comm_stream", False)]
+    assert params(deep_ep.Config.__init__) == [
+        ("self", empty), ("num_sms", 20), ("num_max_nvl_chunked_send_tokens", 6),
+        ("num_max_nvl_chunked_recv_tokens", 256), ("num_max_rdma_chunked_send_tokens", 6),
+        ("num_max_rdma_chunked_recv_tokens", 256)]
     assert params(deep_ep.Buffer.low_latency_dispatch) == [
         ("self", empty), ("x", empty), ("topk_idx", empty),
         ("num_max_dispatch_tokens_per_rank", empty), ("num_experts", empty),
@@ -105,20 +124,22 @@ def test_constructor_refusals():
         deep_ep.Buffer(FakeGroup(), rounds_in_flight=3)
 
 
-def test_normal_mode_and_masking_raise_naming_the_mode():
-    # A Buffer made for the normal mode needs no world (nothing is made until low-latency use).
-    b = deep_ep.Buffer(FakeGroup(1, 4), num_nvl_bytes=1 << 20)
+def test_normal_mode_needs_nvl_bytes_and_masking_names_the_mode():
+    # A Buffer without NVLink bytes and low-latency mode makes no world: the normal mode's
+    # communicating calls name num_nvl_bytes (the mode itself: test_cpu_deep_ep_normal.py).
+    b = deep_ep.Buffer(FakeGroup(1, 4))
     assert (b.rank, b.group_size, b.low_latency_mode) == (1, 4, False)
-    for name in ("get_dispatch_layout", "dispatch", "combine", "internode_dispatch",
-                 "internode_combine"):
-        with pytest.raises(NotImplementedError, match=r"Buffer\.%s \(DeepEP's normal, "
-                                                      r"high-throughput mode\)" % name):
+    for name in ("dispatch", "combine"):
+        with pytest.raises(epx.ConfigError, match=r"Buffer\.%s: num_nvl_bytes = 0, expected > 0"
+                                                  % name):
+            getattr(b, name)(None, None)
+    for name in ("internode_dispatch", "internode_combine"):
+        with pytest.raises(NotImplementedError, match=r"Buffer\.%s is not provided: .* one node"
+                                                      % name):
             getattr(b, name)(None, None)
     for fn in (deep_ep.Buffer.get_dispatch_config, deep_ep.Buffer.get_combine_config):
-        with pytest.raises(NotImplementedError, match="normal, high-throughput mode"):
-            fn(8)
-    with pytest.raises(NotImplementedError, match="normal, high-throughput mode"):
-        deep_ep.Config(20, 6, 256, 6, 128)
+        assert fn(8).num_sms == deep_ep.Buffer.num_sms
+    assert deep_ep.Config(20, 6, 256, 6, 128).num_max_rdma_chunked_recv_tokens == 132  # 22 x 6
     with pytest.raises(NotImplementedError, match="ElasticBuffer"):
         deep_ep.ElasticBuffer(None)
     # The mask calls are low-latency calls: on a normal-mode Buffer they name the flag first,
@@ -261,6 +282,39 @@ def test_runner_assemble_only(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "test_low_latency.py --num-processes 2 --num-tokens 128" in out.stdout
     assert (tmp_path / "pkg" / "deep_ep" / "__init__.py").exists()
+
+
+def test_runner_runs_any_test_file(tmp_path):
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    runner = str(COMPAT / "run_deepep_low_latency.py")
+    (checkout / "tests" / "legacy" / "test_intranode.py").write_text("")
+    out = subprocess.run([sys.executable, runner, str(checkout), "--test",
+                          "tests/legacy/test_intranode.py", "--assemble-only",
+                          str(tmp_path / "pkg")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "EPX_DEEP_EP_MAX_TOKENS=4096 " in out.stdout, out.stdout
+    assert f"{checkout / 'tests' / 'legacy'}:" in out.stdout, out.stdout  # its sibling imports
+    assert "test_intranode.py --num-processes 2 --num-tokens 4096 --hidden 7168 --num-topk 8 " \
+           "--num-experts 256" in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, runner, str(checkout), "--test", "tests/nothing.py",
+                          "--assemble-only", str(tmp_path / "pkg2")], capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "--test tests/nothing.py: no such file" in out.stderr
+    # A run: the test is __main__ with its folder on the path, deep_ep is epx's, and the verdict
+    # line names the file.
+    (checkout / "tests" / "legacy" / "sibling.py").write_text("VALUE = 7\n")
+    (checkout / "tests" / "legacy" / "test_fake.py").write_text(
+        "import os, sys, sibling, deep_ep, epx.deep_ep\n"
+        "assert __name__ == '__main__' and deep_ep.Buffer is epx.deep_ep.Buffer\n"
+        "assert sys.argv[1:] == ['--num-tokens', '12'], sys.argv\n"
+        "assert os.environ['EPX_DEEP_EP_MAX_TOKENS'] == '12' and sibling.VALUE == 7\n")
+    env = {k: v for k, v in os.environ.items() if k != "EPX_DEEP_EP_MAX_TOKENS"}
+    env["PYTHONPATH"] = ":".join(sys.path)
+    out = subprocess.run([sys.executable, runner, str(checkout), "--mode", "gpu-per-rank",
+                          "--test", str(checkout / "tests" / "legacy" / "test_fake.py"), "--",
+                          "--num-tokens", "12"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "deepep_fake: 1 passed, 0 failed"
 
 
 def test_runner_shrink_flag(tmp_path):

@@ -149,7 +149,9 @@ class FakeAll2All:
         gone = [int(e) >= 0 and self._masked(int(e) // L) for e in ids.flatten()]
         self.dropped_pairs += sum(gone)
         self.dispatches += 1
-        posted = self._exchange("in", self.dispatches, (x.clone(), ids.clone(), weights.clone()))
+        scales = None if x_scales is None else x_scales.clone()
+        posted = self._exchange("in", self.dispatches,
+                                (x.clone(), ids.clone(), weights.clone(), scales))
         rows = [(q, n) for q in sorted(posted) for n in range(posted[q][1].shape[0])
                 if any(r * L <= int(e) < (r + 1) * L for e in posted[q][1][n])]
         if not c.deterministic:
@@ -163,7 +165,7 @@ class FakeAll2All:
         for j, (q, n) in enumerate(rows):
             d.recv_src_rank[j], d.recv_src_idx[j] = q, n
             d.recv_topk_weights[j] = posted[q][2][n]
-        fp8 = c.dtype == "bf16-to-fp8"
+        fp8 = c.dtype in ("bf16-to-fp8", "fp8")
         H, G = c.hidden, c.hidden // 128
         quantize = ref.quantize_pow2 if c.round_scale else ref.quantize
         d.expert_counts = torch.zeros(L, dtype=torch.int32)
@@ -175,8 +177,10 @@ class FakeAll2All:
             d.recv_topk_ids = garbage(cap, K)
             self.rows = {}
             for j, (q, n) in enumerate(rows):
-                xq, iq, _ = posted[q]
-                if fp8:
+                xq, iq, _, sq = posted[q]
+                if sq is not None:  # fp8 in: rows and scales travel as they are
+                    d.recv_x[j], d.recv_scales[j] = xq[n], sq[n]
+                elif fp8:
                     d.recv_x[j], d.recv_scales[j] = (v[0] for v in quantize(xq[n:n + 1]))
                 else:
                     d.recv_x[j] = xq[n]
@@ -192,7 +196,7 @@ class FakeAll2All:
             d.expert_topk_slot = garbage(L, cap)
             self.slots = {}
             for q, n in rows:
-                xq, iq, _ = posted[q]
+                xq, iq, _, _ = posted[q]
                 for k in range(K):
                     e = int(iq[n, k]) - r * L
                     if not 0 <= e < L:

@@ -1,4 +1,5 @@
-"""DeepEP's low-latency ``Buffer`` over epx: a DeepEP user changes an import.
+"""DeepEP's legacy ``Buffer`` over epx (low-latency and normal modes): a DeepEP user changes an
+import.
 
     import epx.deep_ep as deep_ep          # or: epx.deep_ep.install_as_deep_ep(); import deep_ep
 
@@ -8,6 +9,13 @@
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, T, E)
     ...experts: expert e's rows [0, recv_count[e]) of recv_x [E/W, W*T, H]...
     y, event, hook = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=int(1e9))          # normal mode (prefill)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    y, _, event = buffer.combine(expert_out, handle)
 
 The signatures, shapes, dtypes and strides are DeepEP's (deep_ep/buffers/legacy.py, commit
 dd758ca); the group is a torch.distributed process group (gloo is enough: it only carries the
@@ -19,13 +27,15 @@ The modes live in modules of this package, one each, beside what they share:
   mode maps onto epx.
 - ``_shrink.py``: shrink mode (``Buffer(..., enable_shrink=True)``, DeepEP's rank masking); its
   docstring says what it does and how it differs from DeepEP's.
-- ``_normal.py``: DeepEP's normal (high-throughput) mode, not provided yet (Config and the
-  mode's Buffer methods refuse).
+- ``_normal.py``: DeepEP's normal (high-throughput) mode (Config, get_dispatch_layout,
+  dispatch, cached dispatch, combine) over epx's high_throughput backend; its docstring says how
+  the calls map onto epx and which pieces epx's core lacks (refused by name).
 - ``_buffer.py``: Buffer, one mixin per mode and what is common to them; ``_common.py``: events,
   hooks and how a missing feature is refused.
 
-Not provided (NotImplementedError naming what and why): DeepEP's normal (high-throughput) mode
-(get_dispatch_layout, dispatch, combine, internode_*, Config, ElasticBuffer), LogFMT combine, the
+Not provided (NotImplementedError naming what and why): in the normal mode, combine's
+topk_weights and bias, a dispatch without topk_idx (and no handle), int32 scales, internode_*
+(see _normal.py); ElasticBuffer, LogFMT combine, the
 per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
 without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
 than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
@@ -34,7 +44,9 @@ combine; the mask updates above that epx cannot express.
 Differences worth knowing: the returned tensors are views of epx memory, valid until the
 dispatch after next of the same shape (DeepEP's "no more than 2 results at a time");
 num_rdma_bytes / num_nvl_bytes / num_qps_per_rank are accepted and not used (epx sizes its memory
-per shape, get_low_latency_rdma_size_hint says how much); a combine repeated for one dispatch is
+per shape, get_low_latency_rdma_size_hint says how much; num_nvl_bytes > 0 makes the world of the
+normal mode, whose dispatches take at most max_tokens_per_rank tokens: a keyword of Buffer, else
+EPX_DEEP_EP_MAX_TOKENS, else 4096); a combine repeated for one dispatch is
 only sound when the expert outputs and weights are unchanged (epx's combine serves its
 dispatch's round, so a peer may read the earlier sums). Every rank must take the same path:
 weights at dispatch on every rank, or on none.

@@ -5,7 +5,7 @@ buffer). ElasticBuffer too, which epx.deep_ep does not provide."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from .. import _epx
 from .. import _torch as T
@@ -21,15 +21,17 @@ class ElasticBuffer:
 
     def __init__(self, *args, **kwargs):
         raise _unsupported("ElasticBuffer (DeepEP's elastic API)",
-                           "epx.deep_ep implements the legacy Buffer's low-latency mode")
+                           "epx.deep_ep implements the legacy Buffer (low-latency and normal "
+                           "modes)")
 
 
 class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
-    """DeepEP's Buffer, low-latency mode, over epx (see epx.deep_ep's docstring).
+    """DeepEP's Buffer over epx: the low-latency mode (_low_latency.py) and the normal mode
+    (_normal.py; see epx.deep_ep's docstring).
 
     Attributes as DeepEP's: rank, group_size, group, num_nvl_bytes, num_rdma_bytes,
-    low_latency_mode, explicitly_destroy, enable_shrink; and num_sms (class attribute, used by
-    the normal mode only).
+    low_latency_mode, explicitly_destroy, enable_shrink; and num_sms (class attribute, recorded
+    in the normal mode's default Config); epx's own: max_tokens_per_rank (normal mode).
     """
 
     num_sms: int = 20
@@ -46,13 +48,17 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
                  enable_shrink: bool = False,
                  comm=None,
                  *,
-                 rounds_in_flight: int = 2) -> None:
+                 rounds_in_flight: int = 2,
+                 max_tokens_per_rank: Optional[int] = None) -> None:
         """DeepEP's arguments, same names and defaults. `num_nvl_bytes`, `num_rdma_bytes` and
         `num_qps_per_rank` are recorded and not used: epx allocates per shape, on the first
         dispatch of that shape. `allow_mnnvl` changes nothing (one node). epx's own, keyword
         only: `rounds_in_flight` (1 or 2): epx objects per shape, used in turn; 2 (DeepEP's two
         buffers) lets a dispatch follow a dispatch before the first one's combine, 1 halves the
-        memory. Collective over the group (the IpcWorld's handshake).
+        memory. `max_tokens_per_rank` (normal mode): the most tokens one rank dispatches in one
+        call; epx holds world_size x that many received rows per normal-mode shape (default
+        EPX_DEEP_EP_MAX_TOKENS, else 4096). Collective over the group (the IpcWorld's handshake,
+        made when num_nvl_bytes > 0 or low_latency_mode).
 
         `enable_shrink`: every epx object masks a rank whose wait outlives EPX_TIMEOUT_MS
         instead of failing (see epx.deep_ep._shrink); make each shape with
@@ -81,9 +87,10 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
         self.rounds_in_flight = rounds_in_flight
         self._world = None
         self._destroyed = False
-        if low_latency_mode:
+        if low_latency_mode or num_nvl_bytes > 0:
             self._world = self._make_world(group, comm)
         self._init_low_latency()
+        self._init_normal(max_tokens_per_rank)
 
     @staticmethod
     def _make_world(group, comm):
@@ -109,7 +116,8 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Recorded as DeepEP does; only DeepEP's normal mode reads it."""
+        """Recorded as DeepEP does; the normal mode's default Config carries it (epx does
+        not read it)."""
         if new_num_sms % 2 != 0:
             raise _epx.InputError(f"new_num_sms = {new_num_sms}, expected an even number")
         Buffer.num_sms = new_num_sms
@@ -145,12 +153,13 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
         for a2a in self._objects():
             a2a.close()
         self._forget_low_latency_objects()
+        self._forget_normal_objects()
         self._world = None
         self._destroyed = True
 
     def _objects(self) -> List[All2All]:
         """Every epx object of this Buffer, in the order they were made."""
-        return self._low_latency_objects()
+        return self._low_latency_objects() + self._normal_objects()
 
     def __repr__(self) -> str:
         return (f"epx.deep_ep.Buffer(rank={self.rank}, group_size={self.group_size}, "

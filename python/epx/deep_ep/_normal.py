@@ -1,50 +1,536 @@
-"""DeepEP's normal (high-throughput) mode, which epx.deep_ep does not provide yet: its launch
-configuration (Config) and the Buffer methods of that mode, each refusing with
-NotImplementedError naming the call. An implementation replaces these, as a mixin of Buffer
-beside the low-latency one (_low_latency.py)."""
+"""DeepEP's normal (high-throughput) mode of epx.deep_ep.Buffer: Config, get_dispatch_config /
+get_combine_config, get_dispatch_layout, dispatch (cached with ``handle=`` or not) and combine,
+over epx's ``high_throughput`` backend. The names, arguments, shapes and dtypes are those of
+DeepEP's legacy Buffer (deep_ep/buffers/legacy.py, commit dd758ca).
+
+How each DeepEP call maps onto epx:
+
+- World: the Buffer's constructor makes one ``IpcWorld`` from the group (``ipc_world_from_torch``;
+  the group only carries the start-up handshake, gloo is enough) whenever ``num_nvl_bytes > 0``
+  or ``low_latency_mode``. ``num_nvl_bytes`` is recorded, not used: epx sizes its memory per
+  shape.
+- Objects: per shape (hidden, num_experts, top-k, wire: bf16 or fp8 with f32 1x128 scales), made
+  on the first dispatch of that shape (collective: every rank dispatches the same shapes in the
+  same order), one epx ``All2All`` of the ``high_throughput`` backend, token-major layout, one
+  round in flight. Its rows are always ordered by (source rank, source index): DeepEP's order
+  (a source rank's rows together, in rank order; within one, its tokens in index order).
+  From Python that backend holds its receive area for the worst case (``worst_case_output``):
+  ``world_size * max_tokens_per_rank`` rows, with ``max_tokens_per_rank`` from the Buffer's
+  keyword, else EPX_DEEP_EP_MAX_TOKENS, else 4096. A dispatch of more tokens raises InputError
+  naming it. (DeepEP sizes each call's outputs to the round; epx's core can too, not yet from
+  Python: see the gaps.)
+- get_dispatch_layout: local torch arithmetic on topk_idx (no communication, as in DeepEP):
+  tokens per rank, tokens per expert, is_token_in_rank (a token counts once per rank however
+  many of its experts live there); ids outside [0, num_experts) take no part.
+- dispatch (not cached): epx routes each token by its top-k ids (topk_idx as given, -1 = none):
+  to each rank holding one of its experts, once. That is is_token_in_rank exactly when the
+  caller's layout is get_dispatch_layout(topk_idx)'s, which DeepEP's callers pass; epx checks it
+  after the count read (InputError naming the three layout tensors otherwise; skipped with
+  num_worst_tokens, which must not synchronise). recv_x is a copy of epx's rows (fp8: the rows
+  and their [M, H/128] f32 scales, row-major; input scales of any strides are made contiguous
+  first). recv_topk_idx holds the token's ids made local (id - rank * E/W) where the expert is on
+  this rank and -1 elsewhere, recv_topk_weights the weight there and 0 elsewhere, as DeepEP's.
+  num_recv_tokens_per_expert_list is epx's per-local-expert row count, each rounded up to
+  expert_alignment; reading it (and M) synchronises the host once, as DeepEP's dispatch does.
+- num_worst_tokens > 0: no host synchronisation: every output has num_worst_tokens rows, rows
+  at and after M carry recv_topk_idx -1 and weight 0 (x and scales undefined there), the list is
+  empty. Rows beyond epx's capacity (world_size * max_tokens_per_rank) cannot hold tokens.
+- handle: DeepEP's 6-tuple (rank_prefix_matrix, channel_prefix_matrix,
+  recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head). rank_prefix_matrix
+  [W, W] int32 holds this rank's column (row i: rows received from ranks 0..i) and -1 in the
+  others (the whole matrix needs the core, see the gaps); recv_src_idx [rows] int32 is each
+  row's source token index (epx's recv_src_idx); is_token_in_rank is the caller's tensor. epx has
+  no DeepEP channels: the two channel matrices and send_head are None. The handle also keeps
+  the top-k ids that routed the round, which is what a cached dispatch sends again.
+- dispatch(handle=...) (cached): the same routing again, no top-k, no count read; x may have
+  another wire than the first dispatch (its own object).
+- combine: epx's token-major combine: y[n] = the sum, in f32 in rank order and rounded once, of
+  the rows the ranks that got token n give back (x row-aligned with the dispatch's recv_x): what
+  DeepEP's combine computes (an unweighted sum). epx's combine serves the last dispatch of the
+  handle's object; when that object has dispatched another routing since (the handle's round is
+  gone), combine first dispatches the handle's routing again with zero rows, which costs one
+  dispatch and gives the exact result.
+- previous_event: torch's current stream waits for it; async_finish: an event recorded after
+  the call; allocate_on_comm_stream: accepted (epx runs on torch's current stream). config:
+  accepted, its values are DeepEP's tuning and epx does not read them (epx's launch shapes come
+  from EPX_CONFIG_PATH or are chosen per world).
+
+Core pieces this mode needs and epx's core lacks (NotImplementedError naming the argument):
+- combine(topk_weights=...): DeepEP returns each token's top-k weights summed over the ranks
+  that got it. epx's token-major combine carries only the rows back. Belongs in the
+  high_throughput combine (src/backends/high_throughput/ht_combine.cu, an f32 [K] tail per row
+  beside the bf16 partial, summed like it) and All2All::combine's signature
+  (include/epx/all2all.hpp).
+- combine(bias=...): DeepEP adds up to two bias rows before the sum, in f32, rounding once;
+  adding them after epx's rounded sum would round twice. Belongs in ht_combine.cu's reduction
+  (initial value of the f32 accumulator) and All2All::combine's arguments.
+- dispatch(topk_idx=None) without handle: the routing is is_token_in_rank alone and
+  num_recv_tokens_per_expert_list comes from num_tokens_per_expert summed over the senders.
+  epx's count exchange carries per-rank row counts and counts experts from the ids it carries,
+  so it has nothing to count without ids. Belongs in the high_throughput count exchange
+  (ht_dispatch.cu, the `counts` / `expert_rows` words of ht_layout.hpp) as a per-expert count
+  supplied by the sender, plus a routing mask input (DispatchInput, all2all.hpp).
+- The whole count matrix of a round (rank_prefix_matrix's other columns): each receiver holds
+  only what every rank sent it (`counts` in ht_layout.hpp). Belongs in the count exchange
+  (every rank publishing its row to all peers) and in DispatchResult.
+- Per-call sizing from Python: the core sizes high_throughput's receive area to each round when
+  worst_case_output is off, but the binding refuses that (python/src/gpu.cpp python_backend;
+  combine_buffer_view uses cfg.capacity() rather than the round's) and the package's views have
+  fixed shapes (all2all.py _field_specs). With it, max_tokens_per_rank could be 65536 without
+  holding 65536 x W rows. num_worst_tokens would want the worst case set by the caller (an
+  EpConfig field for the receive rows) rather than world_size * max_tokens_per_rank.
+- A combine of a stored round (DeepEP's handle keeps its layout; epx's combine serves its
+  object's last dispatch): today an extra dispatch, see above. Belongs in the high_throughput
+  backend (a round's routing state kept per handle) and the All2All interface.
+- Input scales of any strides: DispatchInput takes row-major [N, H/128] scales; other strides
+  cost a copy here (a stride pair in DispatchInput would remove it). int32 (UE8M0) scales:
+  refused (epx's wire carries f32 scales).
+- internode_dispatch / internode_combine: one node only.
+"""
 
 from __future__ import annotations
 
-from ._common import _unsupported
+import os
+from typing import NamedTuple, Optional
+
+from .. import _epx
+from .. import _torch as T
+from ..all2all import All2All
+from ..config import ep_config, with_env_timeout
+from ._common import EventHandle, EventOverlap, _unsupported
+
+_BACKEND = "high_throughput"
+MAX_TOKENS_ENV = "EPX_DEEP_EP_MAX_TOKENS"
+DEFAULT_MAX_TOKENS = 4096
 
 
-def _normal_mode(name: str):
-    return _unsupported(
-        f"Buffer.{name} (DeepEP's normal, high-throughput mode)",
-        "epx.deep_ep implements the low-latency mode (low_latency_dispatch / "
-        "low_latency_combine); epx has no high-throughput (prefill) backend to serve it yet",
-    )
+def _gap(what: str, why: str):
+    return _unsupported(what, why + " (epx.deep_ep._normal lists the core's missing pieces)")
 
 
 class Config:
-    """DeepEP's launch configuration of the normal mode, which epx.deep_ep does not provide."""
+    """DeepEP's launch configuration of the normal mode: the values are recorded and checked as
+    DeepEP checks them; epx does not read them (its launch shapes come from EPX_CONFIG_PATH or
+    are chosen per world)."""
 
-    def __init__(self, *args, **kwargs):
-        raise _normal_mode("Config")
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256):
+        if num_sms < 0:
+            raise _epx.InputError(f"Config: num_sms = {num_sms}, expected >= 0")
+        if not 0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens:
+            raise _epx.InputError(
+                f"Config: num_max_nvl_chunked_send_tokens = {num_max_nvl_chunked_send_tokens}, "
+                f"expected > 0 and < num_max_nvl_chunked_recv_tokens = "
+                f"{num_max_nvl_chunked_recv_tokens}")
+        if num_max_rdma_chunked_send_tokens <= 0:
+            raise _epx.InputError(f"Config: num_max_rdma_chunked_send_tokens = "
+                                  f"{num_max_rdma_chunked_send_tokens}, expected > 0")
+        # DeepEP rounds the RDMA receive size up to a multiple of the send size.
+        send = num_max_rdma_chunked_send_tokens
+        recv = -(-num_max_rdma_chunked_recv_tokens // send) * send
+        if not send <= recv // 2:
+            raise _epx.InputError(
+                f"Config: num_max_rdma_chunked_send_tokens = {send}, expected at most half of "
+                f"num_max_rdma_chunked_recv_tokens (rounded up to it: {recv})")
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = send
+        self.num_max_rdma_chunked_recv_tokens = recv
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """A byte count for num_nvl_bytes, of the order DeepEP asks for (its per-channel
+        queues of rows and their metadata); epx sizes its own memory and does not read it."""
+        channels, peers = max(self.num_sms // 2, 1), min(num_ranks, 8)
+        # a row, its source, up to 128 ids (8 bytes), weights and scales (4 bytes each)
+        per_row = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4
+        total = channels * peers * (self.num_max_nvl_chunked_recv_tokens * per_row + 5 * 4)
+        return (total + 127) // 128 * 128
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: epx.deep_ep's normal mode is one node (no RDMA buffer)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return (f"epx.deep_ep.Config(num_sms={self.num_sms}, "
+                f"nvl=({self.num_max_nvl_chunked_send_tokens}, "
+                f"{self.num_max_nvl_chunked_recv_tokens}), "
+                f"rdma=({self.num_max_rdma_chunked_send_tokens}, "
+                f"{self.num_max_rdma_chunked_recv_tokens}))")
+
+
+class _Key(NamedTuple):
+    """What makes one epx object of the mode."""
+
+    hidden: int
+    num_experts: int
+    topk: int
+    fp8: bool
+
+
+class _Object:
+    """One epx All2All of a shape, and which routing its last dispatch carried."""
+
+    def __init__(self, a2a: All2All):
+        self.a2a = a2a
+        self.layout: Optional[int] = None
+
+
+class _Handle(tuple):
+    """DeepEP's handle (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    recv_src_idx, is_token_in_rank, send_head), which also keeps what epx needs to send the same
+    routing again: the top-k ids, the token count, the shape and the routing's number."""
+
+    def __new__(cls, fields, owner, key, obj, layout, ids, num_tokens):
+        h = super().__new__(cls, fields)
+        h._owner, h._key, h._object, h._layout = owner, key, obj, layout
+        h._ids, h._num_tokens = ids, num_tokens
+        return h
+
+
+def _rows_of(t, rows: int, fill=None):
+    """A new tensor of `rows` rows holding t's first min(rows, len(t)) rows; the rest `fill`
+    (uninitialised when None)."""
+    torch = T.torch()
+    take = min(rows, t.shape[0])
+    shape = (rows,) + tuple(t.shape[1:])
+    out = (torch.empty(shape, dtype=t.dtype, device=t.device) if fill is None
+           else torch.full(shape, fill, dtype=t.dtype, device=t.device))
+    out[:take].copy_(t[:take])
+    return out
+
+
+def dispatch_layout(topk_idx, num_experts: int, num_ranks: int):
+    """(num_tokens_per_rank [W] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, W]
+    bool) of topk_idx [N, K]; ids outside [0, E) take no part. Torch only, no synchronisation."""
+    torch = T.torch()
+    n = topk_idx.shape[0]
+    per_rank_experts = num_experts // num_ranks
+    ids = topk_idx.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    expert = torch.where(valid, ids, torch.full_like(ids, num_experts))  # E: nowhere
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    per_expert.index_add_(0, expert.flatten(), torch.ones_like(expert.flatten()))
+    rank = torch.where(valid, ids // per_rank_experts, torch.full_like(ids, num_ranks))
+    in_rank = torch.zeros((n, num_ranks + 1), dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, rank, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    per_rank = in_rank.sum(dim=0, dtype=torch.int32)
+    return per_rank, per_expert[:num_experts].to(torch.int32), in_rank
 
 
 class _NormalMode:
-    """Buffer's methods of DeepEP's normal mode."""
+    """Buffer's methods of DeepEP's normal mode. They read the Buffer's rank, group_size,
+    _world (its IpcWorld, made when num_nvl_bytes > 0 or in low-latency mode), _destroyed and
+    num_sms."""
+
+    def _init_normal(self, max_tokens_per_rank: Optional[int]) -> None:
+        if max_tokens_per_rank is None:
+            env = os.environ.get(MAX_TOKENS_ENV)
+            try:
+                max_tokens_per_rank = int(env) if env else DEFAULT_MAX_TOKENS
+            except ValueError:
+                raise _epx.ConfigError(f"{MAX_TOKENS_ENV} = {env!r}, expected an integer") \
+                    from None
+        if not 1 <= max_tokens_per_rank <= _epx.MAX_TOKENS_PER_RANK:
+            raise _epx.ConfigError(f"max_tokens_per_rank = {max_tokens_per_rank}, expected 1.."
+                                   f"{_epx.MAX_TOKENS_PER_RANK}")
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self._normal: dict = {}
+        self._layouts = 0  # routings dispatched (not cached): the same count on every rank
+
+    def _normal_objects(self):
+        return [o.a2a for o in self._normal.values()]
+
+    def _forget_normal_objects(self) -> None:
+        self._normal.clear()
+
+    # ---- DeepEP's configuration calls ------------------------------------------------------------
+
+    @classmethod
+    def get_dispatch_config(cls, num_ranks: int) -> Config:
+        """A Config with the Buffer's num_sms (set_num_sms) and DeepEP's defaults: epx does not
+        read it."""
+        return cls._default_config(num_ranks)
+
+    @classmethod
+    def get_combine_config(cls, num_ranks: int) -> Config:
+        """As get_dispatch_config."""
+        return cls._default_config(num_ranks)
+
+    @classmethod
+    def _default_config(cls, num_ranks: int) -> Config:
+        if not 1 <= num_ranks <= _epx.MAX_RANKS:
+            raise _epx.InputError(f"num_ranks = {num_ranks}, expected 1..{_epx.MAX_RANKS}")
+        return Config(cls.num_sms)
+
+    # ---- the calls -------------------------------------------------------------------------------
+
+    def _check_normal(self, what: str) -> None:
+        if self._destroyed:
+            raise _epx.StateError(f"Buffer.{what}: the Buffer was destroyed")
+        if self._world is None:
+            raise _epx.ConfigError(
+                f"Buffer.{what}: num_nvl_bytes = {self.num_nvl_bytes}, expected > 0 for "
+                "DeepEP's normal mode (the Buffer makes its world when given NVLink bytes)")
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int):
-        raise _normal_mode("get_dispatch_config")
+    def _begin(previous_event, async_finish: bool, allocate_on_comm_stream: bool, config) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise _epx.InputError(f"config = {type(config).__name__}, expected a deep_ep.Config "
+                                  "or None")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise _epx.InputError("allocate_on_comm_stream = True, expected with a previous_event "
+                                  "and async_finish = True (as DeepEP)")
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.current_stream_wait()
 
     @staticmethod
-    def get_combine_config(num_ranks: int):
-        raise _normal_mode("get_combine_config")
+    def _end(async_finish: bool, tensors) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap()
+        return EventOverlap(EventHandle(), tuple(t for t in tensors if t is not None))
 
-    def get_dispatch_layout(self, *args, **kwargs):
-        raise _normal_mode("get_dispatch_layout")
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32,
+        is_token_in_rank [N, W] bool, event) of topk_idx [N, K] (int64 or int32, -1 = none), as
+        DeepEP's; computed on torch's current stream, no communication."""
+        if self._destroyed:
+            raise _epx.StateError("Buffer.get_dispatch_layout: the Buffer was destroyed")
+        torch = T.torch()
+        T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(None, None))
+        W = self.group_size
+        if num_experts <= 0 or num_experts % W != 0:
+            raise _epx.InputError(f"num_experts = {num_experts}, expected a positive multiple of "
+                                  f"the group's size {W}")
+        self._begin(previous_event, async_finish, allocate_on_comm_stream, None)
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, W)
+        event = self._end(async_finish, (topk_idx, per_rank, per_expert, in_rank))
+        return per_rank, None, per_expert, in_rank, event
 
-    def dispatch(self, *args, **kwargs):
-        raise _normal_mode("dispatch")
+    def _object(self, key: _Key) -> _Object:
+        """The epx object of `key`, made on first use (collective over the group)."""
+        obj = self._normal.get(key)
+        if obj is None:
+            cfg = ep_config(world_size=self.group_size, rank=self.rank, hidden=key.hidden,
+                            num_experts=key.num_experts, topk=key.topk,
+                            max_tokens_per_rank=self.max_tokens_per_rank,
+                            dtype="fp8" if key.fp8 else "bf16", layout="token",
+                            deterministic=True, worst_case_output=True, rounds_in_flight=1)
+            obj = _Object(All2All.create(with_env_timeout(cfg), self._world, backend=_BACKEND))
+            self._normal[key] = obj
+        return obj
 
-    def combine(self, *args, **kwargs):
-        raise _normal_mode("combine")
+    def _split_x(self, x):
+        """(rows, row-major f32 scales or None) of DeepEP's x: bf16 [N, H], or a tuple
+        (float8_e4m3fn [N, H], float32 [N, H/128] of any strides)."""
+        torch = T.torch()
+        if not isinstance(x, tuple):
+            T.check("x", x, dtype=torch.bfloat16, shape=(None, None))
+            return x, None
+        if len(x) != 2:
+            raise _epx.InputError(f"x = a tuple of {len(x)}, expected (fp8 rows, scales)")
+        rows, scales = x
+        T.check("x[0]", rows, dtype=T.fp8_dtype(), shape=(None, None))
+        n, hidden = rows.shape
+        if isinstance(scales, torch.Tensor) and scales.dtype == torch.int32:
+            raise _unsupported("dispatch of int32 (UE8M0) scales",
+                               "epx's fp8 wire carries float32 1x128 block scales")
+        G = hidden // _epx.FP8_BLOCK_SIZE
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                tuple(scales.shape) != (n, G) or hidden % _epx.FP8_BLOCK_SIZE != 0:
+            got = (f"{scales.dtype} {list(scales.shape)}" if isinstance(scales, torch.Tensor)
+                   else type(scales).__name__)
+            raise _epx.InputError(f"x[1] = {got}, expected float32 [{n}, {hidden} / "
+                                  f"{_epx.FP8_BLOCK_SIZE}] (1x128 block scales)")
+        return rows, scales.contiguous()
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config=None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Sends each token to the ranks of its experts; returns (recv_x, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event) as DeepEP's dispatch
+        (the module docstring says how; with `handle`, a cached dispatch: (recv_x, None, None,
+        None, None, event)). Collective: every rank calls it."""
+        self._check_normal("dispatch")
+        torch = T.torch()
+        rows, scales = self._split_x(x)
+        n, hidden = rows.shape
+        if n > self.max_tokens_per_rank:
+            raise _epx.InputError(
+                f"x.shape[0] = {n}, expected at most max_tokens_per_rank = "
+                f"{self.max_tokens_per_rank} (Buffer(..., max_tokens_per_rank=) or "
+                f"{MAX_TOKENS_ENV}: epx holds world_size x that many received rows)")
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise _epx.InputError("dispatch(handle=...): topk_idx and topk_weights, expected "
+                                      "None (a cached dispatch sends no top-k, as DeepEP)")
+            return self._cached_dispatch(rows, scales, x, handle, config, previous_event,
+                                         async_finish, allocate_on_comm_stream)
+        for name, t in (("num_tokens_per_rank", num_tokens_per_rank),
+                        ("is_token_in_rank", is_token_in_rank),
+                        ("num_tokens_per_expert", num_tokens_per_expert)):
+            if t is None:
+                raise _epx.InputError(f"dispatch: {name} = None, expected a tensor (from "
+                                      "get_dispatch_layout) when no handle is given")
+        if topk_idx is None:
+            raise _gap("dispatch(topk_idx=None) without a handle",
+                       "the per-expert counts of num_tokens_per_expert, summed over the senders, "
+                       "need the core's count exchange to carry them, and the routing by "
+                       "is_token_in_rank alone a mask input to its dispatch")
+        if topk_weights is None:
+            raise _epx.InputError("dispatch: topk_weights = None with topk_idx, expected both "
+                                  "or neither (as DeepEP)")
+        W, dev = self.group_size, rows.device
+        T.check("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(W,),
+                device=dev)
+        T.check("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, W), device=dev)
+        T.check("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
+                shape=(None,), device=dev)
+        E = num_tokens_per_expert.shape[0]
+        if E == 0 or E % W != 0:
+            raise _epx.InputError(f"num_tokens_per_expert.shape = [{E}], expected a positive "
+                                  f"multiple of the group's size {W}")
+        T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(n, None),
+                device=dev)
+        K = topk_idx.shape[1]
+        T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, K), device=dev)
+        if expert_alignment < 1:
+            raise _epx.InputError(f"expert_alignment = {expert_alignment}, expected >= 1")
+        if num_worst_tokens < 0:
+            raise _epx.InputError(f"num_worst_tokens = {num_worst_tokens}, expected >= 0")
+        self._begin(previous_event, async_finish, allocate_on_comm_stream, config)
+
+        key = _Key(hidden, E, K, scales is not None)
+        obj = self._object(key)
+        mismatch = None
+        if num_worst_tokens == 0:  # checked once the count read has synchronised anyway
+            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, E, W)
+            mismatch = ((in_rank != is_token_in_rank).any()
+                        | (per_rank != num_tokens_per_rank).any()
+                        | (per_expert != num_tokens_per_expert).any())
+        out = obj.a2a.dispatch(rows, topk_idx, topk_weights, scales)
+        self._layouts += 1
+        obj.layout = self._layouts
+
+        cap = obj.a2a.config.capacity
+        if num_worst_tokens > 0:
+            count, expert_list = None, []
+            total = num_worst_tokens
+        else:
+            count = int(out.recv_count.item())  # the host waits for the round's counts
+            if bool(mismatch):
+                raise _epx.InputError(
+                    "dispatch: num_tokens_per_rank, is_token_in_rank or num_tokens_per_expert "
+                    "differ from get_dispatch_layout(topk_idx, num_experts), expected that "
+                    "layout (epx routes by topk_idx)")
+            a = expert_alignment
+            expert_list = [-(-c // a) * a for c in out.expert_counts.tolist()]
+            total = count
+        valid = torch.arange(cap, device=dev) < out.recv_count  # rows [0, M), no host read
+        recv_x = _rows_of(out.recv_x, total)
+        if scales is not None:
+            recv_x = (recv_x, _rows_of(out.recv_scales, total))
+        L, r = E // W, self.rank
+        ids = out.recv_topk_ids.long()
+        local = (ids >= r * L) & (ids < (r + 1) * L) & valid[:, None]
+        recv_topk_idx = _rows_of(torch.where(local, ids - r * L, -1).to(topk_idx.dtype), total,
+                                 fill=-1)
+        recv_topk_weights = _rows_of(torch.where(local, out.recv_topk_weights, 0.0), total,
+                                     fill=0.0)
+        recv_src_idx = _rows_of(out.recv_src_idx, total)
+        src = out.recv_src_rank
+        from_rank = ((src[:, None] == torch.arange(W, device=dev)) & valid[:, None]).sum(0)
+        rank_prefix_matrix = torch.full((W, W), -1, dtype=torch.int32, device=dev)
+        rank_prefix_matrix[:, r] = from_rank.cumsum(0).to(torch.int32)
+        handle = _Handle((rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None),
+                         self, key, obj, obj.layout, topk_idx, n)
+        event = self._end(async_finish, (rows, scales, topk_idx, topk_weights, is_token_in_rank,
+                                         recv_topk_idx, recv_topk_weights, recv_src_idx))
+        return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle, event
+
+    def _handle_of(self, handle, what: str) -> _Handle:
+        if not isinstance(handle, _Handle) or handle._owner is not self:
+            raise _epx.InputError(f"Buffer.{what}: handle = {type(handle).__name__}, expected a "
+                                  "handle this Buffer's dispatch returned")
+        return handle
+
+    def _send_again(self, obj: _Object, h: _Handle, rows, scales):
+        """Dispatches h's routing on `obj` (rows: x or zeros): obj's round is h's after it."""
+        torch = T.torch()
+        weights = torch.zeros(h._ids.shape, dtype=torch.float32, device=rows.device)
+        out = obj.a2a.dispatch(rows, h._ids, weights, scales)
+        obj.layout = h._layout
+        return out
+
+    def _cached_dispatch(self, rows, scales, x, handle, config, previous_event, async_finish,
+                         allocate_on_comm_stream):
+        h = self._handle_of(handle, "dispatch")
+        n, hidden = rows.shape
+        if n != h._num_tokens or hidden != h._key.hidden:
+            raise _epx.InputError(f"dispatch(handle=...): x.shape = [{n}, {hidden}], expected "
+                                  f"[{h._num_tokens}, {h._key.hidden}] (the handle's tokens)")
+        self._begin(previous_event, async_finish, allocate_on_comm_stream, config)
+        obj = self._object(h._key._replace(fp8=scales is not None))
+        out = self._send_again(obj, h, rows, scales)
+        total = h[3].shape[0]  # DeepEP: the handle's recv_src_idx rows
+        recv_x = _rows_of(out.recv_x, total)
+        if scales is not None:
+            recv_x = (recv_x, _rows_of(out.recv_scales, total))
+        parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+        event = self._end(async_finish, (rows, scales) + parts)
+        return recv_x, None, None, None, None, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sums, at each token's rank, the rows the ranks that got it give back (no weights):
+        returns (combined_x [N, H] bf16, None, event) as DeepEP's combine. x: [rows, H] bf16,
+        row-aligned with the handle's dispatch (recv_x). Collective: every rank calls it."""
+        self._check_normal("combine")
+        torch = T.torch()
+        h = self._handle_of(handle, "combine")
+        if topk_weights is not None:
+            raise _gap("combine(topk_weights=...)",
+                       "epx's combine brings back the rows only; the top-k weights summed over "
+                       "the ranks need an f32 tail per row in the core's combine")
+        if bias is not None and not (isinstance(bias, tuple) and all(b is None for b in bias)):
+            raise _gap("combine(bias=...)",
+                       "the bias is added before the sum, in f32 with one rounding, which needs "
+                       "the core's combine (added after it, the result would round twice)")
+        rows = h[3].shape[0]
+        T.check("x", x, dtype=torch.bfloat16, shape=(rows, h._key.hidden),
+                what="the handle's received rows")
+        self._begin(previous_event, async_finish, allocate_on_comm_stream, config)
+        obj: _Object = h._object
+        if obj.layout != h._layout:  # the object has dispatched another routing since
+            self._send_again(obj, h, *self._zero_rows(h))
+        buf = obj.a2a.combine_buffer()
+        take = min(rows, buf.shape[0])
+        buf[:take].copy_(x[:take])
+        combined = obj.a2a.combine(buf)
+        event = self._end(async_finish, (x, combined))
+        return combined, None, event
+
+    @staticmethod
+    def _zero_rows(h: _Handle):
+        """Zero rows (and unit scales) of h's tokens in h's wire."""
+        torch = T.torch()
+        n, H, dev = h._num_tokens, h._key.hidden, h._ids.device
+        if not h._key.fp8:
+            return torch.zeros((n, H), dtype=torch.bfloat16, device=dev), None
+        return (torch.zeros((n, H), dtype=T.fp8_dtype(), device=dev),
+                torch.ones((n, H // _epx.FP8_BLOCK_SIZE), dtype=torch.float32, device=dev))
 
     def internode_dispatch(self, *args, **kwargs):
-        raise _normal_mode("internode_dispatch")
+        raise _unsupported("Buffer.internode_dispatch",
+                           "epx.deep_ep's normal mode is one node (NVLink, CUDA IPC)")
 
     def internode_combine(self, *args, **kwargs):
-        raise _normal_mode("internode_combine")
+        raise _unsupported("Buffer.internode_combine",
+                           "epx.deep_ep's normal mode is one node (NVLink, CUDA IPC)")
