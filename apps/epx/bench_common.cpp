@@ -164,14 +164,6 @@ void ForkJoin::drain() noexcept {
   if (main_) (void)cudaStreamSynchronize(main_);
 }
 
-const char* to_string(TimingMode m) {
-  return m == TimingMode::kGraph ? "graph" : "eager";
-}
-
-const char* to_string(LaunchMode m) {
-  return m == LaunchMode::kOnePerGpu ? "one_per_gpu" : "per_rank";
-}
-
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters) {
   std::vector<void*> bufs(fj.size(), nullptr);
   GraphExec graph;

@@ -32,6 +32,22 @@ struct CopyBandwidth {
 
 }  // namespace epx::cli
 
+namespace epx::cli {
+
+// The timing modes of `epx bench` (named in its flags and reports, CUDA build or not).
+enum class TimingMode { kGraph, kEager };
+inline const char* to_string(TimingMode m) { return m == TimingMode::kGraph ? "graph" : "eager"; }
+
+// How the ranks of an in-process world launch their ops: the ranks of each GPU in one kernel
+// (dispatch_group / combine_group: what a rank with a GPU of its own pays), or every rank its
+// own kernel on its own stream, forked and joined (the cost of fanning out W launches).
+enum class LaunchMode { kOnePerGpu, kPerRank };
+inline const char* to_string(LaunchMode m) {
+  return m == LaunchMode::kOnePerGpu ? "one_per_gpu" : "per_rank";
+}
+
+}  // namespace epx::cli
+
 #if EPX_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -90,14 +106,7 @@ class ForkJoin {
 // 16-byte memset per rank in place of the op. What an op costs above it is the op's.
 double time_fork_join_floor(ForkJoin& fj, int warmup, int iters);
 
-enum class TimingMode { kGraph, kEager };
-const char* to_string(TimingMode m);
 
-// How the ranks of an in-process world launch their ops: the ranks of each GPU in one kernel
-// (dispatch_group / combine_group: what a rank with a GPU of its own pays), or every rank its
-// own kernel on its own stream, forked and joined (the cost of fanning out W launches).
-enum class LaunchMode { kOnePerGpu, kPerRank };
-const char* to_string(LaunchMode m);
 
 struct RoundSamples {
   std::vector<double> dispatch_us;
