@@ -4,8 +4,9 @@
 // descriptors. No CUDA here; a Bootstrap works on machines without a GPU.
 //
 // Three ways to get one:
-//   - UnixSocketBootstrap: one node, one process (or thread) per rank, rendezvous on a Unix-domain
-//     socket named by EPX_BOOTSTRAP (`epx launch` sets it, with EPX_RANK and EPX_WORLD_SIZE);
+//   - SocketBootstrap (alias UnixSocketBootstrap): one process (or thread) per rank, rendezvous at
+//     the address EPX_BOOTSTRAP names: a Unix-domain socket on one node (`epx launch` sets it,
+//     with EPX_RANK and EPX_WORLD_SIZE), or tcp://HOST:PORT across hosts;
 //   - CallbackBootstrap: a framework's own all-gather of bytes (torch.distributed and the like);
 //   - NCCL's unique id across nodes (later, with NcclWorld).
 //
@@ -79,15 +80,17 @@ class Bootstrap {
   virtual std::vector<UniqueFd> all_gather_fds(int fd);
 };
 
-// Where a UnixSocketBootstrap meets. Read from the environment by from_env(); `epx launch` sets
+// Where a SocketBootstrap meets. Read from the environment by from_env(); `epx launch` sets
 // EPX_RANK, EPX_WORLD_SIZE and EPX_BOOTSTRAP for every rank it starts.
 struct BootstrapOptions {
   int rank = 0;             // EPX_RANK, in [0, world_size)
   int world_size = 1;       // EPX_WORLD_SIZE, in [1, kMaxRanks]
-  // EPX_BOOTSTRAP: "@name" = Linux abstract socket namespace (no file; the name disappears with
-  // the process that holds it), anything else = the path of a socket file (an optional "unix:"
-  // prefix is dropped). At most 107 bytes (the limit of sockaddr_un). May be empty only when
-  // world_size == 1.
+  // EPX_BOOTSTRAP: "tcp://HOST:PORT" = TCP (HOST an IPv4 address, a host name resolved with
+  // getaddrinfo, or "[IPv6 address]"; PORT in [1, 65535]; rank 0 listens on PORT of every
+  // interface, the others connect to HOST); "@name" = Linux abstract socket namespace (no file;
+  // the name disappears with the process that holds it); anything else = the path of a socket
+  // file (an optional "unix:" prefix is dropped). A Unix address has at most 107 bytes (the limit
+  // of sockaddr_un). May be empty only when world_size == 1.
   std::string address;
   int timeout_ms = 10000;   // EPX_TIMEOUT_MS: bound of every wait, in [1, kMaxTimeoutMs]
 
@@ -112,9 +115,11 @@ std::string unique_bootstrap_address();
 // a file was removed. Abstract addresses have no file; a live listener's file is left alone.
 bool remove_stale_socket_file(const std::string& address);
 
-// Rendezvous of the ranks of one node on a Unix-domain socket, as a star: rank 0 listens on
-// options.address, every other rank connects to it (retrying until the timeout) and introduces
-// itself (rank, world size, pid). Rank 0 answers every rank once all have arrived, so the
+// Rendezvous of the ranks of one job as a star on a stream socket: a Unix-domain socket for the
+// ranks of one node, TCP for ranks on several hosts (options.address = "tcp://HOST:PORT"); the
+// protocol is the same. Rank 0 listens at options.address (over TCP: on PORT of every interface),
+// every other rank connects to it (retrying until the timeout) and introduces itself (rank,
+// world size, pid). Rank 0 answers every rank once all have arrived, so the
 // constructor returns on every rank together, or throws on every rank that got that far:
 //   - ConfigError: world sizes disagree, a rank number out of range or used twice, or the address
 //     already in use by a live process (another job, or a second rank 0) — all at start-up;
@@ -123,32 +128,39 @@ bool remove_stale_socket_file(const std::string& address);
 //   - PeerError naming a rank that disconnected during start-up.
 // Collectives go through rank 0 (gather, then send everything to every rank); file descriptors
 // too (SCM_RIGHTS: each rank sends its descriptor to rank 0, rank 0 sends all of them to every
-// rank), so the only connections are rank 0 <-> rank r. After start-up rank 0 keeps the address
+// rank), so the only connections are rank 0 <-> rank r. Descriptors pass over Unix sockets only:
+// over TCP can_pass_fds() is false and all_gather_fds() throws UnsupportedError. Over TCP every
+// connection has TCP_NODELAY, and every host must have the same byte order (frames carry
+// integers in host order; a rank of the other order is not understood and times out).
+// After start-up rank 0 keeps the address
 // and answers any newcomer (a second job's rank, say) with a ConfigError that says the address
 // is taken. A socket file is removed by rank 0 on destruction and on error, and by a surviving
 // rank when rank 0 died without removing it; a stale file left by a killed job is detected
 // (nothing accepts on it) and replaced.
-class UnixSocketBootstrap final : public Bootstrap {
+class SocketBootstrap final : public Bootstrap {
  public:
-  explicit UnixSocketBootstrap(const BootstrapOptions& options);
-  ~UnixSocketBootstrap() override;
-  UnixSocketBootstrap(const UnixSocketBootstrap&) = delete;
-  UnixSocketBootstrap& operator=(const UnixSocketBootstrap&) = delete;
+  explicit SocketBootstrap(const BootstrapOptions& options);
+  ~SocketBootstrap() override;
+  SocketBootstrap(const SocketBootstrap&) = delete;
+  SocketBootstrap& operator=(const SocketBootstrap&) = delete;
 
   int rank() const override;
   int size() const override;
   std::vector<std::string> all_gather(const std::string& bytes) override;
-  bool can_pass_fds() const override { return true; }
+  bool can_pass_fds() const override;  // false over TCP
   std::vector<UniqueFd> all_gather_fds(int fd) override;
 
   const std::string& address() const;
-  // Process ids of every rank, as each reported at start-up.
+  // Process ids of every rank, as each reported at start-up (over TCP, each on its own host).
   const std::vector<long>& pids() const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The one-node name of the same class (its address a Unix-domain socket).
+using UnixSocketBootstrap = SocketBootstrap;
 
 // A framework's all-gather of bytes, e.g. torch.distributed.all_gather_object. The function is
 // called once per collective with this rank's bytes and must return size() strings in rank

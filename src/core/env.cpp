@@ -68,14 +68,15 @@ BootstrapOptions parse_bootstrap(const char* rank, const char* world_size, const
   if (address != nullptr) {
     o.address = address;
     if (o.address.empty()) {
-      EPX_THROW(ConfigError, "EPX_BOOTSTRAP = \"\", expected \"@name\" or a socket file path");
+      EPX_THROW(ConfigError, "EPX_BOOTSTRAP = \"\", expected \"@name\" or a socket file path "
+                             "(or tcp://HOST:PORT)");
     }
   }
   if (o.world_size > 1 && o.address.empty()) {
     EPX_THROW(ConfigError,
               fmt::format("EPX_BOOTSTRAP is not set, expected the socket address that all "
                           "EPX_WORLD_SIZE = {} ranks share (\"@name\" or a socket file path; "
-                          "`epx launch` sets it)",
+                          "`epx launch` sets it; tcp://HOST:PORT across hosts)",
                           o.world_size));
   }
   return o;

@@ -1,8 +1,8 @@
 // The Bootstrap interface's defaults, BootstrapOptions and CallbackBootstrap
-// (include/epx/bootstrap.hpp). UnixSocketBootstrap lives beside this file:
+// (include/epx/bootstrap.hpp). SocketBootstrap lives beside this file:
 //   bootstrap_frames.*       framed messages and descriptor passing on a socket
-//   bootstrap_address.*      "@name" and socket-file addresses, stale files
-//   bootstrap_socket.hpp     the state of a UnixSocketBootstrap
+//   bootstrap_address.*      tcp://HOST:PORT, "@name" and socket-file addresses, stale files
+//   bootstrap_socket.hpp     the state of a SocketBootstrap
 //   bootstrap_rendezvous.cpp its start-up
 //   bootstrap_collectives.cpp its all_gather and all_gather_fds
 // The environment (EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP, EPX_TIMEOUT_MS) is read by core/env.
@@ -30,7 +30,7 @@ void Bootstrap::barrier() { (void)all_gather(std::string()); }
 std::vector<UniqueFd> Bootstrap::all_gather_fds(int /*fd*/) {
   EPX_THROW(UnsupportedError,
             "this bootstrap cannot pass file descriptors between ranks (only a "
-            "UnixSocketBootstrap can); share memory through CUDA IPC handles instead");
+            "SocketBootstrap on one node can); share memory through CUDA IPC handles instead");
 }
 
 // ---- options ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// Collectives of a UnixSocketBootstrap (bootstrap_socket.hpp): every rank sends its part to rank
+// Collectives of a SocketBootstrap (bootstrap_socket.hpp): every rank sends its part to rank
 // 0, rank 0 gathers them and sends the result, or the error, to every rank.
 
 #include <fcntl.h>
@@ -38,7 +38,7 @@ using transport::throw_encoded_error;
 
 }  // namespace
 
-void UnixSocketBootstrap::Impl::check_usable() const {
+void SocketBootstrap::Impl::check_usable() const {
   if (failed) {
     EPX_THROW(StateError, fmt::format("{}: rank {} refuses further collectives after an "
                                       "earlier error; restart the job. The error was: {}",
@@ -47,7 +47,7 @@ void UnixSocketBootstrap::Impl::check_usable() const {
 }
 
 // Rank 0 tells every other rank that the collective failed, and throws the same error.
-void UnixSocketBootstrap::Impl::abort_all(uint32_t s, ErrorCode code, const std::string& msg) {
+void SocketBootstrap::Impl::abort_all(uint32_t s, ErrorCode code, const std::string& msg) {
   const std::string payload = encode_error(code, msg);
   for (int r = 1; r < n(); ++r) {
     try {
@@ -59,7 +59,7 @@ void UnixSocketBootstrap::Impl::abort_all(uint32_t s, ErrorCode code, const std:
 }
 
 // Rank 0: receives one frame of `type` for collective `s` from every other rank.
-std::vector<Frame> UnixSocketBootstrap::Impl::gather(FrameType type, uint32_t s) {
+std::vector<Frame> SocketBootstrap::Impl::gather(FrameType type, uint32_t s) {
   const char* what = collective_name(type);
   const Deadline deadline = after_ms(opts.timeout_ms);
   std::vector<Frame> got(count());
@@ -120,7 +120,7 @@ std::vector<Frame> UnixSocketBootstrap::Impl::gather(FrameType type, uint32_t s)
 
 // Rank 0: sends the result to every other rank. A rank that died since it sent its part is
 // reported by name at the next collective (its connection reads as closed).
-void UnixSocketBootstrap::Impl::scatter_result(FrameType type, uint32_t s,
+void SocketBootstrap::Impl::scatter_result(FrameType type, uint32_t s,
                                                const std::string& payload,
                                                const std::vector<int>& fds) {
   const Deadline deadline = after_ms(opts.timeout_ms);
@@ -139,7 +139,7 @@ void UnixSocketBootstrap::Impl::scatter_result(FrameType type, uint32_t s,
 
 // After a failed write to rank 0: rank 0 may have closed the connection just after telling
 // this rank why (a Reject or an Abort waits unread); that beats a bare "disconnected".
-std::optional<Frame> UnixSocketBootstrap::Impl::pending_verdict() {
+std::optional<Frame> SocketBootstrap::Impl::pending_verdict() {
   try {
     Frame f = recv_frame(root.get(), Clock::now());
     if (f.type == FrameType::kAbort || f.type == FrameType::kReject) return f;
@@ -148,7 +148,7 @@ std::optional<Frame> UnixSocketBootstrap::Impl::pending_verdict() {
   return std::nullopt;
 }
 
-void UnixSocketBootstrap::Impl::root_failed(const IoFailure& e, const char* what, uint32_t s) {
+void SocketBootstrap::Impl::root_failed(const IoFailure& e, const char* what, uint32_t s) {
   if (e.kind == IoFailure::kClosed) {
     (void)remove_if_stale(addr, kStaleFileGraceMs);
     fail(ErrorCode::kPeer, fmt::format("{}: {} #{}: {} disconnected (it exited or was killed)",
@@ -165,7 +165,7 @@ void UnixSocketBootstrap::Impl::root_failed(const IoFailure& e, const char* what
 }
 
 // Other ranks: sends this rank's part to rank 0 and returns rank 0's answer.
-Frame UnixSocketBootstrap::Impl::exchange_with_root(FrameType type, uint32_t s,
+Frame SocketBootstrap::Impl::exchange_with_root(FrameType type, uint32_t s,
                                                  const std::string& payload,
                                                  FrameType expected, int fd) {
   const char* what = collective_name(type);
@@ -201,7 +201,7 @@ Frame UnixSocketBootstrap::Impl::exchange_with_root(FrameType type, uint32_t s,
   return std::move(f);
 }
 
-std::vector<std::string> UnixSocketBootstrap::Impl::all_gather(const std::string& bytes) {
+std::vector<std::string> SocketBootstrap::Impl::all_gather(const std::string& bytes) {
   check_usable();
   const uint32_t s = ++seq;
   if (n() == 1) return {bytes};
@@ -232,7 +232,7 @@ std::vector<std::string> UnixSocketBootstrap::Impl::all_gather(const std::string
   return out;
 }
 
-std::vector<UniqueFd> UnixSocketBootstrap::Impl::all_gather_fds(int fd) {
+std::vector<UniqueFd> SocketBootstrap::Impl::all_gather_fds(int fd) {
   check_usable();
   EPX_CHECK(fd >= 0 && ::fcntl(fd, F_GETFD) != -1, InputError, "fd", fd,
             "an open file descriptor");
@@ -277,11 +277,17 @@ std::vector<UniqueFd> UnixSocketBootstrap::Impl::all_gather_fds(int fd) {
   return std::move(f.fds);
 }
 
-std::vector<std::string> UnixSocketBootstrap::all_gather(const std::string& bytes) {
+std::vector<std::string> SocketBootstrap::all_gather(const std::string& bytes) {
   return impl_->all_gather(bytes);
 }
 
-std::vector<UniqueFd> UnixSocketBootstrap::all_gather_fds(int fd) {
+std::vector<UniqueFd> SocketBootstrap::all_gather_fds(int fd) {
+  if (!can_pass_fds()) {
+    EPX_THROW(UnsupportedError,
+              fmt::format("bootstrap {}: descriptors cannot pass over TCP (between hosts); share "
+                          "memory through CUDA IPC handles instead",
+                          impl_->opts.address));
+  }
   return impl_->all_gather_fds(fd);
 }
 

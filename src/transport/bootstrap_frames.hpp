@@ -1,5 +1,5 @@
 #pragma once
-// The wire of UnixSocketBootstrap: framed messages on a stream socket, file descriptors passed
+// The wire of SocketBootstrap: framed messages on a stream socket, file descriptors passed
 // with them, and the payloads that are more than bytes (a rank's introduction, an error).
 //
 // Every message is a frame {type, sequence number, payload length} + payload, with file
@@ -85,7 +85,8 @@ Frame recv_frame(int fd, Deadline deadline);
 
 // ---- payloads -----------------------------------------------------------------------------------
 
-// Fixed-width fields in host byte order: both ends are on the same machine.
+// Fixed-width fields in host byte order: both ends are on the same machine, or over TCP on
+// machines of the same byte order (a Hello of the other order fails its magic and is dropped).
 template <typename T>
 void put(std::string& out, T v) {
   out.append(reinterpret_cast<const char*>(&v), sizeof(v));

@@ -1,4 +1,4 @@
-// Start-up of a UnixSocketBootstrap (bootstrap_socket.hpp): rank 0 listens and admits every rank,
+// Start-up of a SocketBootstrap (bootstrap_socket.hpp): rank 0 listens and admits every rank,
 // the others connect and introduce themselves; afterwards rank 0 turns newcomers away.
 
 #include <fcntl.h>
@@ -61,7 +61,7 @@ constexpr int kNewcomerReplyMs = 500;  // rank 0's answer to a connection after 
 
 }  // namespace
 
-UnixSocketBootstrap::Impl::Impl(const BootstrapOptions& o) : opts(o) {
+SocketBootstrap::Impl::Impl(const BootstrapOptions& o) : opts(o) {
   opts.validate();
   pids.assign(size_t(opts.world_size), 0);
   pids[size_t(opts.rank)] = long(::getpid());
@@ -74,7 +74,7 @@ UnixSocketBootstrap::Impl::Impl(const BootstrapOptions& o) : opts(o) {
   }
 }
 
-UnixSocketBootstrap::Impl::~Impl() {
+SocketBootstrap::Impl::~Impl() {
   if (newcomers.joinable()) {
     const char byte = 1;
     (void)!::write(stop_write.get(), &byte, 1);
@@ -82,16 +82,16 @@ UnixSocketBootstrap::Impl::~Impl() {
   }
 }
 
-std::string UnixSocketBootstrap::Impl::who(int r) const {
+std::string SocketBootstrap::Impl::who(int r) const {
   return pids[size_t(r)] != 0 ? fmt::format("rank {} (pid {})", r, pids[size_t(r)])
                               : fmt::format("rank {}", r);
 }
 
-std::string UnixSocketBootstrap::Impl::where() const {
+std::string SocketBootstrap::Impl::where() const {
   return fmt::format("bootstrap {}", opts.address);
 }
 
-void UnixSocketBootstrap::Impl::fail(ErrorCode code, const std::string& msg) {
+void SocketBootstrap::Impl::fail(ErrorCode code, const std::string& msg) {
   failed = true;
   first_error = msg;
   transport::throw_coded(code, msg);
@@ -99,16 +99,27 @@ void UnixSocketBootstrap::Impl::fail(ErrorCode code, const std::string& msg) {
 
 // ---- rank 0 -------------------------------------------------------------------------------------
 
-void UnixSocketBootstrap::Impl::listen_at_address() {
+void SocketBootstrap::Impl::listen_at_address() {
   for (int attempt = 0;; ++attempt) {
-    listen_fd.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    listen_fd.reset(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listen_fd.valid()) {
       EPX_THROW(PeerError, fmt::format("{}: socket(): {}", where(), errno_text(errno)));
     }
-    if (::bind(listen_fd.get(), reinterpret_cast<const sockaddr*>(&addr.addr), addr.len) == 0) {
-      break;
+    if (addr.tcp()) {
+      // A port whose last job's connections linger in TIME_WAIT can be bound again; a port
+      // with a live listener still cannot (EADDRINUSE).
+      const int on = 1;
+      (void)::setsockopt(listen_fd.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
     }
+    if (::bind(listen_fd.get(), addr.bind_sa(), addr.bind_len) == 0) break;
     const int err = errno;
+    if (err == EADDRINUSE && addr.tcp()) {
+      EPX_THROW(ConfigError,
+                fmt::format("{}: the port is already in use on this host: another job on the "
+                            "same EPX_BOOTSTRAP address, a second rank 0, or another program. "
+                            "Give each job its own port",
+                            where()));
+    }
     if (err == EADDRINUSE) {
       if (someone_listens(addr)) {
         EPX_THROW(ConfigError,
@@ -125,10 +136,10 @@ void UnixSocketBootstrap::Impl::listen_at_address() {
       }
     }
     EPX_THROW(ConfigError, fmt::format("{}: cannot bind the socket{}: {}", where(),
-                                       addr.abstract ? "" : " file " + addr.path,
+                                       addr.is_file() ? " file " + addr.path : "",
                                        errno_text(err)));
   }
-  if (!addr.abstract) {
+  if (addr.is_file()) {
     struct stat st {};
     if (::lstat(addr.path.c_str(), &st) == 0) {
       file.path = addr.path;
@@ -144,7 +155,7 @@ void UnixSocketBootstrap::Impl::listen_at_address() {
 
 // Tells every connected rank (and `extra`, a connection not yet admitted) why start-up
 // failed, then throws the same error here.
-void UnixSocketBootstrap::Impl::reject_all(ErrorCode code, const std::string& msg, int extra) {
+void SocketBootstrap::Impl::reject_all(ErrorCode code, const std::string& msg, int extra) {
   const std::string payload = encode_error(code, msg);
   auto tell = [&](int fd) {
     try {
@@ -159,7 +170,7 @@ void UnixSocketBootstrap::Impl::reject_all(ErrorCode code, const std::string& ms
   fail(code, msg);
 }
 
-void UnixSocketBootstrap::Impl::start_root() {
+void SocketBootstrap::Impl::start_root() {
   const Deadline deadline = after_ms(opts.timeout_ms);
   listen_at_address();
   peers.resize(count());
@@ -255,6 +266,7 @@ void UnixSocketBootstrap::Impl::start_root() {
       for (;;) {
         UniqueFd c(::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
         if (!c.valid()) break;
+        transport::tune_connection(addr, c.get());
         pending.push_back(std::move(c));
       }
     }
@@ -279,7 +291,7 @@ void UnixSocketBootstrap::Impl::start_root() {
 
 // Runs on its own thread after start-up: any rank that connects now belongs to another job
 // (or is a restarted rank); it gets a clear refusal instead of waiting for its timeout.
-void UnixSocketBootstrap::Impl::answer_newcomers() noexcept {
+void SocketBootstrap::Impl::answer_newcomers() noexcept {
   for (;;) {
     pollfd p[2] = {{listen_fd.get(), POLLIN, 0}, {stop_read.get(), POLLIN, 0}};
     const int rc = ::poll(p, 2, -1);
@@ -306,19 +318,18 @@ void UnixSocketBootstrap::Impl::answer_newcomers() noexcept {
 
 // ---- other ranks --------------------------------------------------------------------------------
 
-void UnixSocketBootstrap::Impl::start_member() {
+void SocketBootstrap::Impl::start_member() {
   const Deadline deadline = after_ms(opts.timeout_ms);
   for (;;) {
-    root.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    root.reset(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!root.valid()) {
       EPX_THROW(PeerError, fmt::format("{}: socket(): {}", where(), errno_text(errno)));
     }
-    if (::connect(root.get(), reinterpret_cast<const sockaddr*>(&addr.addr), addr.len) == 0) {
-      break;
-    }
+    if (::connect(root.get(), addr.connect_sa(), addr.len) == 0) break;
     const int err = errno;
     if (err == EINPROGRESS) {
-      // Not expected for Unix sockets, but legal: wait for the connection to complete.
+      // TCP's usual answer (and legal for Unix sockets): wait for the connection to complete;
+      // refused or unreachable, it is retried below.
       try {
         wait_fd(root.get(), POLLOUT, deadline);
       } catch (const IoFailure&) {
@@ -327,7 +338,9 @@ void UnixSocketBootstrap::Impl::start_member() {
       socklen_t len = sizeof(so_error);
       if (::getsockopt(root.get(), SOL_SOCKET, SO_ERROR, &so_error, &len) == 0 && so_error == 0)
         break;
-    } else if (err != ENOENT && err != ECONNREFUSED && err != EAGAIN) {
+    } else if (err != ENOENT && err != ECONNREFUSED && err != EAGAIN &&
+               !(addr.tcp() && (err == ETIMEDOUT || err == EHOSTUNREACH ||
+                                err == ENETUNREACH))) {
       EPX_THROW(PeerError, fmt::format("{}: rank {} cannot connect to rank 0: {}", where(),
                                        me(), errno_text(err)));
     }
@@ -339,6 +352,7 @@ void UnixSocketBootstrap::Impl::start_member() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(kConnectRetryMs));
   }
+  transport::tune_connection(addr, root.get());
   const Deadline verdict = deadline + std::chrono::milliseconds(kVerdictGraceMs);
   Hello h;
   h.rank = me();
@@ -386,15 +400,18 @@ void UnixSocketBootstrap::Impl::start_member() {
   pids = std::move(all);
 }
 
-// ---- UnixSocketBootstrap ------------------------------------------------------------------------
+// ---- SocketBootstrap ------------------------------------------------------------------------
 
-UnixSocketBootstrap::UnixSocketBootstrap(const BootstrapOptions& options)
+SocketBootstrap::SocketBootstrap(const BootstrapOptions& options)
     : impl_(std::make_unique<Impl>(options)) {}
-UnixSocketBootstrap::~UnixSocketBootstrap() = default;
+SocketBootstrap::~SocketBootstrap() = default;
 
-int UnixSocketBootstrap::rank() const { return impl_->opts.rank; }
-int UnixSocketBootstrap::size() const { return impl_->opts.world_size; }
-const std::string& UnixSocketBootstrap::address() const { return impl_->opts.address; }
-const std::vector<long>& UnixSocketBootstrap::pids() const { return impl_->pids; }
+int SocketBootstrap::rank() const { return impl_->opts.rank; }
+int SocketBootstrap::size() const { return impl_->opts.world_size; }
+const std::string& SocketBootstrap::address() const { return impl_->opts.address; }
+const std::vector<long>& SocketBootstrap::pids() const { return impl_->pids; }
+bool SocketBootstrap::can_pass_fds() const {
+  return !transport::is_tcp_address(impl_->opts.address);
+}
 
 }  // namespace epx

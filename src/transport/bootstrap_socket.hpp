@@ -1,5 +1,5 @@
 #pragma once
-// The state of a UnixSocketBootstrap (epx/bootstrap.hpp) and the steps that use it.
+// The state of a SocketBootstrap (epx/bootstrap.hpp) and the steps that use it.
 //
 // Connections exist only between rank 0 and each other rank (a star). Start-up
 // (bootstrap_rendezvous.cpp): rank 0 listens at the address, every other rank connects and says
@@ -37,7 +37,7 @@ std::string rank_list(const std::vector<int>& ranks);
 
 }  // namespace transport
 
-struct UnixSocketBootstrap::Impl {
+struct SocketBootstrap::Impl {
   using Frame = transport::Frame;
   using FrameType = transport::FrameType;
   using IoFailure = transport::IoFailure;

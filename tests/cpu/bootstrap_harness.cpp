@@ -2,9 +2,12 @@
 
 #include "bootstrap_harness.hpp"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -172,6 +175,20 @@ TempDir::~TempDir() {
 bool exists(const std::string& path) {
   struct stat st {};
   return ::lstat(path.c_str(), &st) == 0;
+}
+
+std::string loopback_tcp_address() {
+  UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (!s.valid() || ::bind(s.get(), reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    throw std::runtime_error("no free TCP port on 127.0.0.1");
+  }
+  return "tcp://127.0.0.1:" + std::to_string(ntohs(a.sin_port));
 }
 
 std::string payload(int rank, int round) {

@@ -82,6 +82,9 @@ class TempDir {
 
 bool exists(const std::string& path);
 
+// "tcp://127.0.0.1:PORT" with a port the kernel just handed out (free at the time of the call).
+std::string loopback_tcp_address();
+
 // Every rank's payload of one all-gather round: distinct per rank and round, of varying size
 // (rank 1 of round 2 sends 300 KB, more than a socket buffer holds, to exercise partial I/O).
 std::string payload(int rank, int round);
