@@ -80,12 +80,13 @@ class Bootstrap {
   virtual std::vector<UniqueFd> all_gather_fds(int fd);
 };
 
-// Where a SocketBootstrap meets. Read from the environment by from_env(); `epx launch` sets
-// EPX_RANK, EPX_WORLD_SIZE and EPX_BOOTSTRAP for every rank it starts.
+// Where a SocketBootstrap meets, and how the ranks sit on the nodes. Read from the environment by
+// from_env(): `epx launch` sets EPX_RANK, EPX_WORLD_SIZE and EPX_BOOTSTRAP for every rank it
+// starts; the variables of torchrun, Slurm's srun and Open MPI's mpirun are understood too.
 struct BootstrapOptions {
-  int rank = 0;             // EPX_RANK, in [0, world_size)
-  int world_size = 1;       // EPX_WORLD_SIZE, in [1, kMaxRanks]
-  // EPX_BOOTSTRAP: "tcp://HOST:PORT" = TCP (HOST an IPv4 address, a host name resolved with
+  int rank = 0;             // in [0, world_size)
+  int world_size = 1;       // in [1, kMaxRanks]
+  // "tcp://HOST:PORT" = TCP (HOST an IPv4 address, a host name resolved with
   // getaddrinfo, or "[IPv6 address]"; PORT in [1, 65535]; rank 0 listens on PORT of every
   // interface, the others connect to HOST); "@name" = Linux abstract socket namespace (no file;
   // the name disappears with the process that holds it); anything else = the path of a socket
@@ -94,17 +95,51 @@ struct BootstrapOptions {
   std::string address;
   int timeout_ms = 10000;   // EPX_TIMEOUT_MS: bound of every wait, in [1, kMaxTimeoutMs]
 
+  // The node layout: this rank's index among the ranks of its node, and how many ranks each node
+  // has (every node the same). Placement is by block: node = rank / local_world_size, so
+  // rank % local_world_size == local_rank (validate() checks it). local_world_size == 0: not
+  // known (an object made by hand), taken as one node.
+  int local_rank = 0;
+  int local_world_size = 0;
+  // Whose variables from_env() read: "" (none: one rank), "epx", "torchrun", "slurm", "mpi".
+  std::string launcher;
+
+  int node() const { return local_world_size > 0 ? rank / local_world_size : 0; }
+  int num_nodes() const { return local_world_size > 0 ? world_size / local_world_size : 1; }
+
   // Throws ConfigError naming the field, the value and the bound.
   void validate() const;
 
-  // Reads EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP and EPX_TIMEOUT_MS. Neither EPX_RANK nor
-  // EPX_WORLD_SIZE set: a world of one rank. Throws ConfigError naming the variable, its value
-  // and the bound for a malformed or inconsistent value (one of EPX_RANK / EPX_WORLD_SIZE set
-  // without the other, EPX_RANK >= EPX_WORLD_SIZE, EPX_BOOTSTRAP missing for several ranks).
+  // Reads the first complete set of launcher variables, in this order (the precedence):
+  //   epx launch: EPX_RANK, EPX_WORLD_SIZE (one node: local rank = rank); EPX_BOOTSTRAP;
+  //   torchrun:   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; MASTER_ADDR, MASTER_PORT;
+  //   Slurm:      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the ranks per node from
+  //               SLURM_NTASKS_PER_NODE, else SLURM_STEP_TASKS_PER_NODE, else
+  //               SLURM_TASKS_PER_NODE ("4(x2)" and "4,4" forms; every node the same);
+  //               SLURM_NODEID, when set, must equal rank / ranks per node;
+  //   Open MPI:   OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
+  //               OMPI_COMM_WORLD_LOCAL_SIZE.
+  // A family counts as present when its rank or its world size is set; then every variable of it
+  // listed before the ';' must be set (a partial set is a ConfigError naming what is set and
+  // what is missing). None present: a world of one rank.
+  // The address is EPX_BOOTSTRAP when set; otherwise, for torchrun,
+  // tcp://MASTER_ADDR:(MASTER_PORT + 1): torch's own TCP store already listens on MASTER_PORT on
+  // rank 0's host, so epx takes the port after it. Slurm and Open MPI name no rendezvous: several
+  // ranks without EPX_BOOTSTRAP are a ConfigError asking for EPX_BOOTSTRAP=tcp://<first host>:
+  // <port>. Ranks on several nodes need a tcp:// address (a Unix socket does not cross hosts).
+  // EPX_TIMEOUT_MS applies to all. Every malformed or inconsistent value is a ConfigError naming
+  // the variable, its value and the bound.
+  // A Slurm batch script also has SLURM_PROCID and SLURM_NTASKS: a single process started
+  // there (not by srun) sets EPX_RANK=0 EPX_WORLD_SIZE=1 to be a world of one.
   static BootstrapOptions from_env();
-  // from_env() on given values (nullptr = unset); for tests and for callers with their own env.
+  // from_env() on EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP and EPX_TIMEOUT_MS given as values
+  // (nullptr = unset), no launcher's variables; for tests and for callers with their own env.
   static BootstrapOptions parse_env(const char* rank, const char* world_size, const char* address,
                                     const char* timeout_ms);
+  // from_env() on an environment given as a function from a variable's name to its value
+  // (nullptr = unset).
+  using Lookup = std::function<const char*(const char* name)>;
+  static BootstrapOptions parse_env(const Lookup& getenv);
 };
 
 // A fresh abstract-namespace address, "@epx-<pid>-<random hex>", unique per call.

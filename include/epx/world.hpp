@@ -86,8 +86,9 @@ class IpcWorld {
   // torch.cuda.set_device).
   explicit IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1,
                     IpcHandles handles = IpcHandles::kAuto);
-  // A UnixSocketBootstrap on BootstrapOptions::from_env() (EPX_RANK, EPX_WORLD_SIZE,
-  // EPX_BOOTSTRAP, EPX_TIMEOUT_MS; `epx launch` sets them).
+  // A SocketBootstrap on BootstrapOptions::from_env() (EPX_RANK, EPX_WORLD_SIZE,
+  // EPX_BOOTSTRAP, EPX_TIMEOUT_MS, set by `epx launch`; or torchrun's, Slurm's, Open MPI's
+  // variables). ConfigError when the launcher put the ranks on several nodes.
   static IpcWorld from_env(int device = -1, IpcHandles handles = IpcHandles::kAuto);
 
   IpcWorld(IpcWorld&&) noexcept = default;
@@ -132,7 +133,8 @@ class NcclWorld {
  public:
   // device < 0: the calling thread's current CUDA device.
   explicit NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1);
-  // A UnixSocketBootstrap on BootstrapOptions::from_env() (`epx launch` sets it up).
+  // A SocketBootstrap on BootstrapOptions::from_env() (`epx launch` sets it up; across nodes,
+  // torchrun's variables or EPX_BOOTSTRAP=tcp://HOST:PORT with Slurm's or Open MPI's).
   static NcclWorld from_env(int device = -1);
   NcclWorld(NcclWorld&&) noexcept;
   NcclWorld& operator=(NcclWorld&&) noexcept;

@@ -7,6 +7,16 @@
 //   EPX_CONFIG_PATH              JSON launch file               settings()
 //   EPX_RANK, EPX_WORLD_SIZE,    where a process's rank meets   bootstrap()
 //   EPX_BOOTSTRAP                its peers (`epx launch` sets them)
+//   RANK, WORLD_SIZE, LOCAL_RANK, the same, from torchrun         bootstrap()
+//   LOCAL_WORLD_SIZE, MASTER_ADDR,
+//   MASTER_PORT
+//   SLURM_PROCID, SLURM_NTASKS,  the same, from Slurm's srun      bootstrap()
+//   SLURM_LOCALID, SLURM_NODEID,
+//   SLURM_NTASKS_PER_NODE,
+//   SLURM_STEP_TASKS_PER_NODE,
+//   SLURM_TASKS_PER_NODE
+//   OMPI_COMM_WORLD_RANK, _SIZE,  the same, from Open MPI          bootstrap()
+//   _LOCAL_RANK, _LOCAL_SIZE
 //   EPX_NCCL_LIBRARY             libnccl to open                nccl_library()
 //   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per GPU        hardware_queues_per_gpu()
 //   EPX_ABLATE                   stages a measurement build     ablate_text()
@@ -47,6 +57,15 @@ int parse_timeout_ms(std::string_view name, std::string_view text);
 BootstrapOptions parse_bootstrap(const char* rank, const char* world_size, const char* address,
                                  const char* timeout_ms);
 
+// Every launcher's variables (BootstrapOptions::from_env in epx/bootstrap.hpp says which, in
+// what order, and what they mean), looked up through `get` (nullptr = unset). The address's form
+// is checked as in parse_bootstrap; the layout is checked here, naming the variables.
+BootstrapOptions parse_launcher(const BootstrapOptions::Lookup& get);
+
+// SLURM_*TASKS_PER_NODE: "4", "4(x2)", "4(x2),4": the ranks per node, the same on every node.
+// ConfigError naming `name` for another form or for nodes with different counts.
+int parse_slurm_tasks_per_node(std::string_view name, std::string_view text);
+
 // EPX_NCCL_LIBRARY: the NCCL library to open; unset or empty = "libnccl.so.2".
 std::string parse_nccl_library(const char* text);
 
@@ -54,7 +73,7 @@ std::string parse_nccl_library(const char* text);
 
 EnvSettings settings();  // EPX_BACKEND, EPX_TIMEOUT_MS, EPX_CONFIG_PATH
 int timeout_ms();        // EPX_TIMEOUT_MS, else EpConfig's default (10 s)
-BootstrapOptions bootstrap();
+BootstrapOptions bootstrap();  // parse_launcher on the process environment
 std::string nccl_library();
 int hardware_queues_per_gpu();  // CUDA_DEVICE_MAX_CONNECTIONS, else CUDA's default 8
 // EPX_ABLATE as set ("" when unset): parsed by the peer engine of a measurement build only.

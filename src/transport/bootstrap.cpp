@@ -5,7 +5,8 @@
 //   bootstrap_socket.hpp     the state of a SocketBootstrap
 //   bootstrap_rendezvous.cpp its start-up
 //   bootstrap_collectives.cpp its all_gather and all_gather_fds
-// The environment (EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP, EPX_TIMEOUT_MS) is read by core/env.
+// The environment (EPX_RANK, EPX_WORLD_SIZE, EPX_BOOTSTRAP, EPX_TIMEOUT_MS, and the launchers'
+// variables) is read by core/env.
 
 #include "epx/bootstrap.hpp"
 
@@ -43,6 +44,33 @@ void BootstrapOptions::validate() const {
   EPX_CHECK(timeout_ms >= 1 && timeout_ms <= kMaxTimeoutMs, ConfigError, "timeout_ms", timeout_ms,
             fmt::format("in [1, kMaxTimeoutMs = {}]", kMaxTimeoutMs));
   transport::validate_address("address", address, world_size);
+  EPX_CHECK(local_world_size >= 0 && local_world_size <= world_size, ConfigError,
+            "local_world_size", local_world_size,
+            fmt::format("in [0, world_size = {}] (0 = not known: one node)", world_size));
+  if (local_world_size == 0) {
+    EPX_CHECK(local_rank == 0, ConfigError, "local_rank", local_rank,
+              "0 while local_world_size = 0 (not known)");
+    return;
+  }
+  EPX_CHECK(world_size % local_world_size == 0, ConfigError, "local_world_size",
+            local_world_size,
+            fmt::format("a divisor of world_size = {} (every node has as many ranks)", world_size));
+  EPX_CHECK(local_rank >= 0 && local_rank < local_world_size, ConfigError, "local_rank",
+            local_rank, fmt::format("in [0, local_world_size = {})", local_world_size));
+  if (rank % local_world_size != local_rank) {
+    EPX_THROW(ConfigError,
+              fmt::format("rank {} has local_rank = {}, expected rank % local_world_size = {}: "
+                          "epx places ranks on nodes by block (node = rank / local_world_size, "
+                          "ranks of one node consecutive); start the ranks with block placement",
+                          rank, local_rank, rank % local_world_size));
+  }
+  if (num_nodes() > 1 && !transport::is_tcp_address(address)) {
+    EPX_THROW(ConfigError,
+              fmt::format("address = \"{}\" is a Unix socket, but the {} ranks are on {} nodes "
+                          "(local_world_size = {}), expected tcp://HOST:PORT (a Unix socket "
+                          "does not cross hosts)",
+                          address, world_size, num_nodes(), local_world_size));
+  }
 }
 
 BootstrapOptions BootstrapOptions::parse_env(const char* rank, const char* world_size,
@@ -52,9 +80,17 @@ BootstrapOptions BootstrapOptions::parse_env(const char* rank, const char* world
   return o;
 }
 
+BootstrapOptions BootstrapOptions::parse_env(const Lookup& getenv) {
+  BootstrapOptions o = env::parse_launcher(getenv);
+  transport::validate_address("EPX_BOOTSTRAP", o.address, o.world_size);
+  o.validate();
+  return o;
+}
+
 BootstrapOptions BootstrapOptions::from_env() {
   BootstrapOptions o = env::bootstrap();
   transport::validate_address("EPX_BOOTSTRAP", o.address, o.world_size);
+  o.validate();
   return o;
 }
 

@@ -248,8 +248,16 @@ IpcWorld::IpcWorld(std::unique_ptr<Bootstrap> bootstrap, int device, IpcHandles 
 }
 
 IpcWorld IpcWorld::from_env(int device, IpcHandles handles) {
-  return IpcWorld(std::make_unique<UnixSocketBootstrap>(BootstrapOptions::from_env()), device,
-                  handles);
+  const BootstrapOptions options = BootstrapOptions::from_env();
+  if (options.num_nodes() > 1) {
+    EPX_THROW(ConfigError,
+              fmt::format("IpcWorld::from_env: the launcher ({}) puts the {} ranks on {} nodes "
+                          "({} per node), but an IpcWorld shares GPU memory within one node: "
+                          "use NcclWorld across nodes, or start the ranks of one node only",
+                          options.launcher, options.world_size, options.num_nodes(),
+                          options.local_world_size));
+  }
+  return IpcWorld(std::make_unique<SocketBootstrap>(options), device, handles);
 }
 
 int IpcWorld::sm_budget() const { return std::max(1, num_sms_ / std::max(1, ranks_on_device_)); }

@@ -224,7 +224,7 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
 }
 
 NcclWorld NcclWorld::from_env(int device) {
-  return NcclWorld(std::make_unique<UnixSocketBootstrap>(BootstrapOptions::from_env()), device);
+  return NcclWorld(std::make_unique<SocketBootstrap>(BootstrapOptions::from_env()), device);
 }
 
 NcclWorld::NcclWorld(NcclWorld&& o) noexcept { *this = std::move(o); }
