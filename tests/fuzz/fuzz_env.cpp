@@ -59,6 +59,18 @@ void hardware_queues(const epx::fuzz::Fields& f) {
           "CUDA_DEVICE_MAX_CONNECTIONS accepted out of 1..32: " + std::to_string(queues));
 }
 
+// A valid address resolves to a socket address that fits its storage (ASan watches the copy). A
+// tcp:// host name is looked up only here, not by validation, so a name that does not resolve is
+// refused then, and only with ConfigError.
+void check_resolve(const std::string& address) {
+  epx::transport::SocketAddress s{};
+  if (!refuses_only_with<ConfigError>("resolve", [&] { s = epx::transport::resolve(address); })) {
+    require(epx::transport::is_tcp_address(address), "resolve refused a valid socket path");
+    return;
+  }
+  require(s.len <= sizeof(s.addr), "socket address longer than its storage");
+}
+
 void bootstrap(const epx::fuzz::Fields& f) {
   epx::BootstrapOptions o;
   if (!refuses_only_with<ConfigError>("BootstrapOptions::parse_env", [&] {
@@ -71,11 +83,7 @@ void bootstrap(const epx::fuzz::Fields& f) {
   const bool valid =
       refuses_only_with<ConfigError>("BootstrapOptions::validate", [&] { o.validate(); });
   require(valid, "BootstrapOptions::parse_env accepted options that validate() refuses");
-  if (!o.address.empty()) {
-    // The address fits a sockaddr_un (ASan watches the copy).
-    const epx::transport::SocketAddress s = epx::transport::resolve(o.address);
-    require(s.len <= sizeof(s.addr), "socket address longer than sockaddr_un");
-  }
+  if (!o.address.empty()) check_resolve(o.address);
 }
 
 void any_address(const epx::fuzz::Fields& f) {
@@ -85,8 +93,7 @@ void any_address(const epx::fuzz::Fields& f) {
     if (refuses_only_with<ConfigError>(
             "validate_address", [&] { epx::transport::validate_address("address", a, world); }) &&
         !a.empty()) {
-      const epx::transport::SocketAddress s = epx::transport::resolve(a);
-      require(s.len <= sizeof(s.addr), "socket address longer than sockaddr_un");
+      check_resolve(a);
     }
   }
 }
