@@ -213,6 +213,14 @@ void gather_rounds(Bootstrap& b) {
   for (const std::string& e : empty) require(e.empty(), "empty all_gather");
 }
 
+void check_pids(SocketBootstrap& b) {
+  const std::vector<std::string> pids = b.all_gather(std::to_string(::getpid()));
+  for (int q = 0; q < b.size(); ++q) {
+    require(std::to_string(b.pids()[size_t(q)]) == pids[size_t(q)],
+            "pid of rank " + std::to_string(q));
+  }
+}
+
 EpConfig job_config() {
   EpConfig c;
   c.world_size = 3;

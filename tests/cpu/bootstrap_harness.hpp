@@ -92,6 +92,10 @@ std::string payload(int rank, int round);
 // The collective workload of one rank: three all-gather rounds, a barrier, an empty all-gather.
 void gather_rounds(Bootstrap& b);
 
+// Collective: every rank's pid as the rendezvous reported it at start-up equals the pid that
+// rank all-gathers now (one process per rank).
+void check_pids(SocketBootstrap& b);
+
 // An all-gather among threads, standing in for a framework's (torch.distributed's) collective.
 class ThreadAllGather {
  public:
