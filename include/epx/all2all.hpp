@@ -86,6 +86,29 @@ struct DispatchInput {
   const void* topk_ids = nullptr;   // [N, K] int32 or int64; -1 = no expert
   IdType ids_type = IdType::kInt32;
   const float* topk_weights = nullptr;  // [N, K]
+  // Routing by rank instead of by expert (DeepEP's dispatch without top-k; high_throughput only,
+  // InputError elsewhere): with topk_ids and topk_weights null, token n goes to every rank r with
+  // rank_mask[n * W + r] != 0, and expert_counts[E] (this rank's (token, expert) pairs per global
+  // expert, as the caller counted them) is summed over the senders into each receiver's
+  // DispatchResult::expert_counts. The rows then carry top-k ids -1 and weights 0.
+  const uint8_t* rank_mask = nullptr;      // [N, W]
+  const int32_t* expert_counts = nullptr;  // [E]
+};
+
+// What combine may also do (high_throughput only, token-major; InputError elsewhere):
+//   * topk_weights [capacity, K] f32, row-aligned with the round's rows (DispatchResult's
+//     recv_topk_weights, or the caller's own): y_topk_weights[n] = their sum over the ranks that
+//     got token n, in f32 in rank order (0 for a token sent nowhere);
+//   * bias[0], bias[1]: [N, H] bf16 each, or null: y[n] = bf16(((0 + b0[n]) + b1[n]) + the
+//     partials in rank order), all in f32 and rounded once.
+struct CombineExtras {
+  const float* topk_weights = nullptr;  // [capacity, K]
+  float* y_topk_weights = nullptr;      // [N, K]; set exactly when topk_weights is
+  const void* bias[2] = {nullptr, nullptr};
+  bool empty() const {
+    return topk_weights == nullptr && y_topk_weights == nullptr && bias[0] == nullptr &&
+           bias[1] == nullptr;
+  }
 };
 
 // Device pointers into the object's own memory; valid until the next dispatch.
@@ -141,6 +164,9 @@ class All2All {
   // token-major partials or the expert-major outputs; the round's combine buffer avoids a copy.
   // StateError before any dispatch.
   virtual void combine(const void* expert_out, void* y, cudaStream_t stream) = 0;
+  // combine() with the extras above; with none it is combine(expert_out, y, stream).
+  virtual void combine(const void* expert_out, void* y, const CombineExtras& extras,
+                       cudaStream_t stream);
 
   // The halves of each op, so that compute runs between them (overlap with another micro-batch's
   // work). dispatch(in) equals dispatch_send(in) then dispatch_recv(), and combine(out, y) equals

@@ -250,9 +250,11 @@ class All2All:
                 f"x.shape[0] = {n}, expected at most max_tokens_per_rank = "
                 f"{c.max_tokens_per_rank}"
             )
-        T.check("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(n, c.topk),
-                device=dev)
-        T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, c.topk), device=dev)
+        if topk_ids is not None or topk_weights is not None:  # (None: dispatch_by_rank)
+            T.check("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), shape=(n, c.topk),
+                    device=dev)
+            T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, c.topk),
+                    device=dev)
         if c.input_fp8:
             if x_scales is None:
                 raise _epx.InputError(f"x_scales = None, expected [N, H/128] float32 ({what})")
@@ -276,6 +278,26 @@ class All2All:
         return (n, x.data_ptr(), 0 if x_scales is None else x_scales.data_ptr(),
                 topk_ids.data_ptr(), topk_ids.dtype == torch.int64, topk_weights.data_ptr(),
                 T.current_stream(self.device))
+
+    def dispatch_by_rank(self, x, rank_mask, expert_counts, x_scales=None) -> DispatchOutput:
+        """dispatch routed by rank instead of by expert (backend 'high_throughput'; eager): token n
+        goes to every rank r with rank_mask[n, r] true, and each receiver's expert_counts is the
+        sum over the senders of their expert_counts' entries for its experts. The rows carry
+        top-k ids -1 and weights 0. rank_mask: [N, W] bool (or uint8); expert_counts: [E] int32,
+        this rank's (token, expert) pairs per global expert. x, x_scales as dispatch()."""
+        torch = T.torch()
+        c = self.config
+        self.check_dispatch_inputs(x, None, None, x_scales)
+        n = x.shape[0]
+        T.check("rank_mask", rank_mask, dtypes=(torch.bool, torch.uint8),
+                shape=(n, c.world_size), device=self.device)
+        T.check("expert_counts", expert_counts, dtype=torch.int32, shape=(c.num_experts,),
+                device=self.device)
+        self._num_tokens = n
+        result = self._impl.dispatch_by_rank(
+            n, x.data_ptr(), 0 if x_scales is None else x_scales.data_ptr(),
+            rank_mask.data_ptr(), expert_counts.data_ptr(), T.current_stream(self.device))
+        return self._views_of(result)
 
     # ---- halves (eager calls; under torch.compile use dispatch / combine) ----------------------
 
@@ -414,6 +436,40 @@ class All2All:
         self.check_combine_inputs(expert_out, out, self._num_tokens)
         self._impl.combine(expert_out.data_ptr(), out.data_ptr(), T.current_stream(self.device))
         return out
+
+    def combine_with(self, expert_out, out=None, topk_weights=None, bias=None):
+        """combine() that also brings the rows' top-k weights back and adds bias rows (backend
+        'high_throughput', token layout; eager). Returns (y, y_topk_weights or None).
+
+        topk_weights: [capacity, K] float32 row-aligned with the last dispatch's rows (recv_topk_weights,
+        or the caller's own): y_topk_weights [N, K] is, per token, their sum over the ranks that
+        got it, in f32 in rank order (every rank passes weights, or none). bias: None, one [N, H]
+        bf16 tensor or a pair (either may be None): y = bf16(((0 + b0) + b1) + the partials in
+        rank order), in f32, rounded once."""
+        torch = T.torch()
+        c = self.config
+        n = self._num_tokens
+        if out is None:
+            out = torch.empty((n, c.hidden), dtype=torch.bfloat16, device=self.device)
+        self.check_combine_inputs(expert_out, out, n)
+        y_w = None
+        if topk_weights is not None:
+            T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(c.capacity, c.topk),
+                    device=self.device, what="[capacity, K]: the last dispatch's rows")
+            y_w = torch.empty((n, c.topk), dtype=torch.float32, device=self.device)
+        biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+        if len(biases) > 2:
+            raise _epx.InputError(f"bias = {len(biases)} tensors, expected None, one or two")
+        biases += [None] * (2 - len(biases))
+        for i, b in enumerate(biases):
+            if b is not None:
+                T.check(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(n, c.hidden),
+                        device=self.device, what="[N, H]: the last dispatch's tokens")
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        self._impl.combine_extras(expert_out.data_ptr(), out.data_ptr(), ptr(topk_weights),
+                                  ptr(y_w), ptr(biases[0]), ptr(biases[1]),
+                                  T.current_stream(self.device))
+        return out, y_w
 
     # ---- masking (EpConfig.mask_failed_ranks) --------------------------------------------------
 

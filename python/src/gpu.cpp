@@ -258,6 +258,34 @@ void bind_gpu(nb::module_& m) {
           nb::arg("expert_out"), nb::arg("y"), nb::arg("stream"),
           nb::call_guard<nb::gil_scoped_release>())
       .def(
+          "dispatch_by_rank",
+          [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t rank_mask,
+             uintptr_t expert_counts, uintptr_t stream) {
+            DispatchInput in = dispatch_input(num_tokens, x, x_scales, 0, false, 0);
+            in.rank_mask = as_ptr<const uint8_t>(rank_mask);
+            in.expert_counts = as_ptr<const int32_t>(expert_counts);
+            return a.dispatch(in, as_stream(stream));
+          },
+          nb::arg("num_tokens"), nb::arg("x"), nb::arg("x_scales"), nb::arg("rank_mask"),
+          nb::arg("expert_counts"), nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>(),
+          "dispatch routed by rank_mask [N, W] (bytes) with the sender's expert_counts [E] "
+          "(DispatchInput::rank_mask; high_throughput)")
+      .def(
+          "combine_extras",
+          [](All2All& a, uintptr_t expert_out, uintptr_t y, uintptr_t topk_weights,
+             uintptr_t y_topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t stream) {
+            CombineExtras ex;
+            ex.topk_weights = as_ptr<const float>(topk_weights);
+            ex.y_topk_weights = as_ptr<float>(y_topk_weights);
+            ex.bias[0] = as_ptr<const void>(bias0);
+            ex.bias[1] = as_ptr<const void>(bias1);
+            a.combine(as_ptr<const void>(expert_out), as_ptr<void>(y), ex, as_stream(stream));
+          },
+          nb::arg("expert_out"), nb::arg("y"), nb::arg("topk_weights"), nb::arg("y_topk_weights"),
+          nb::arg("bias0"), nb::arg("bias1"), nb::arg("stream"),
+          nb::call_guard<nb::gil_scoped_release>(),
+          "combine with CombineExtras: top-k weights summed back, bias rows (high_throughput)")
+      .def(
           "dispatch_send",
           [](All2All& a, int num_tokens, uintptr_t x, uintptr_t x_scales, uintptr_t topk_ids,
              bool ids_int64, uintptr_t topk_weights, uintptr_t stream) {

@@ -3,8 +3,11 @@
 // as an Algorithm: each is a row of kPeerBackends. high_throughput has its own engine
 // (src/backends/high_throughput): rings of fixed size instead of receive areas for every row.
 
+#include <fmt/format.h>
+
 #include <string>
 
+#include "backends/common/inputs.hpp"
 #include "backends/high_throughput/ht_all2all.hpp"
 #include "backends/peer/peer_all2all.hpp"
 #include "core/device_guard.hpp"
@@ -39,6 +42,26 @@ const peer::Algorithm& algorithm_of(Backend backend) {
 }
 
 }  // namespace
+
+void check_routing_by_ids(const DispatchInput& in, Backend backend) {
+  const char* what = in.rank_mask != nullptr ? "rank_mask" : "expert_counts";
+  EPX_CHECK(in.rank_mask == nullptr && in.expert_counts == nullptr, InputError, what, "set",
+            fmt::format("null for backend {} (it routes by topk_ids; routing by a rank mask is "
+                        "high_throughput's)",
+                        to_string(backend)));
+}
+
+void All2All::combine(const void* expert_out, void* y, const CombineExtras& extras,
+                      cudaStream_t stream) {
+  const char* what = extras.topk_weights != nullptr || extras.y_topk_weights != nullptr
+                         ? "combine topk_weights"
+                         : "combine bias";
+  EPX_CHECK(extras.empty(), InputError, what, "set",
+            fmt::format("none for backend {} (high_throughput's combine takes the top-k weights "
+                        "and bias)",
+                        to_string(backend())));
+  combine(expert_out, y, stream);
+}
 
 std::vector<std::unique_ptr<All2All>> make_all2all_group(Backend backend, EpConfig cfg,
                                                          const InProcessWorld& world,

@@ -48,6 +48,13 @@ void check_inputs(const EpConfig& cfg, const std::vector<RankInput>& inputs) {
         InputError, who + ".routing",
         "[" + std::to_string(in.routing.num_tokens) + "][" + std::to_string(in.routing.topk) + "]",
         "[" + std::to_string(n) + "][topk = " + std::to_string(cfg.topk) + "]");
+    if (!in.rank_mask.empty() || !in.expert_counts.empty()) {
+      EPX_CHECK(in.rank_mask.size() == n * cfg.world_size, InputError, who + ".rank_mask.size()",
+                in.rank_mask.size(), "num_tokens * world_size = " + std::to_string(n * cfg.world_size));
+      EPX_CHECK(in.expert_counts.size() == static_cast<size_t>(cfg.num_experts), InputError,
+                who + ".expert_counts.size()", in.expert_counts.size(),
+                "num_experts = " + std::to_string(cfg.num_experts) + " with a rank mask");
+    }
     if (cfg.input_fp8()) {
       EPX_CHECK(in.x_fp8.size() == elems, InputError, who + ".x_fp8.size()", in.x_fp8.size(),
                 std::to_string(elems));
@@ -148,6 +155,22 @@ std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
     out.expert_counts.assign(static_cast<size_t>(local), 0);
     for (int s = 0; s < world; ++s) {
       const RankInput& in = inputs[s];
+      if (!in.rank_mask.empty()) {  // routing by rank: the sender's counts, rows without ids
+        for (int e = 0; e < local; ++e) out.expert_counts[e] += in.expert_counts[r * local + e];
+        const std::vector<int32_t> no_ids(static_cast<size_t>(topk), -1);
+        const std::vector<float> no_weights(static_cast<size_t>(topk), 0.0f);
+        for (int n = 0; n < in.num_tokens; ++n) {
+          if (in.rank_mask[static_cast<size_t>(n) * world + r] == 0 && !every_rank) continue;
+          append_row(out.x, wire[s].x, static_cast<size_t>(n), row_bytes);
+          if (groups > 0) append_row(out.scales, wire[s].scales, static_cast<size_t>(n), groups);
+          out.src_rank.push_back(s);
+          out.src_idx.push_back(n);
+          out.topk_ids.insert(out.topk_ids.end(), no_ids.begin(), no_ids.end());
+          out.topk_weights.insert(out.topk_weights.end(), no_weights.begin(), no_weights.end());
+          ++out.count;
+        }
+        continue;
+      }
       for (int n = 0; n < in.num_tokens; ++n) {
         const int32_t* ids = ids_of(in, n, topk);
         if (!token_valid(ids, topk, cfg.num_experts)) continue;
@@ -175,6 +198,11 @@ std::vector<TokenMajorRecv> dispatch_token_major(const EpConfig& cfg,
 std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
                                                    const std::vector<RankInput>& inputs) {
   check_inputs(cfg, inputs);
+  for (size_t s = 0; s < inputs.size(); ++s) {
+    EPX_CHECK(inputs[s].rank_mask.empty(), InputError,
+              "inputs[" + std::to_string(s) + "].rank_mask", "set",
+              "empty for the expert-major layout (its rows are (token, expert) pairs: top-k ids)");
+  }
   const int world = cfg.world_size;
   const int topk = cfg.topk;
   const int local = cfg.num_local_experts();
@@ -222,13 +250,39 @@ std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,
-    CombineFormat format) {
+    CombineFormat format, CombineExtrasRef* extras) {
   check_inputs(cfg, inputs);
   check_format(cfg, format);
   const int world = cfg.world_size;
   const size_t hidden = static_cast<size_t>(cfg.hidden);
+  const size_t topk = static_cast<size_t>(cfg.topk);
   EPX_CHECK(recv.size() == inputs.size(), InputError, "recv.size()", recv.size(),
             "world_size = " + std::to_string(world));
+  CombineExtrasRef none;
+  CombineExtrasRef& ex = extras != nullptr ? *extras : none;
+  const bool weights = !ex.topk_weights.empty();
+  for (auto [v, name] : {std::pair{&ex.bias0, "bias0"}, std::pair{&ex.bias1, "bias1"}}) {
+    if (v->empty()) continue;
+    EPX_CHECK(v->size() == inputs.size(), InputError, std::string("extras.") + name + ".size()",
+              v->size(), "world_size = " + std::to_string(world));
+    for (int s = 0; s < world; ++s) {
+      const size_t want = static_cast<size_t>(inputs[s].num_tokens) * hidden;
+      EPX_CHECK((*v)[s].size() == want, InputError,
+                std::string("extras.") + name + "[" + std::to_string(s) + "].size()",
+                (*v)[s].size(), "num_tokens * hidden = " + std::to_string(want));
+    }
+  }
+  if (weights) {
+    EPX_CHECK(ex.topk_weights.size() == inputs.size(), InputError, "extras.topk_weights.size()",
+              ex.topk_weights.size(), "world_size = " + std::to_string(world));
+    for (int r = 0; r < world; ++r) {
+      const size_t want = static_cast<size_t>(recv[r].count) * topk;
+      EPX_CHECK(ex.topk_weights[r].size() == want, InputError,
+                "extras.topk_weights[" + std::to_string(r) + "].size()", ex.topk_weights[r].size(),
+                "count * topk = " + std::to_string(want));
+    }
+    ex.y_topk_weights.assign(static_cast<size_t>(world), {});
+  }
   EPX_CHECK(partials.size() == inputs.size(), InputError, "partials.size()", partials.size(),
             "world_size = " + std::to_string(world));
 
@@ -260,11 +314,22 @@ std::vector<std::vector<uint16_t>> combine_token_major(
     std::vector<float> acc(hidden);
     std::vector<float> decoded(format == CombineFormat::kLogFMT ? hidden : 0);
     y[s].resize(static_cast<size_t>(inputs[s].num_tokens) * hidden);
+    if (weights) ex.y_topk_weights[s].assign(static_cast<size_t>(inputs[s].num_tokens) * topk, 0.0f);
     for (int n = 0; n < inputs[s].num_tokens; ++n) {
       std::fill(acc.begin(), acc.end(), 0.0f);
+      for (const auto* b : {&ex.bias0, &ex.bias1}) {
+        if (b->empty()) continue;
+        const uint16_t* row = (*b)[s].data() + static_cast<size_t>(n) * hidden;
+        for (size_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(row[h]);
+      }
       for (int r = 0; r < world; ++r) {  // rank order, so every backend gives the same bits
         const int j = row_of[r][offset[s] + n];
         if (j < 0) continue;
+        if (weights) {
+          float* w = ex.y_topk_weights[s].data() + static_cast<size_t>(n) * topk;
+          const float* in = ex.topk_weights[r].data() + static_cast<size_t>(j) * topk;
+          for (size_t k = 0; k < topk; ++k) w[k] += in[k];
+        }
         const uint16_t* p = partials[r].data() + static_cast<size_t>(j) * hidden;
         if (format == CombineFormat::kLogFMT) {
           logfmt_round_trip_row(p, cfg.hidden, decoded.data());

@@ -88,6 +88,11 @@ struct RankInput {
   std::vector<uint8_t> x_fp8;    // [N][H], for kFP8
   std::vector<float> scales;     // [N][H/128], for kFP8
   Routing routing;
+  // Routing by rank (DispatchInput::rank_mask, token-major only): when set, token n goes to the
+  // ranks r with rank_mask[n * W + r] != 0, its rows carry ids -1 and weights 0 (routing's ids
+  // are not read), and expert_counts[E] is added into each receiver's expert_counts.
+  std::vector<uint8_t> rank_mask;      // [N][W] or empty
+  std::vector<int32_t> expert_counts;  // [E] with rank_mask
 };
 
 // Random activations with realistic magnitudes (normal, std 1, a few outliers), by seed.
@@ -145,11 +150,22 @@ void logfmt_round_trip_row(const uint16_t* x, int hidden, float* out);
 // the bytes; DeepEP's use_logfmt).
 enum class CombineFormat { kBF16, kLogFMT };
 
+// What token-major combine may also do (All2All::combine with CombineExtras), per rank; an empty
+// vector is "not given":
+//   topk_weights[r]: [M_r][K] f32 row-aligned with recv[r]; y_topk_weights[s] [N_s][K] (an
+//     output) = per token the sum over ranks r ascending that received it of its row, from +0.0f;
+//   bias0[s], bias1[s]: [N_s][H] bf16 bits; y's f32 sum starts from ((+0.0f + b0) + b1).
+struct CombineExtrasRef {
+  std::vector<std::vector<float>> topk_weights;
+  std::vector<std::vector<uint16_t>> bias0, bias1;
+  std::vector<std::vector<float>> y_topk_weights;  // filled by combine_token_major
+};
+
 // partials[r]: [M_r][H] bf16 bits, row-aligned with recv[r]. Returns y[s]: [N_s][H] bf16 bits.
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,
-    CombineFormat format = CombineFormat::kBF16);
+    CombineFormat format = CombineFormat::kBF16, CombineExtrasRef* extras = nullptr);
 
 // out[r][e]: [count_e][H] bf16 bits, row-aligned with recv[r].x[e].
 std::vector<std::vector<uint16_t>> combine_expert_major(

@@ -450,6 +450,98 @@ TEST(HandCombine, TokenMajor) {
   }
 }
 
+// Passes when `call` throws InputError whose message holds `part`.
+template <typename F>
+testing::AssertionResult input_error_with(F&& call, const std::string& part) {
+  try {
+    call();
+  } catch (const InputError& e) {
+    const std::string msg = e.what();
+    if (msg.find(part) != std::string::npos) return testing::AssertionSuccess();
+    return testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << part << "\"";
+  } catch (const std::exception& e) {
+    return testing::AssertionFailure() << "threw something else: " << e.what();
+  }
+  return testing::AssertionFailure() << "did not throw";
+}
+#define EXPECT_INPUT_ERROR(call, part) EXPECT_TRUE(input_error_with([&] { (void)(call); }, part))
+
+// Routing by rank (DispatchInput::rank_mask): the Tiny rounds routed by the ranks of their ids
+// deliver the same rows, the senders' expert counts summed, and no ids or weights.
+TEST(HandDispatch, RankMaskRoutesLikeTheIdsItCameFrom) {
+  Tiny t;
+  const auto by_ids = dispatch_token_major(t.cfg, t.inputs);
+  std::vector<RankInput> masked = t.inputs;
+  // rank 0's tokens: t0 -> ranks {0}, t1 -> {0, 1}, t2 -> {1}, t3 -> none; rank 1's: t0 -> {0, 1}
+  // and the two invalid tokens nowhere (a mask has no invalid ids to drop).
+  masked[0].rank_mask = {1, 0, 1, 1, 0, 1, 0, 0};
+  masked[1].rank_mask = {1, 1, 0, 0, 0, 0};
+  masked[0].expert_counts = {1, 2, 1, 1};
+  masked[1].expert_counts = {1, 0, 1, 0};
+  const auto by_mask = dispatch_token_major(t.cfg, masked);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(by_mask[r].count, by_ids[r].count) << r;
+    EXPECT_EQ(by_mask[r].x, by_ids[r].x) << r;
+    EXPECT_EQ(by_mask[r].src_rank, by_ids[r].src_rank) << r;
+    EXPECT_EQ(by_mask[r].src_idx, by_ids[r].src_idx) << r;
+    EXPECT_EQ(by_mask[r].expert_counts, by_ids[r].expert_counts) << r;
+    EXPECT_EQ(by_mask[r].topk_ids, std::vector<int32_t>(by_ids[r].topk_ids.size(), -1)) << r;
+    EXPECT_EQ(by_mask[r].topk_weights, std::vector<float>(by_ids[r].topk_ids.size(), 0.0f)) << r;
+  }
+  // A sender may route one way and its peer the other.
+  std::vector<RankInput> mixed = t.inputs;
+  mixed[1] = masked[1];
+  const auto by_both = dispatch_token_major(t.cfg, mixed);
+  EXPECT_EQ(by_both[0].src_idx, by_ids[0].src_idx);
+  EXPECT_EQ(by_both[1].expert_counts, by_ids[1].expert_counts);
+  // The sizes are checked, naming the field.
+  masked[0].rank_mask.pop_back();
+  EXPECT_INPUT_ERROR(dispatch_token_major(t.cfg, masked),
+                     "inputs[0].rank_mask.size() = 7, expected num_tokens * world_size = 8");
+  masked[0].rank_mask.push_back(0);
+  masked[0].expert_counts.pop_back();
+  EXPECT_INPUT_ERROR(dispatch_token_major(t.cfg, masked), "inputs[0].expert_counts.size()");
+  masked[0].expert_counts.push_back(1);
+  EXPECT_INPUT_ERROR(dispatch_expert_major(t.cfg, masked),
+                     "inputs[0].rank_mask = set, expected empty for the expert-major layout");
+}
+
+// Combine's extras: the rows' top-k weights summed back per token in rank order (DeepEP's
+// convention: each rank keeps the weights of its own experts, so the sum is the token's row),
+// and bias rows that start the f32 sum before the partials, rounded once with them.
+TEST(HandCombine, TokenMajorExtras) {
+  Tiny t;
+  const auto recv = dispatch_token_major(t.cfg, t.inputs);
+  CombineExtrasRef ex;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<float> w = recv[r].topk_weights;  // keep the weights of this rank's experts
+    for (size_t i = 0; i < w.size(); ++i)
+      if (recv[r].topk_ids[i] < 0 || t.cfg.expert_rank(recv[r].topk_ids[i]) != r) w[i] = 0.0f;
+    ex.topk_weights.push_back(w);
+  }
+  std::vector<std::vector<uint16_t>> partials(2, std::vector<uint16_t>(3 * 8, bf(1.0f)));
+  // 2^24 - 2^24 first leaves the partials exact; added after them, 1 + 2^24 would round to 2^24.
+  ex.bias0 = {std::vector<uint16_t>(4 * 8, bf(0x1p24f)), std::vector<uint16_t>(3 * 8, bf(0.5f))};
+  ex.bias1 = {std::vector<uint16_t>(4 * 8, bf(-0x1p24f)), {}};
+  ex.bias1[1].assign(3 * 8, bf(0.25f));
+  const auto y = combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex);
+  ASSERT_EQ(ex.y_topk_weights.size(), 2u);
+  // Rank 0's tokens: t0 (rank 0 only) -> 0.5, 0.5; t1 (both ranks) -> 0.25, 0.75; t2 (rank 1,
+  // expert 3) -> 1, 0; t3 nowhere -> 0, 0. Rank 1's: t0 -> 0.625, 0.375; invalid ones 0.
+  EXPECT_EQ(ex.y_topk_weights[0], (std::vector<float>{0.5f, 0.5f, 0.25f, 0.75f, 1.0f, 0.0f, 0.0f, 0.0f}));
+  EXPECT_EQ(ex.y_topk_weights[1], (std::vector<float>{0.625f, 0.375f, 0.0f, 0.0f, 0.0f, 0.0f}));
+  // ((0 + 2^24) - 2^24) + partials: t1 has two partials of 1 -> 2; t3 none -> +0 exactly.
+  EXPECT_EQ(y[0][0], bf(1.0f));
+  EXPECT_EQ(y[0][8], bf(2.0f));
+  EXPECT_EQ(y[0][24], 0x0000);
+  EXPECT_EQ(y[1][0], bf(2.75f));   // 0.5 + 0.25 + partials of ranks 0 and 1
+  EXPECT_EQ(y[1][8], bf(0.75f));   // invalid token: the bias alone
+  // The sizes are checked, naming the field.
+  ex.topk_weights[1].pop_back();
+  EXPECT_INPUT_ERROR(combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex),
+                     "extras.topk_weights[1].size() = 5, expected count * topk = 6");
+}
+
 // Three partials 1, 2^-8, 2^-8 must be summed in f32 and rounded once: 1 + 2^-7 (0x3F81).
 // Rounding after each addition would give 1.0 twice over. The sum runs in rank order.
 TEST(HandCombine, TokenMajorRoundsOnce) {

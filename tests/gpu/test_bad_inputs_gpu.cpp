@@ -168,6 +168,36 @@ std::map<std::string, std::function<void()>> scenarios() {
     }
     g.a2a[0]->dispatch(g.input(kTwoTokens), g.streams[0]);
   };
+  s["gpu.dispatch.rank_mask_low_latency"] = [] {
+    Group g(small_config(), 1);
+    DispatchInput in = g.input(kTwoTokens);
+    in.rank_mask = g.upload(std::vector<uint8_t>(2, 1));
+    in.expert_counts = g.upload(std::vector<int32_t>(16, 0));
+    g.a2a[0]->dispatch(in, g.streams[0]);
+  };
+  s["gpu.dispatch.rank_mask_with_ids_ht"] = [] {
+    Group g(small_config(), 1, Backend::kHighThroughput);
+    DispatchInput in = g.input(kTwoTokens);
+    in.rank_mask = g.upload(std::vector<uint8_t>(2, 1));
+    in.expert_counts = g.upload(std::vector<int32_t>(16, 0));
+    g.a2a[0]->dispatch(in, g.streams[0]);
+  };
+  s["gpu.combine.bias_low_latency"] = [] {
+    Group g(small_config(), 1);
+    g.a2a[0]->dispatch(g.input(kTwoTokens), g.streams[0]);
+    CombineExtras ex;
+    ex.bias[0] = g.output(2);
+    g.a2a[0]->combine(g.a2a[0]->combine_buffer(), g.output(2), ex, g.streams[0]);
+  };
+  s["gpu.combine.weights_without_output_ht"] = [] {
+    EpConfig cfg = small_config();
+    cfg.worst_case_output = true;
+    Group g(cfg, 1, Backend::kHighThroughput);
+    g.a2a[0]->dispatch(g.input(kTwoTokens), g.streams[0]);
+    CombineExtras ex;
+    ex.topk_weights = g.upload(std::vector<float>(size_t(cfg.capacity()) * cfg.topk, 0.0f));
+    g.a2a[0]->combine(g.a2a[0]->combine_buffer(), g.output(2), ex, g.streams[0]);
+  };
   s["gpu.combine.before_dispatch"] = [] {
     Group g(small_config(), 1);
     g.a2a[0]->combine(g.a2a[0]->combine_buffer(), g.output(2), g.streams[0]);

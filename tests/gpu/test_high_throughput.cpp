@@ -8,14 +8,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "epx/all2all.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "gpu_group.hpp"
+#include "reference/reference.hpp"
 #include "testing/harness.hpp"
+#include "testing/threads.hpp"
 
 namespace epx {
 namespace {
@@ -256,6 +260,125 @@ TEST(HighThroughput, AMissingRankTimesOutNamingIt) {
     EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
   }
   EXPECT_THROW(g.a2a[0]->dispatch(in, g.streams[0]), StateError);
+}
+
+// DeepEP's normal mode on the core: rank 1 routes by a rank mask with its own per-expert counts
+// (DispatchInput::rank_mask) while ranks 0 and 2 route by ids, and combine brings each row's
+// top-k weights back and starts its sum from bias rows (CombineExtras). Every output against the
+// reference, bit for bit: the rows and their metadata in order, the expert counts, y and the
+// summed weights. Directly between the ranks' areas and through rings; each rank on a thread of
+// its own, as processes call.
+TEST(HighThroughput, RankMaskAndCombineExtrasMatchReference) {
+  REQUIRE_GPU();
+  EpConfig c;
+  c.world_size = 3;
+  c.hidden = 1024;
+  c.num_experts = 12;
+  c.topk = 3;
+  c.max_tokens_per_rank = 40;
+  c.dtype = DispatchDtype::kBF16;
+  c.worst_case_output = true;
+  c.timeout_ms = 20000;
+  const int W = c.world_size, K = c.topk, H = c.hidden, E = c.num_experts, cap = c.capacity();
+  const std::vector<int> tokens = {40, 17, 0};
+  std::vector<ref::RankInput> in(static_cast<size_t>(W));
+  for (int s = 0; s < W; ++s) {
+    const auto routing = ref::make_routing(ref::RoutingKind::kUniform, tokens[s], E, K, 7 + s);
+    in[s] = ref::make_rank_input(c, tokens[s], routing, 70 + s);
+  }
+  // Rank 1: the mask and counts its ids give, and no ids on the wire.
+  ref::RankInput& m = in[1];
+  m.rank_mask.assign(size_t(m.num_tokens) * W, 0);
+  m.expert_counts.assign(size_t(E), 0);
+  for (int n = 0; n < m.num_tokens; ++n) {
+    for (int k = 0; k < K; ++k) {
+      const int e = m.routing.ids[size_t(n) * K + k];
+      if (e < 0) continue;
+      m.rank_mask[size_t(n) * W + c.expert_rank(e)] = 1;
+      ++m.expert_counts[size_t(e)];
+    }
+  }
+  const auto want = ref::dispatch_token_major(c, in);
+  // Combine: each row's partial is its x; weights 0.5 j + k + r / 4 (exact in f32); a bias pair
+  // for rank 0, one bias row for rank 1, none for rank 2.
+  std::vector<std::vector<uint16_t>> partials(static_cast<size_t>(W));
+  ref::CombineExtrasRef ex;
+  ex.topk_weights.resize(static_cast<size_t>(W));
+  ex.bias0.resize(static_cast<size_t>(W));
+  ex.bias1.resize(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) {
+    const auto& x = want[size_t(r)].x;
+    partials[r].resize(x.size() / 2);
+    std::memcpy(partials[r].data(), x.data(), x.size());
+    for (int j = 0; j < want[r].count; ++j)
+      for (int k = 0; k < K; ++k) ex.topk_weights[r].push_back(0.5f * j + k + 0.25f * r);
+    const size_t nh = size_t(tokens[r]) * H;
+    for (size_t i = 0; i < nh && r < 2; ++i)
+      ex.bias0[r].push_back(ref::bf16_from_float(float(int(i % 97) - 48) / 8));
+    for (size_t i = 0; i < nh && r == 0; ++i) ex.bias1[r].push_back(ref::bf16_from_float(3.0f));
+  }
+  const auto want_y = ref::combine_token_major(c, in, want, partials, ref::CombineFormat::kBF16, &ex);
+
+  for (const int ring_rows : {0, 64}) {
+    LaunchConfigs lc;
+    lc.dispatch.ring_rows = lc.combine.ring_rows = ring_rows;
+    gpu_test::Group g(c, W, Backend::kHighThroughput, lc);
+    std::vector<DispatchInput> din(static_cast<size_t>(W));
+    std::vector<CombineExtras> cex(static_cast<size_t>(W));
+    std::vector<void*> out(static_cast<size_t>(W)), y(static_cast<size_t>(W));
+    std::vector<float*> y_w(static_cast<size_t>(W));
+    for (int s = 0; s < W; ++s) {
+      din[s].num_tokens = tokens[s];
+      din[s].x = g.upload(in[s].x_bf16);
+      if (s == 1) {
+        din[s].rank_mask = g.upload(in[s].rank_mask);
+        din[s].expert_counts = g.upload(in[s].expert_counts);
+      } else {
+        din[s].topk_ids = g.upload(in[s].routing.ids);
+        din[s].topk_weights = g.upload(in[s].routing.weights);
+      }
+      std::vector<uint16_t> p(size_t(cap) * H, 0);
+      std::copy(partials[s].begin(), partials[s].end(), p.begin());
+      out[s] = g.upload(p);
+      y[s] = g.upload(std::vector<uint16_t>(size_t(tokens[s]) * H, 0xFFFF));
+      std::vector<float> w(size_t(cap) * K, 0.0f);
+      std::copy(ex.topk_weights[s].begin(), ex.topk_weights[s].end(), w.begin());
+      cex[s].topk_weights = g.upload(w);
+      y_w[s] = g.upload(std::vector<float>(size_t(tokens[s]) * K, -1.0f));
+      cex[s].y_topk_weights = y_w[s];
+      if (!ex.bias0[s].empty()) cex[s].bias[0] = g.upload(ex.bias0[s]);
+      if (!ex.bias1[s].empty()) cex[s].bias[1] = g.upload(ex.bias1[s]);
+    }
+    std::vector<DispatchResult> res(static_cast<size_t>(W));
+    testing::run_on_threads(
+        W, [](int) { return 0; },
+        [&](int s) {
+          res[s] = g.a2a[s]->dispatch(din[s], g.streams[s]);
+          g.a2a[s]->combine(out[s], y[s], cex[s], g.streams[s]);
+          g.a2a[s]->synchronize(g.streams[s]);
+        });
+    for (int r = 0; r < W; ++r) {
+      const auto& w = want[size_t(r)];
+      const std::string at = "rank " + std::to_string(r) + ", ring_rows " + std::to_string(ring_rows);
+      int32_t count = -1;
+      EPX_CUDA_CHECK(cudaMemcpy(&count, res[r].recv_count, 4, cudaMemcpyDeviceToHost));
+      ASSERT_EQ(count, w.count) << at;
+      auto down = [&](const auto* d, size_t n) {
+        using T = std::remove_cv_t<std::remove_pointer_t<decltype(d)>>;
+        std::vector<T> h(n);
+        if (n > 0) EPX_CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+        return h;
+      };
+      EXPECT_EQ(down(static_cast<const uint8_t*>(res[r].recv_x), w.x.size()), w.x) << at;
+      EXPECT_EQ(down(res[r].recv_src_rank, size_t(count)), w.src_rank) << at;
+      EXPECT_EQ(down(res[r].recv_src_idx, size_t(count)), w.src_idx) << at;
+      EXPECT_EQ(down(res[r].recv_topk_ids, size_t(count) * K), w.topk_ids) << at;
+      EXPECT_EQ(down(res[r].recv_topk_weights, size_t(count) * K), w.topk_weights) << at;
+      EXPECT_EQ(down(res[r].expert_counts, size_t(E / W)), w.expert_counts) << at;
+      EXPECT_EQ(down(static_cast<const uint16_t*>(y[r]), size_t(tokens[r]) * H), want_y[r]) << at;
+      EXPECT_EQ(down(y_w[r], size_t(tokens[r]) * K), ex.y_topk_weights[r]) << at;
+    }
+  }
 }
 
 // What the backend refuses, by name, before anything is launched.

@@ -142,7 +142,16 @@ class FakeAll2All:
         return {q: self.shared[(what, call, q)] for q in range(c.world_size)
                 if not self._masked(q)}
 
-    def dispatch(self, x, ids, weights, x_scales=None):
+    def dispatch_by_rank(self, x, rank_mask, expert_counts, x_scales=None):
+        """The core's dispatch by rank mask (token layout): rows where rank_mask says, ids -1,
+        weights 0, each receiver's expert counts summed from the senders' expert_counts."""
+        c = self.config
+        assert c.layout == "token"
+        none = torch.full((x.shape[0], c.topk), -1, dtype=torch.int64)
+        return self.dispatch(x, none, torch.zeros(none.shape), x_scales,
+                             by_rank=(rank_mask.clone(), expert_counts.clone()))
+
+    def dispatch(self, x, ids, weights, x_scales=None, by_rank=None):
         c = self.config
         r, L, K = c.rank, c.num_local_experts, c.topk
         # Pairs whose expert's rank is masked now are not sent (counted).
@@ -151,9 +160,16 @@ class FakeAll2All:
         self.dispatches += 1
         scales = None if x_scales is None else x_scales.clone()
         posted = self._exchange("in", self.dispatches,
-                                (x.clone(), ids.clone(), weights.clone(), scales))
+                                (x.clone(), ids.clone(), weights.clone(), scales, by_rank))
+
+        def goes_here(q, n):
+            mask = posted[q][4]
+            if mask is not None:
+                return bool(mask[0][n, r])
+            return any(r * L <= int(e) < (r + 1) * L for e in posted[q][1][n])
+
         rows = [(q, n) for q in sorted(posted) for n in range(posted[q][1].shape[0])
-                if any(r * L <= int(e) < (r + 1) * L for e in posted[q][1][n])]
+                if goes_here(q, n)]
         if not c.deterministic:
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(len(rows)))
             rows = [rows[i] for i in order.tolist()]
@@ -176,8 +192,11 @@ class FakeAll2All:
             d.recv_scales = torch.rand(cap, G) if fp8 else None
             d.recv_topk_ids = garbage(cap, K)
             self.rows = {}
+            for q in sorted(posted):  # senders routing by rank bring their own counts
+                if posted[q][4] is not None:
+                    d.expert_counts += posted[q][4][1][r * L:(r + 1) * L].to(torch.int32)
             for j, (q, n) in enumerate(rows):
-                xq, iq, _, sq = posted[q]
+                xq, iq, _, sq, _ = posted[q]
                 if sq is not None:  # fp8 in: rows and scales travel as they are
                     d.recv_x[j], d.recv_scales[j] = xq[n], sq[n]
                 elif fp8:
@@ -196,7 +215,7 @@ class FakeAll2All:
             d.expert_topk_slot = garbage(L, cap)
             self.slots = {}
             for q, n in rows:
-                xq, iq, _, _ = posted[q]
+                xq, iq, _, _, _ = posted[q]
                 for k in range(K):
                     e = int(iq[n, k]) - r * L
                     if not 0 <= e < L:
@@ -243,6 +262,34 @@ class FakeAll2All:
             return y
         out.copy_(y)
         return out
+
+    def combine_with(self, expert_out, out=None, topk_weights=None, bias=None):
+        """The core's combine with extras (token layout): (y, y_topk_weights or None); the bias
+        rows start each token's f32 sum, the rows' top-k weights are summed back in rank
+        order."""
+        c = self.config
+        assert c.layout == "token"
+        biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+        start = torch.zeros(self.num_tokens, c.hidden)
+        for b in biases:
+            if b is not None:
+                start += b.float()
+        self.combines += 1
+        w = None if topk_weights is None else topk_weights.clone()
+        posted = self._exchange("out", self.combines, (expert_out.clone(), w, dict(self.rows)))
+        y = start
+        y_w = None if w is None else torch.zeros(self.num_tokens, c.topk)
+        for n in range(self.num_tokens):
+            for q, (partials, wq, rows) in posted.items():
+                if (c.rank, n) in rows:
+                    y[n] += partials[rows[(c.rank, n)]].float()
+                    if y_w is not None:
+                        y_w[n] += wq[rows[(c.rank, n)]]
+        y = y.to(torch.bfloat16)
+        if out is not None:
+            out.copy_(y)
+            y = out
+        return y, y_w
 
     def synchronize(self):
         pass

@@ -10,8 +10,11 @@ per-local-expert counts rounded up to expert_alignment, and a handle that sends 
 again (a cached dispatch, any wire); num_worst_tokens pads every output to that many rows with
 id -1 and reads nothing back; combine sums, at each token's rank, the rows given back by the
 ranks that got it (f32, rank order, rounded once), also after the object dispatched another
-routing; fp8 rows travel with their scales whatever the scales' strides. What epx's core lacks
-is refused, naming the argument. Needs torch (skipped without it); no GPU."""
+routing; fp8 rows travel with their scales whatever the scales' strides. Without top-k, dispatch
+routes by is_token_in_rank alone and each receiver's per-expert counts are the senders'
+num_tokens_per_expert summed; combine also sums the rows' top-k weights per token and starts its
+sum from bias rows. What epx's core lacks is refused, naming the argument. Needs torch (skipped
+without it); no GPU."""
 
 import threading
 import traceback
@@ -158,11 +161,12 @@ def check_dispatch(rank, W, E, out, alignment=1):
     return rows
 
 
-def combine_reference(rank, W, E, give_back):
+def combine_reference(rank, W, E, give_back, start=None):
     """y of this rank's tokens: sum in f32, in rank order, of give_back(r, j, row) over the
-    ranks r that got the token (j: its row there), rounded once."""
+    ranks r that got the token (j: its row there), from `start` (f32 [N, H], else 0), rounded
+    once."""
     x, _, _ = inputs(rank, E)
-    y = torch.zeros(x.shape[0], H)
+    y = torch.zeros(x.shape[0], H) if start is None else start.clone()
     for r in range(W):
         for j, (q, n) in enumerate(expected_rows(r, W, E)):
             if q == rank:
@@ -253,6 +257,45 @@ def test_fp8_rows_with_strided_scales(monkeypatch):
     run_ranks(monkeypatch, W, body)
 
 
+def test_dispatch_without_topk_and_combine_extras(monkeypatch):
+    W, E = 3, 9
+    L = E // W
+
+    def body(buffer, rank):
+        x, idx, w = inputs(rank, E)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+        rows = expected_rows(rank, W, E)
+        # Without top-k: routed by is_token_in_rank, the senders' expert counts summed.
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, expert_alignment=2)
+        assert recv_idx is None and recv_w is None
+        assert torch.equal(recv_x, torch.stack([inputs(q, E)[0][n] for q, n in rows]))
+        every = sum(buffer.get_dispatch_layout(inputs(q, E)[1], E)[2] for q in range(W))
+        assert counts == [-(-c // 2) * 2 for c in every[rank * L:(rank + 1) * L].tolist()]
+        again = buffer.dispatch(x, handle=handle)[0]  # the same routing, cached
+        assert torch.equal(again, recv_x)
+        # combine starts each token's f32 sum from the bias rows, rounding once
+        g = torch.Generator().manual_seed(50 + rank)
+        b0 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16)
+        b1 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16)
+        given = torch.stack([partial(rank, j, recv_x[j]) for j in range(len(rows))])
+        combined, weights, _ = buffer.combine(given, handle, bias=(b0, b1))
+        want = combine_reference(rank, W, E, partial, start=b0.float() + b1.float())
+        assert weights is None and torch.equal(combined, want)
+        with pytest.raises(epx.InputError, match="topk_weights = a tensor, expected None"):
+            buffer.combine(given, handle, topk_weights=torch.zeros(len(rows), 1))
+        # With top-k: combine sums the rows' weights back (each rank kept its own experts'), so
+        # every token gets its own weights where it has an expert.
+        recv_x, recv_idx, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
+        combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=b0)
+        assert torch.equal(weights, torch.where(idx >= 0, w, 0.0))
+        assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row,
+                                                       start=b0.float()))
+
+    run_ranks(monkeypatch, W, body)
+
+
 # ---- refusals and checks ---------------------------------------------------------------------
 
 
@@ -262,18 +305,18 @@ def test_missing_core_pieces_are_refused_by_name(monkeypatch):
     def body(buffer, rank):
         x, idx, w = inputs(rank, E)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-        with pytest.raises(NotImplementedError, match=r"dispatch\(topk_idx=None\)"):
+        with pytest.raises(epx.InputError, match="topk_weights = None, expected topk_idx"):
             buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert)
+                            num_tokens_per_expert=per_expert, topk_idx=idx)
         with pytest.raises(NotImplementedError, match="int32"):
             buffer.dispatch((fp8_of(x)[0], torch.zeros(x.shape[0], 1, dtype=torch.int32)),
                             num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
         recv_x, _, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
-        with pytest.raises(NotImplementedError, match=r"combine\(topk_weights=\.\.\.\)"):
-            buffer.combine(recv_x, handle, topk_weights=recv_w)
-        with pytest.raises(NotImplementedError, match=r"combine\(bias=\.\.\.\)"):
-            buffer.combine(recv_x, handle, bias=torch.zeros(x.shape[0], H, dtype=torch.bfloat16))
+        with pytest.raises(epx.InputError, match=r"topk_weights.shape"):
+            buffer.combine(recv_x, handle, topk_weights=recv_w[:, :1].contiguous())
+        with pytest.raises(epx.InputError, match=r"bias\[0\].shape"):
+            buffer.combine(recv_x, handle, bias=torch.zeros(x.shape[0] + 1, H, dtype=torch.bfloat16))
         with pytest.raises(NotImplementedError, match="internode_dispatch"):
             buffer.internode_dispatch(x)
         with pytest.raises(NotImplementedError, match="internode_combine"):

@@ -462,3 +462,71 @@ def test_a_rank_that_stops_calling_is_masked(gpu, layout):
     assert (a.masked_ranks, a.dropped_pairs, a.masked_rank_list()) == (0, 0, [])
     a.synchronize()
     assert (a.masked_ranks, a.dropped_pairs) == (0, 0)
+
+
+def test_high_throughput_by_rank_and_combine_extras(gpu):
+    # Rank 1 routes by a rank mask with its own per-expert counts (DeepEP's dispatch without
+    # top-k) while its peers route by ids; combine sums each row's top-k weights back per token
+    # and starts from bias rows. Rows ordered, sums in f32 in rank order: exact equality.
+    import torch
+
+    W = 3
+    rk = Ranks(small_config(dtype="bf16", worst_case_output=True), W, "high_throughput")
+    c = rk.cfg
+    L, K, H, cap = c.num_experts // W, c.topk, c.hidden, rk.group[0].config.capacity
+    inputs = [ref.make_inputs(c, r, n, 4, gpu) for r, n in enumerate((64, 21, 0))]
+    mask_of = lambda ids: torch.stack([((ids >= q * L) & (ids < (q + 1) * L)).any(1)  # noqa
+                                       for q in range(W)], 1)
+    counts1 = torch.bincount(inputs[1][1][inputs[1][1] >= 0].long(),
+                             minlength=c.num_experts).int()
+    main = torch.cuda.current_stream()
+    for s in rk.streams:
+        s.wait_stream(main)
+    ds = []
+    for r, a in enumerate(rk.group):
+        x, ids, w, sc = inputs[r]
+        with torch.cuda.stream(rk.streams[r]):
+            ds.append(a.dispatch_by_rank(x, mask_of(ids), counts1) if r == 1
+                      else a.dispatch(x, ids, w, sc))
+    g = torch.Generator(device=gpu).manual_seed(9)
+    biases = [torch.randn(inputs[r][0].shape[0], H, device=gpu, generator=g).bfloat16()
+              for r in range(W)]
+    w_in = [(torch.arange(cap, device=gpu)[:, None] * 0.5 + torch.arange(K, device=gpu)
+             + 0.25 * r).float().contiguous() for r in range(W)]
+    got = []
+    for r, a in enumerate(rk.group):
+        with torch.cuda.stream(rk.streams[r]):
+            a.combine_buffer().copy_(ds[r].recv_x)
+            got.append(a.combine_with(a.combine_buffer(), topk_weights=w_in[r],
+                                      bias=(biases[r], None) if r != 2 else None))
+    for s in rk.streams:
+        main.wait_stream(s)
+    for a in rk.group:
+        a.synchronize()
+    for r, d in enumerate(ds):
+        m = int(d.recv_count.item())
+        want = ref.expected_rows(c, inputs, r, False)
+        assert list(zip(d.recv_src_rank[:m].tolist(), d.recv_src_idx[:m].tolist())) == want
+        from_1 = d.recv_src_rank[:m] == 1
+        assert (d.recv_topk_ids[:m][from_1] == -1).all()
+        assert (d.recv_topk_weights[:m][from_1] == 0).all()
+        local = torch.zeros(L, dtype=torch.int32)
+        for q in range(W):
+            ids = inputs[q][1]
+            local += torch.bincount(ids[ids >= 0].long(), minlength=c.num_experts)[
+                r * L:(r + 1) * L].int().cpu()
+        assert torch.equal(d.expert_counts.cpu(), local), f"rank {r}: expert_counts"
+    for s in range(W):
+        x = inputs[s][0]
+        n = x.shape[0]
+        y = biases[s].float().clone() if s != 2 else torch.zeros(n, H, device=gpu)
+        yw = torch.zeros(n, K, device=gpu)
+        for r, d in enumerate(ds):
+            m = int(d.recv_count.item())
+            for j in range(m):
+                if int(d.recv_src_rank[j]) == s:
+                    i = int(d.recv_src_idx[j])
+                    y[i] += d.recv_x[j].float()
+                    yw[i] += w_in[r][j]
+        assert torch.equal(got[s][0], y.bfloat16()), f"rank {s}: y"
+        assert torch.equal(got[s][1], yw), f"rank {s}: summed weights"

@@ -44,9 +44,15 @@ How each DeepEP call maps onto epx:
   the top-k ids that routed the round, which is what a cached dispatch sends again.
 - dispatch(handle=...) (cached): the same routing again, no top-k, no count read; x may have
   another wire than the first dispatch (its own object).
+- dispatch without topk_idx (and without handle): epx routes each token by is_token_in_rank
+  alone (the core's dispatch by rank mask, All2All.dispatch_by_rank) and each receiver's
+  num_recv_tokens_per_expert_list is num_tokens_per_expert summed over the senders (the core's
+  count exchange carries them); recv_topk_idx and recv_topk_weights are None, as DeepEP's.
 - combine: epx's token-major combine: y[n] = the sum, in f32 in rank order and rounded once, of
   the rows the ranks that got token n give back (x row-aligned with the dispatch's recv_x): what
-  DeepEP's combine computes (an unweighted sum). epx's combine serves the last dispatch of the
+  DeepEP's combine computes (an unweighted sum). With topk_weights, the core's combine also sums
+  each row's weights per token (f32, rank order: combined_topk_weights); with bias, the bias
+  rows start the f32 sum (All2All.combine_with). epx's combine serves the last dispatch of the
   handle's object; when that object has dispatched another routing since (the handle's round is
   gone), combine first dispatches the handle's routing again with zero rows, which costs one
   dispatch and gives the exact result.
@@ -55,21 +61,7 @@ How each DeepEP call maps onto epx:
   accepted, its values are DeepEP's tuning and epx does not read them (epx's launch shapes come
   from EPX_CONFIG_PATH or are chosen per world).
 
-Core pieces this mode needs and epx's core lacks (NotImplementedError naming the argument):
-- combine(topk_weights=...): DeepEP returns each token's top-k weights summed over the ranks
-  that got it. epx's token-major combine carries only the rows back. Belongs in the
-  high_throughput combine (src/backends/high_throughput/ht_combine.cu, an f32 [K] tail per row
-  beside the bf16 partial, summed like it) and All2All::combine's signature
-  (include/epx/all2all.hpp).
-- combine(bias=...): DeepEP adds up to two bias rows before the sum, in f32, rounding once;
-  adding them after epx's rounded sum would round twice. Belongs in ht_combine.cu's reduction
-  (initial value of the f32 accumulator) and All2All::combine's arguments.
-- dispatch(topk_idx=None) without handle: the routing is is_token_in_rank alone and
-  num_recv_tokens_per_expert_list comes from num_tokens_per_expert summed over the senders.
-  epx's count exchange carries per-rank row counts and counts experts from the ids it carries,
-  so it has nothing to count without ids. Belongs in the high_throughput count exchange
-  (ht_dispatch.cu, the `counts` / `expert_rows` words of ht_layout.hpp) as a per-expert count
-  supplied by the sender, plus a routing mask input (DispatchInput, all2all.hpp).
+Core pieces that would serve this mode better (none of them refuses a call):
 - The whole count matrix of a round (rank_prefix_matrix's other columns): each receiver holds
   only what every rank sent it (`counts` in ht_layout.hpp). Belongs in the count exchange
   (every rank publishing its row to all peers) and in DispatchResult.
@@ -102,10 +94,6 @@ from ._common import EventHandle, EventOverlap, _unsupported
 _BACKEND = "high_throughput"
 MAX_TOKENS_ENV = "EPX_DEEP_EP_MAX_TOKENS"
 DEFAULT_MAX_TOKENS = 4096
-
-
-def _gap(what: str, why: str):
-    return _unsupported(what, why + " (epx.deep_ep._normal lists the core's missing pieces)")
 
 
 class Config:
@@ -181,12 +169,13 @@ class _Object:
 class _Handle(tuple):
     """DeepEP's handle (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
     recv_src_idx, is_token_in_rank, send_head), which also keeps what epx needs to send the same
-    routing again: the top-k ids, the token count, the shape and the routing's number."""
+    routing again: the top-k ids (or, for a dispatch without top-k, is_token_in_rank and the
+    per-expert counts), the token count, the shape and the routing's number."""
 
-    def __new__(cls, fields, owner, key, obj, layout, ids, num_tokens):
+    def __new__(cls, fields, owner, key, obj, layout, ids, num_tokens, expert_counts=None):
         h = super().__new__(cls, fields)
         h._owner, h._key, h._object, h._layout = owner, key, obj, layout
-        h._ids, h._num_tokens = ids, num_tokens
+        h._ids, h._num_tokens, h._expert_counts = ids, num_tokens, expert_counts
         return h
 
 
@@ -378,14 +367,10 @@ class _NormalMode:
             if t is None:
                 raise _epx.InputError(f"dispatch: {name} = None, expected a tensor (from "
                                       "get_dispatch_layout) when no handle is given")
-        if topk_idx is None:
-            raise _gap("dispatch(topk_idx=None) without a handle",
-                       "the per-expert counts of num_tokens_per_expert, summed over the senders, "
-                       "need the core's count exchange to carry them, and the routing by "
-                       "is_token_in_rank alone a mask input to its dispatch")
-        if topk_weights is None:
-            raise _epx.InputError("dispatch: topk_weights = None with topk_idx, expected both "
-                                  "or neither (as DeepEP)")
+        if (topk_idx is None) != (topk_weights is None):
+            raise _epx.InputError(f"dispatch: topk_{'weights' if topk_weights is None else 'idx'}"
+                                  " = None, expected topk_idx and topk_weights both or neither "
+                                  "(as DeepEP)")
         W, dev = self.group_size, rows.device
         T.check("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(W,),
                 device=dev)
@@ -396,10 +381,14 @@ class _NormalMode:
         if E == 0 or E % W != 0:
             raise _epx.InputError(f"num_tokens_per_expert.shape = [{E}], expected a positive "
                                   f"multiple of the group's size {W}")
-        T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(n, None),
-                device=dev)
-        K = topk_idx.shape[1]
-        T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, K), device=dev)
+        by_ids = topk_idx is not None
+        if by_ids:
+            T.check("topk_idx", topk_idx, dtypes=(torch.int64, torch.int32), shape=(n, None),
+                    device=dev)
+            K = topk_idx.shape[1]
+            T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(n, K), device=dev)
+        else:
+            K = 1  # rows routed by is_token_in_rank carry no top-k
         if expert_alignment < 1:
             raise _epx.InputError(f"expert_alignment = {expert_alignment}, expected >= 1")
         if num_worst_tokens < 0:
@@ -409,12 +398,18 @@ class _NormalMode:
         key = _Key(hidden, E, K, scales is not None)
         obj = self._object(key)
         mismatch = None
-        if num_worst_tokens == 0:  # checked once the count read has synchronised anyway
+        if num_worst_tokens == 0 and by_ids:  # checked once the count read has synchronised
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, E, W)
             mismatch = ((in_rank != is_token_in_rank).any()
                         | (per_rank != num_tokens_per_rank).any()
                         | (per_expert != num_tokens_per_expert).any())
-        out = obj.a2a.dispatch(rows, topk_idx, topk_weights, scales)
+        elif num_worst_tokens == 0:
+            mismatch = (is_token_in_rank.sum(dim=0, dtype=torch.int32)
+                        != num_tokens_per_rank).any()
+        if by_ids:
+            out = obj.a2a.dispatch(rows, topk_idx, topk_weights, scales)
+        else:  # the core routes by the mask and sums the senders' per-expert counts
+            out = obj.a2a.dispatch_by_rank(rows, is_token_in_rank, num_tokens_per_expert, scales)
         self._layouts += 1
         obj.layout = self._layouts
 
@@ -424,11 +419,15 @@ class _NormalMode:
             total = num_worst_tokens
         else:
             count = int(out.recv_count.item())  # the host waits for the round's counts
-            if bool(mismatch):
+            if bool(mismatch) and by_ids:
                 raise _epx.InputError(
                     "dispatch: num_tokens_per_rank, is_token_in_rank or num_tokens_per_expert "
                     "differ from get_dispatch_layout(topk_idx, num_experts), expected that "
                     "layout (epx routes by topk_idx)")
+            if bool(mismatch):
+                raise _epx.InputError(
+                    "dispatch: num_tokens_per_rank differs from is_token_in_rank's column sums, "
+                    "expected them (without top-k, epx routes by is_token_in_rank)")
             a = expert_alignment
             expert_list = [-(-c // a) * a for c in out.expert_counts.tolist()]
             total = count
@@ -437,19 +436,22 @@ class _NormalMode:
         if scales is not None:
             recv_x = (recv_x, _rows_of(out.recv_scales, total))
         L, r = E // W, self.rank
-        ids = out.recv_topk_ids.long()
-        local = (ids >= r * L) & (ids < (r + 1) * L) & valid[:, None]
-        recv_topk_idx = _rows_of(torch.where(local, ids - r * L, -1).to(topk_idx.dtype), total,
-                                 fill=-1)
-        recv_topk_weights = _rows_of(torch.where(local, out.recv_topk_weights, 0.0), total,
-                                     fill=0.0)
+        recv_topk_idx = recv_topk_weights = None
+        if by_ids:
+            ids = out.recv_topk_ids.long()
+            local = (ids >= r * L) & (ids < (r + 1) * L) & valid[:, None]
+            recv_topk_idx = _rows_of(torch.where(local, ids - r * L, -1).to(topk_idx.dtype),
+                                     total, fill=-1)
+            recv_topk_weights = _rows_of(torch.where(local, out.recv_topk_weights, 0.0), total,
+                                         fill=0.0)
         recv_src_idx = _rows_of(out.recv_src_idx, total)
         src = out.recv_src_rank
         from_rank = ((src[:, None] == torch.arange(W, device=dev)) & valid[:, None]).sum(0)
         rank_prefix_matrix = torch.full((W, W), -1, dtype=torch.int32, device=dev)
         rank_prefix_matrix[:, r] = from_rank.cumsum(0).to(torch.int32)
         handle = _Handle((rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None),
-                         self, key, obj, obj.layout, topk_idx, n)
+                         self, key, obj, obj.layout, topk_idx, n,
+                         None if by_ids else num_tokens_per_expert.clone())
         event = self._end(async_finish, (rows, scales, topk_idx, topk_weights, is_token_in_rank,
                                          recv_topk_idx, recv_topk_weights, recv_src_idx))
         return recv_x, recv_topk_idx, recv_topk_weights, expert_list, handle, event
@@ -463,8 +465,11 @@ class _NormalMode:
     def _send_again(self, obj: _Object, h: _Handle, rows, scales):
         """Dispatches h's routing on `obj` (rows: x or zeros): obj's round is h's after it."""
         torch = T.torch()
-        weights = torch.zeros(h._ids.shape, dtype=torch.float32, device=rows.device)
-        out = obj.a2a.dispatch(rows, h._ids, weights, scales)
+        if h._ids is None:  # routed by is_token_in_rank
+            out = obj.a2a.dispatch_by_rank(rows, h[4], h._expert_counts, scales)
+        else:
+            weights = torch.zeros(h._ids.shape, dtype=torch.float32, device=rows.device)
+            out = obj.a2a.dispatch(rows, h._ids, weights, scales)
         obj.layout = h._layout
         return out
 
@@ -490,22 +495,30 @@ class _NormalMode:
                 previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """Sums, at each token's rank, the rows the ranks that got it give back (no weights):
-        returns (combined_x [N, H] bf16, None, event) as DeepEP's combine. x: [rows, H] bf16,
-        row-aligned with the handle's dispatch (recv_x). Collective: every rank calls it."""
+        returns (combined_x [N, H] bf16, combined_topk_weights [N, K] float32 or None, event) as
+        DeepEP's combine. x: [rows, H] bf16, row-aligned with the handle's dispatch (recv_x);
+        topk_weights: [rows, K] float32 likewise (recv_topk_weights), summed per token over the
+        ranks that got it; bias: None, an [N, H] bf16 tensor or a pair of them, added before the
+        rows (f32, rounded once with them). Collective: every rank calls it."""
         self._check_normal("combine")
         torch = T.torch()
         h = self._handle_of(handle, "combine")
-        if topk_weights is not None:
-            raise _gap("combine(topk_weights=...)",
-                       "epx's combine brings back the rows only; the top-k weights summed over "
-                       "the ranks need an f32 tail per row in the core's combine")
-        if bias is not None and not (isinstance(bias, tuple) and all(b is None for b in bias)):
-            raise _gap("combine(bias=...)",
-                       "the bias is added before the sum, in f32 with one rounding, which needs "
-                       "the core's combine (added after it, the result would round twice)")
         rows = h[3].shape[0]
         T.check("x", x, dtype=torch.bfloat16, shape=(rows, h._key.hidden),
                 what="the handle's received rows")
+        if topk_weights is not None:
+            T.check("topk_weights", topk_weights, dtype=torch.float32,
+                    shape=(rows, h._key.topk), what="the handle's received rows")
+            if h._ids is None:
+                raise _epx.InputError("combine: topk_weights = a tensor, expected None for a "
+                                      "handle of a dispatch without top-k")
+        biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+        if len(biases) > 2:
+            raise _epx.InputError(f"combine: bias = {len(biases)} tensors, expected at most 2")
+        for i, b in enumerate(biases):
+            if b is not None:
+                T.check(f"bias[{i}]", b, dtype=torch.bfloat16,
+                        shape=(h._num_tokens, h._key.hidden), what="the handle's tokens")
         self._begin(previous_event, async_finish, allocate_on_comm_stream, config)
         obj: _Object = h._object
         if obj.layout != h._layout:  # the object has dispatched another routing since
@@ -513,15 +526,20 @@ class _NormalMode:
         buf = obj.a2a.combine_buffer()
         take = min(rows, buf.shape[0])
         buf[:take].copy_(x[:take])
-        combined = obj.a2a.combine(buf)
-        event = self._end(async_finish, (x, combined))
-        return combined, None, event
+        weights = None
+        if topk_weights is not None:  # row-aligned with the whole receive area
+            weights = torch.zeros((buf.shape[0], h._key.topk), dtype=torch.float32,
+                                  device=buf.device)
+            weights[:take].copy_(topk_weights[:take])
+        combined, combined_w = obj.a2a.combine_with(buf, topk_weights=weights, bias=bias)
+        event = self._end(async_finish, (x, topk_weights, combined, combined_w))
+        return combined, combined_w, event
 
     @staticmethod
     def _zero_rows(h: _Handle):
         """Zero rows (and unit scales) of h's tokens in h's wire."""
         torch = T.torch()
-        n, H, dev = h._num_tokens, h._key.hidden, h._ids.device
+        n, H, dev = h._num_tokens, h._key.hidden, h[4].device
         if not h._key.fp8:
             return torch.zeros((n, H), dtype=torch.bfloat16, device=dev), None
         return (torch.zeros((n, H), dtype=T.fp8_dtype(), device=dev),

@@ -43,6 +43,7 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.chead = carve(c, C * W * sizeof(uint64_t));
   L.dring = carve(c, C * W * size_t(dispatch_ring) * L.dispatch_slot);
   L.cring = carve(c, C * W * size_t(combine_ring) * H * 2);
+  L.cwring = carve(c, C * W * size_t(combine_ring) * K * sizeof(float));
   L.published = carve(c, direct ? sizeof(HtPublished) : 0);
   L.arrived = carve(c, direct ? W * sizeof(uint64_t) : 0);
   L.read_done = carve(c, direct ? W * sizeof(uint64_t) : 0);
@@ -245,9 +246,13 @@ class HtAll2All final : public All2All {
   }
 
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
+    combine(expert_out, y, CombineExtras{}, stream);
+  }
+  void combine(const void* expert_out, void* y, const CombineExtras& extras,
+               cudaStream_t stream) override {
     const DeviceGuard guard(buf_.device());
     HtCombineParams p{};
-    p.ranks[0] = prepare_combine(expert_out, y, stream);
+    p.ranks[0] = prepare_combine(expert_out, y, stream, extras);
     p.common = common(1);
     launch_ht_combine(p, layout_.channels, launch_.combine.warps_per_block, stream);
   }
@@ -272,10 +277,24 @@ class HtAll2All final : public All2All {
     const int N = in.num_tokens;
     EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
               "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    const bool by_mask = in.rank_mask != nullptr;
+    if (by_mask) {
+      EPX_CHECK(in.topk_ids == nullptr && in.topk_weights == nullptr, InputError,
+                in.topk_ids != nullptr ? "topk_ids" : "topk_weights", "set",
+                "null with rank_mask (a round routes by top-k ids or by a rank mask)");
+      status_.check_ptr(in.expert_counts, "expert_counts", 4);
+    } else {
+      EPX_CHECK(in.expert_counts == nullptr, InputError, "expert_counts", "set",
+                "null without rank_mask (with top-k ids the experts' rows are counted from them)");
+    }
     if (N > 0) {
       status_.check_ptr(in.x, "x", 16);
-      status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
-      status_.check_ptr(in.topk_weights, "topk_weights", 4);
+      if (by_mask) {
+        status_.check_ptr(in.rank_mask, "rank_mask", 1);
+      } else {
+        status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
+        status_.check_ptr(in.topk_weights, "topk_weights", 4);
+      }
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
     }
     if (!cfg_.worst_case_output) {
@@ -297,6 +316,8 @@ class HtAll2All final : public All2All {
                           .x_scales = in.x_scales,
                           .topk_ids = in.topk_ids,
                           .topk_weights = in.topk_weights,
+                          .rank_mask = in.rank_mask,
+                          .expert_sums = in.expert_counts,
                           .rows = nullptr,
                           .area_rows = 0};
   }
@@ -305,25 +326,49 @@ class HtAll2All final : public All2All {
   // the combine buffer are first copied into it (enqueued on `stream`, this rank's GPU current):
   // the caller's memory may be unreadable from the peers' GPUs (a stream-ordered pool, PyTorch's
   // expandable segments) or change after combine returns.
-  HtCombineRank prepare_combine(const void* expert_out, void* y, cudaStream_t stream) {
+  HtCombineRank prepare_combine(const void* expert_out, void* y, cudaStream_t stream,
+                                const CombineExtras& extras = {}) {
     status_.check_usable();
     EPX_CHECK(dispatched_, StateError, "combine", "called before any dispatch",
               "after a dispatch (combine returns the tokens of the last dispatch)");
     status_.check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer is fine (as for every backend).
     if (tokens_ > 0) status_.check_ptr(y, "y", 16);
+    EPX_CHECK((extras.topk_weights == nullptr) == (extras.y_topk_weights == nullptr), InputError,
+              extras.topk_weights == nullptr ? "combine topk_weights" : "combine y_topk_weights",
+              "null", "set together with combine " +
+                          std::string(extras.topk_weights == nullptr ? "y_topk_weights"
+                                                                     : "topk_weights"));
+    if (extras.topk_weights != nullptr) {
+      status_.check_ptr(extras.topk_weights, "combine topk_weights", 4);
+      if (tokens_ > 0) status_.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (extras.bias[i] != nullptr && tokens_ > 0)
+        status_.check_ptr(extras.bias[i], i == 0 ? "combine bias[0]" : "combine bias[1]", 16);
+    }
+    const float* topk_w = extras.topk_weights;
+    const int32_t* rows_now =
+        reinterpret_cast<const int32_t*>(buf_.local() + layout_.state + offsetof(HtState, recv_count));
+    if (layout_.direct && topk_w != nullptr) {
+      // The peers read them where the rows area holds them, as the partials below.
+      float* to = reinterpret_cast<float*>(rows_ + layout_of_rows().combine_w);
+      if (topk_w != to) launch_ht_copy_words(topk_w, to, rows_now, cfg_.topk, stream);
+      topk_w = to;
+    }
     if (layout_.direct && expert_out != combine_buffer()) {
-      launch_ht_copy_partials(expert_out, combine_buffer(),
-                              reinterpret_cast<const int32_t*>(buf_.local() + layout_.state +
-                                                               offsetof(HtState, recv_count)),
-                              cfg_.hidden, stream);
+      launch_ht_copy_partials(expert_out, combine_buffer(), rows_now, cfg_.hidden, stream);
       expert_out = combine_buffer();
     }
     return HtCombineRank{.local = buf_.local(),
                          .host_status = status_.device_mirror(),
                          .rank = cfg_.rank,
                          .expert_out = expert_out,
-                         .y = y};
+                         .y = y,
+                         .topk_w = topk_w,
+                         .y_topk_w = extras.y_topk_weights,
+                         .bias0 = extras.bias[0],
+                         .bias1 = extras.bias[1]};
   }
 
   // Exact output sizes: the round's M into pinned host memory (the caller synchronises).

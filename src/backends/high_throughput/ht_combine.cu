@@ -43,13 +43,34 @@ __device__ __forceinline__ void copy_partial(const uint8_t* src, uint8_t* dst, i
   }
 }
 
+// The bias rows of token n (CombineExtras), null where not given.
+struct BiasRows {
+  const __nv_bfloat16* b0;
+  const __nv_bfloat16* b1;
+};
+__device__ __forceinline__ BiasRows bias_rows(const HtCombineRank& me, int n, int H) {
+  auto row = [&](const void* b) {
+    return b == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(b) + size_t(n) * H;
+  };
+  return BiasRows{row(me.bias0), row(me.bias1)};
+}
+
 // Token n's row of y: vector v (8 bf16) of the partials at `at(r, v)` of every rank r in `m`,
 // summed in rank order in f32 (kBatch ranks' loads in flight before their adds) and rounded
-// once; 0 for a token sent nowhere. One lane.
+// once; 0 for a token sent nowhere. The sum starts from +0 plus the bias rows, when given.
+// One lane.
 template <typename At>
-__device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfloat16* y_row) {
+__device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfloat16* y_row,
+                                           BiasRows bias = {}) {
   constexpr int kBatch = 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (const __nv_bfloat16* b : {bias.b0, bias.b1}) {
+    if (b == nullptr) continue;
+    float f[8];
+    dev::bf16x8_to_float(__ldg(reinterpret_cast<const int4*>(b) + v), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] += f[e];
+  }
   while (m != 0) {
     int4 raw[kBatch];
     int got = 0;
@@ -73,6 +94,20 @@ __device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfl
     }
   }
   dev::store_bf16x8(y_row + size_t(v) * 8, acc);
+}
+
+// Token n's top-k weights back: lane k < K sums slot k of the rows at `w_of(r)` (f32 [K]) of
+// every rank r in `m`, in rank order, into y_w (0 for a token sent nowhere). One warp.
+template <typename WeightsOf>
+__device__ __forceinline__ void sum_weights(uint64_t m, int K, WeightsOf w_of, float* y_w) {
+  const int lane = threadIdx.x % kWarpSize;
+  if (lane >= K) return;
+  float acc = 0.f;
+  for (; m != 0; m &= m - 1) {
+    const float* w = w_of(lowest_rank(m));
+    if (w != nullptr) acc += __ldcg(w + lane);  // (null: that rank passed no weights)
+  }
+  y_w[lane] = acc;
 }
 
 __device__ __forceinline__ void send_partials(const HtCombineParams& p, const HtCombineRank& me,
@@ -152,10 +187,12 @@ __device__ __forceinline__ void send_partials(const HtCombineParams& p, const Ht
       for (int j = gw; j < rows; j += per_group) {
         const uint64_t pos = sent[s] + uint64_t(j);
         const int row = seg_offset[s * C + c] + done[s] + j;
-        copy_partial(out + size_t(row) * H * 2,
-                     cm.peers[s] + L.cring +
-                         ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2,
-                     H);
+        const size_t slot = (size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring));
+        copy_partial(out + size_t(row) * H * 2, cm.peers[s] + L.cring + slot * H * 2, H);
+        if (me.topk_w != nullptr && lane < S.topk) {
+          reinterpret_cast<float*>(cm.peers[s] + L.cwring)[slot * S.topk + lane] =
+              __ldg(me.topk_w + size_t(row) * S.topk + lane);
+        }
       }
     } else {
       __nanosleep(128);
@@ -213,12 +250,20 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     const int n = t + warp;
     if (n < t_end) {
       const uint64_t m = mask_of[warp];
-      auto at_of = [&](int r, int v) {
+      auto slot_of = [&](int r) {
         const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
-        return rings + ((size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring))) * H * 2 +
-               size_t(v) * 16;
+        return (size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring));
       };
-      for (int v = lane; v < vecs; v += kWarpSize) sum_vector(m, v, at_of, y + size_t(n) * H);
+      auto at_of = [&](int r, int v) { return rings + slot_of(r) * H * 2 + size_t(v) * 16; };
+      const BiasRows bias = bias_rows(me, n, H);
+      for (int v = lane; v < vecs; v += kWarpSize)
+        sum_vector(m, v, at_of, y + size_t(n) * H, bias);
+      if (me.y_topk_w != nullptr) {
+        const float* wring = reinterpret_cast<const float*>(me.local + L.cwring);
+        sum_weights(
+            m, S.topk, [&](int r) { return wring + slot_of(r) * S.topk; },
+            me.y_topk_w + size_t(n) * S.topk);
+      }
     }
     __syncthreads();
     // Publish how far this rank has read (the block's loads, then the release).
@@ -237,6 +282,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
                                             const dev::WaitContext& w, int b, int nb,
                                             uint32_t cepoch) {
   __shared__ const uint8_t* part[kMaxRanks];
+  __shared__ const float* part_w[kMaxRanks];  // rank r's top-k weights back (y_topk_w)
   __shared__ int32_t seg_base[kMaxRanks];
   __shared__ int32_t failed;
   const HtCommon& cm = p.common;
@@ -258,6 +304,7 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
       continue;
     }
     part[r] = reinterpret_cast<const uint8_t*>(ptr);
+    part_w[r] = reinterpret_cast<const float*>(dev::ld_acquire_sys(&pub->weights));
     seg_base[r] = dev::ld_acquire_sys(at<int32_t>(cm.peers[r], L.seg_offset) + s * L.segments + b);
   }
   __syncthreads();
@@ -272,8 +319,18 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
     auto at_of = [&](int r, int v) {
       return part[r] + (size_t(seg_base[r] + pos[r]) * H + size_t(v) * 8) * 2;
     };
+    const BiasRows bias = bias_rows(me, n, H);
     for (int v = lane; v < vecs; v += kWarpSize)
-      sum_vector(token_mask[n], v, at_of, y + size_t(n) * H);
+      sum_vector(token_mask[n], v, at_of, y + size_t(n) * H, bias);
+    if (me.y_topk_w != nullptr) {
+      sum_weights(
+          token_mask[n], S.topk,
+          [&](int r) {
+            return part_w[r] == nullptr ? nullptr
+                                        : part_w[r] + size_t(seg_base[r] + pos[r]) * S.topk;
+          },
+          me.y_topk_w + size_t(n) * S.topk);
+    }
   }
   EPX_PHASE_MARK_SYNC(cm, CombinePhase::kPulled);
   if (dev::last_block(at<int32_t>(me.local, L.tickets) + 1, nb)) {
@@ -302,6 +359,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     const uint32_t cepoch = st->combine_epoch + 1;
     if (hb.b == 0 && threadIdx.x == 0) {
       HtPublished* pub = at<HtPublished>(me.local, L.published);
+      pub->weights = reinterpret_cast<uint64_t>(me.topk_w);  // released with the partials
       publish_pointer(&pub->partials_epoch, &pub->partials, me.expert_out, nullptr, 0, cepoch);
       EPX_PHASE_MARK(p.common, CombinePhase::kPublished);
     }
@@ -332,12 +390,30 @@ __global__ void ht_copy_partials_kernel(const int4* __restrict__ src, int4* __re
     dst[i] = __ldg(src + i);
 }
 
+// dst[0, *rows * row_words) = src[...] in 4-byte words.
+__global__ void ht_copy_words_kernel(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst,
+                                     const int32_t* rows, size_t row_words) {
+  const size_t total = size_t(max(*rows, 0)) * row_words;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += size_t(gridDim.x) * blockDim.x)
+    dst[i] = __ldg(src + i);
+}
+
 }  // namespace
 
 void load_ht_combine_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_partials_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_words_kernel));
+}
+
+void launch_ht_copy_words(const void* src, void* dst, const int32_t* rows, int row_words,
+                          cudaStream_t stream) {
+  constexpr int kThreads = 256, kBlocks = 32;  // [M][K] f32: small
+  ht_copy_words_kernel<<<kBlocks, kThreads, 0, stream>>>(
+      static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), rows, size_t(row_words));
+  EPX_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, int hidden,

@@ -42,9 +42,42 @@
 namespace epx::ht {
 namespace {
 
+// Token n's k-th id; -1 for every slot when the round routes by a rank mask (no ids).
 __device__ __forceinline__ int64_t load_id(const HtShape& S, const void* ids, int n, int k) {
+  if (ids == nullptr) return -1;
   const size_t i = size_t(n) * S.topk + k;
   return S.ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+}
+__device__ __forceinline__ float load_weight(const float* weights, size_t i) {
+  return weights == nullptr ? 0.f : __ldg(weights + i);
+}
+
+// Routing by a rank mask: the walk of one warp's chunk [w0, w1), 32 tokens a step, lane j token
+// first + j. Each token's destinations from its mask row, its place among the warp's rows for
+// each (direct mode), and the warp's rows per destination in cnt.
+__device__ __forceinline__ void walk_rank_mask(const HtDispatchRank& me, const HtLayout& L, int W,
+                                               int w0, int w1, uint64_t* token_mask,
+                                               int32_t* row_pos, int32_t* cnt) {
+  const int lane = threadIdx.x % kWarpSize;
+  const uint32_t lt = dev::lanemask_lt();
+  for (int first = w0; first < w1; first += kWarpSize) {
+    const int n = first + lane;
+    uint64_t bits = 0;
+    if (n < w1) {
+      const uint8_t* row = me.rank_mask + size_t(n) * W;
+      for (int r = 0; r < W; ++r) bits |= uint64_t(row[r] != 0) << r;
+      token_mask[n] = bits;
+    }
+    for (int r = 0; r < W; ++r) {
+      const bool to_r = ((bits >> r) & 1) != 0;
+      const uint32_t rows = __ballot_sync(kFullWarp, to_r);
+      const int32_t before = cnt[r];
+      if (L.direct && n < w1) row_pos[size_t(n) * W + r] = to_r ? before + __popc(rows & lt) : -1;
+      __syncwarp();  // every lane has read cnt[r]
+      if (lane == 0) cnt[r] = before + __popc(rows);
+      __syncwarp();
+    }
+  }
 }
 
 // ---- count -----------------------------------------------------------------------------------
@@ -117,10 +150,12 @@ __global__ void __launch_bounds__(kMaxThreads)
     return n < w1 && k < K ? load_id(S, me.topk_ids, n, k) : int64_t(-1);
   };
   int64_t ahead[kIdsAhead];
+  const bool by_ids = me.rank_mask == nullptr;
 #pragma unroll
-  for (int a = 0; a < kIdsAhead; ++a) ahead[a] = id_at(w0 + a * per_step);
+  for (int a = 0; a < kIdsAhead; ++a) ahead[a] = by_ids ? id_at(w0 + a * per_step) : -1;
+  if (!by_ids) walk_rank_mask(me, L, W, w0, w1, token_mask, row_pos, cnt);
 #pragma unroll 1
-  for (int first = w0; first < w1; first += per_step) {
+  for (int first = w0; by_ids && first < w1; first += per_step) {
     const int n = first + sub;
     const bool has = n < w1 && k < K;
     const int64_t id = ahead[0];
@@ -172,6 +207,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   __syncthreads();
   EPX_PHASE_MARK(cm, CountPhase::kWalked);
   pairs.flush(counter);
+  // Routing by a rank mask: the sender's own pair counts, added once (block 0) at each expert's
+  // rank, ordered before block 0's counts like the pairs.
+  if (!by_ids && c == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int32_t v = __ldg(me.expert_sums + e);
+      if (v != 0) dev::red_add_relaxed_sys(counter(e), v);
+    }
+  }
   EPX_PHASE_MARK(cm, CountPhase::kRouted);
   for (int r = threadIdx.x; r < W; r += blockDim.x) {
     int32_t run = 0;
@@ -372,7 +415,7 @@ __device__ __forceinline__ void write_metadata(const HtDispatchParams& p, const 
   float weight = 0.f;
   if (lane < K) {
     id = int32_t(load_id(S, me.topk_ids, n, lane));
-    weight = __ldg(me.topk_weights + size_t(n) * K + lane);
+    weight = load_weight(me.topk_weights, size_t(n) * K + lane);
   }
   for (uint64_t mm = m; mm; mm &= mm - 1) {
     const auto d = sink.dest(lowest_rank(mm));
@@ -705,7 +748,7 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
     float weight_pre = 0.f;
     if (threadIdx.x < nk) {
       id_pre = int32_t(load_id(S, me.topk_ids, base + int(threadIdx.x) / K, int(threadIdx.x) % K));
-      weight_pre = __ldg(me.topk_weights + size_t(base) * K + threadIdx.x);
+      weight_pre = load_weight(me.topk_weights, size_t(base) * K + threadIdx.x);
     }
     // The batch on the wire, in shared memory. (write_chunk's loads and quantisation, written
     // again: one helper for both made ptxas spill 16 / 20 bytes in the bf16-to-fp8 kernel.)
@@ -760,7 +803,7 @@ __device__ __forceinline__ void stage_and_write(const HtDispatchParams& p, const
     }
     for (int i = threadIdx.x + blockDim.x; i < nk; i += blockDim.x) {  // (more than one each)
       ids_s[i] = int32_t(load_id(S, me.topk_ids, base + i / K, i % K));
-      weights_s[i] = __ldg(me.topk_weights + size_t(base) * K + i);
+      weights_s[i] = load_weight(me.topk_weights, size_t(base) * K + i);
     }
     dev::fence_proxy_async();  // the stage's generic writes, before the copies that read it
     __syncthreads();

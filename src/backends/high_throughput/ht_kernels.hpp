@@ -165,6 +165,7 @@ inline EPX_HOST_DEVICE HtRowsLayout rows_layout(int rows, int64_t row_bytes, int
   L.recv_topk_ids = carve(c, R * size_t(topk) * sizeof(int32_t));
   L.recv_topk_w = carve(c, R * size_t(topk) * sizeof(float));
   L.partials = carve(c, R * size_t(hidden) * 2);
+  L.combine_w = carve(c, R * size_t(topk) * sizeof(float));
   L.total = c;
   return L;
 }
@@ -176,8 +177,10 @@ struct HtDispatchRank {
   int32_t num_tokens;
   const void* x;
   const float* x_scales;
-  const void* topk_ids;
-  const float* topk_weights;
+  const void* topk_ids;        // null: routing by rank_mask (DispatchInput)
+  const float* topk_weights;   // null with topk_ids
+  const uint8_t* rank_mask;    // [N][W] or null
+  const int32_t* expert_sums;  // [E]: the sender's pairs per expert (with rank_mask)
   uint8_t* rows;      // the received rows' allocation (transfer only)
   int32_t area_rows;  // its rows
 };
@@ -193,6 +196,13 @@ struct HtCombineRank {
   int32_t rank;
   const void* expert_out;  // [M][H] bf16 partials, row j = received row j
   void* y;                 // [N][H] bf16
+  // CombineExtras: each received row's top-k weights back ([M][K] f32; direct mode: the rows
+  // area's combine_w), their per-token sums ([N][K]), and up to two bias rows ([N][H] bf16)
+  // that start each token's f32 sum. Null when not asked for.
+  const float* topk_w;
+  float* y_topk_w;
+  const void* bias0;
+  const void* bias1;
 };
 
 struct HtCombineParams {
@@ -217,5 +227,8 @@ void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaSt
 // a multiple of 16 bytes, both pointers 16-byte aligned).
 void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, int hidden,
                              cudaStream_t stream);
+// dst = src for the first *rows rows of `row_words` 4-byte words each (both 4-byte aligned).
+void launch_ht_copy_words(const void* src, void* dst, const int32_t* rows, int row_words,
+                          cudaStream_t stream);
 
 }  // namespace epx::ht

@@ -37,6 +37,7 @@ struct HtPublished {
   int64_t area_rows;
   uint64_t partials_epoch;  // the round whose combine reads `partials`
   uint64_t partials;        // const bf16*: [M][H], row j = received row j
+  uint64_t weights;         // const f32*: [M][K] top-k weights that combine sums, or 0
 };
 
 struct HtLayout {
@@ -61,6 +62,7 @@ struct HtLayout {
   size_t chead;        // uint64 [C][W]: combine: rows owner r has read from (this -> r, c)
   size_t dring;        // [C][W][dispatch_ring][dispatch_slot]: ring (q -> this, c) at [c][q]
   size_t cring;        // bf16 [C][W][combine_ring][H]: ring (q -> this, c) at [c][q]
+  size_t cwring;       // f32 [C][W][combine_ring][K]: the top-k weights beside cring's rows
   size_t published;    // direct: HtPublished
   size_t arrived;      // direct: uint64 [W]: the last dispatch whose rows from rank q are written
   size_t read_done;    // direct: uint64 [W]: the last combine in which owner q read its partials
@@ -93,6 +95,7 @@ struct HtRowsLayout {
   size_t recv_topk_ids;  // int32 [rows][K]
   size_t recv_topk_w;    // f32 [rows][K]
   size_t partials;       // bf16 [rows][H]: the combine buffer
+  size_t combine_w;      // f32 [rows][K]: direct mode, the top-k weights that combine sums
   size_t total;
 };
 

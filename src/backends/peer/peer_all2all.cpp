@@ -14,6 +14,7 @@
 #endif
 
 #include "backends/common/carve.hpp"
+#include "backends/common/inputs.hpp"
 #include "backends/common/phase_clock.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/peer/kernels.hpp"
@@ -148,6 +149,7 @@ class PeerAll2All final : public All2All {
     return result(due_.back());
   }
 
+  using All2All::combine;  // (with extras: refused by the base class)
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
     launch_combine_half(Half::kWhole, expert_out, y, stream);
   }
@@ -230,6 +232,7 @@ class PeerAll2All final : public All2All {
     const int N = in.num_tokens;
     EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
               "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    check_routing_by_ids(in, algo_.backend);
     if (N > 0) {
       check_ptr(in.x, "x", 16);
       check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
