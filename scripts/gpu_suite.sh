@@ -10,7 +10,8 @@
 # high_throughput checks; one process per rank, its faults, serve-bench and several GPUs; each part
 # fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
 # deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
-# processes on GPU 0, and its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR,
+# processes on GPU 0, also with --use-logfmt, its tests/legacy/test_intranode.py with 2 and 4, and
+# its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR,
 # a DeepEP checkout with deep_ep/utils and tests, and the python part), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
 # scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its rows count one each, its table goes
@@ -367,6 +368,15 @@ if want deepep; then
     n=${c%:*}; e=${c#*:}
     run "deepep_n${n}_e${e}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
         "${EPX_DEEPEP_DIR:?EPX_DEEPEP_DIR: a DeepEP checkout}" -- --num-processes $n $DS --num-experts $e
+  done
+  # LogFMT combine (the test's --use-logfmt) and the normal mode (tests/legacy/test_intranode.py
+  # at its own hidden size and top-k, tokens few enough for its tuning loop on a shared GPU).
+  for n in 2 4; do
+    run "deepep_logfmt_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+        "$EPX_DEEPEP_DIR" -- --num-processes $n $DS --num-experts 32 --use-logfmt
+    run "deepep_intranode_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+        "$EPX_DEEPEP_DIR" --test tests/legacy/test_intranode.py -- --num-processes $n \
+        --num-tokens ${EPX_DEEPEP_INTRANODE_TOKENS:-256} --hidden 7168 --num-topk 8 --num-experts 64
   done
   # Shrink mode (the test's --shrink-test: 8 processes, ranks 1, 3 and 5 stop calling): every
   # survivor's object waits EPX_TIMEOUT_MS (10 s in the runner) once per stopped rank it meets,
