@@ -131,8 +131,12 @@ class IpcWorld {
 // must outlive every SymmetricBuffer and All2All made from it.
 class NcclWorld {
  public:
-  // device < 0: the calling thread's current CUDA device.
-  explicit NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1);
+  // device < 0: the calling thread's current CUDA device. local_world_size: the ranks of each node
+  // (BootstrapOptions' node layout; 0 = one node). On one node every rank reaches every other
+  // rank's memory (NCCL's symmetric windows, every backend); across nodes only NCCL's collectives
+  // connect them (backends naive and allgather_reducescatter, epx's collective engine).
+  explicit NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device = -1,
+                     int local_world_size = 0);
   // A SocketBootstrap on BootstrapOptions::from_env() (`epx launch` sets it up; across nodes,
   // torchrun's variables or EPX_BOOTSTRAP=tcp://HOST:PORT with Slurm's or Open MPI's).
   static NcclWorld from_env(int device = -1);
@@ -143,6 +147,7 @@ class NcclWorld {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
+  int num_nodes() const { return nodes_; }
   int ranks_on_device() const { return 1; }
   int num_sms() const { return num_sms_; }
   int sm_budget() const { return num_sms_; }
@@ -167,6 +172,7 @@ class NcclWorld {
   int size_ = 1;
   int device_ = 0;
   int num_sms_ = 1;
+  int nodes_ = 1;
 };
 
 }  // namespace epx

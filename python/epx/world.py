@@ -84,10 +84,20 @@ def nccl_world_from_env(device=None) -> "NcclWorld":
     return NcclWorld.from_env(_device_index(device))
 
 
-def nccl_world_from_torch(group=None, device=None) -> "NcclWorld":
-    """This process's NcclWorld, its unique id passed through a torch.distributed group."""
+def nccl_world_from_torch(group=None, device=None, local_world_size=None) -> "NcclWorld":
+    """This process's NcclWorld, its unique id passed through a torch.distributed group.
+
+    local_world_size: the ranks of each node (the group's ranks sit on the nodes in blocks);
+    None takes torchrun's LOCAL_WORLD_SIZE when the group is the default one, else one node.
+    Across nodes the world serves the backends naive and allgather_reducescatter."""
+    import os
+
     rank, size, all_gather = torch_all_gather(group)
-    return NcclWorld.from_all_gather(rank, size, all_gather, _device_index(device))
+    if local_world_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        local_world_size = int(env) if env and group is None else 0
+    return NcclWorld.from_all_gather(rank, size, all_gather, _device_index(device),
+                                     local_world_size)
 
 
 def set_device_max_connections(value: int = 32) -> Optional[str]:

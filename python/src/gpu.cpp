@@ -211,13 +211,15 @@ void bind_gpu(nb::module_& m) {
                   nb::arg("device") = -1, nb::call_guard<nb::gil_scoped_release>())
       .def_static(
           "from_all_gather",
-          [](int rank, int size, nb::object all_gather, int device) {
+          [](int rank, int size, nb::object all_gather, int device, int local_world_size) {
             auto boot = std::make_unique<CallbackBootstrap>(rank, size,
                                                             py_all_gather(std::move(all_gather)));
             nb::gil_scoped_release release;
-            return NcclWorld(std::move(boot), device);
+            return NcclWorld(std::move(boot), device, local_world_size);
           },
-          nb::arg("rank"), nb::arg("size"), nb::arg("all_gather"), nb::arg("device") = -1)
+          nb::arg("rank"), nb::arg("size"), nb::arg("all_gather"), nb::arg("device") = -1,
+          nb::arg("local_world_size") = 0)
+      .def_prop_ro("num_nodes", &NcclWorld::num_nodes)
       .def_prop_ro("rank", &NcclWorld::rank)
       .def_prop_ro("size", &NcclWorld::size)
       .def_prop_ro("device", &NcclWorld::device)

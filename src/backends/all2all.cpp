@@ -7,12 +7,14 @@
 
 #include <string>
 
+#include "backends/collective/coll_all2all.hpp"
 #include "backends/common/inputs.hpp"
 #include "backends/high_throughput/ht_all2all.hpp"
 #include "backends/peer/peer_all2all.hpp"
 #include "core/device_guard.hpp"
 #include "epx/all2all.hpp"
 #include "epx/error.hpp"
+#include "epx/world.hpp"
 
 namespace epx {
 
@@ -81,6 +83,8 @@ std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, IpcWorld& w
 std::unique_ptr<All2All> make_all2all(Backend backend, EpConfig cfg, NcclWorld& world,
                                       LaunchConfigs launch) {
   const DeviceGuard guard;
+  // Across nodes the ranks meet through NCCL's collectives: the collective engine.
+  if (world.num_nodes() > 1) return coll::make_nccl_rank(backend, cfg, world);
   if (backend == Backend::kHighThroughput) return ht::make_nccl_rank(cfg, world, launch);
   return peer::make_nccl_rank(cfg, world, launch, algorithm_of(backend));
 }

@@ -162,10 +162,15 @@ std::string env_value(const char* name) {
 
 }  // namespace
 
-NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
+NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device, int local_world_size)
     : bootstrap_(std::move(bootstrap)) {
   const DeviceGuard guard;  // the world's device is current while it is built, then the caller's
   transport::bootstrap_rank_size(bootstrap_.get(), &rank_, &size_);
+  EPX_CHECK(local_world_size >= 0 && (local_world_size == 0 || size_ % local_world_size == 0),
+            ConfigError, "local_world_size", local_world_size,
+            fmt::format("0 (one node) or a divisor of the world size {}", size_));
+  nodes_ = local_world_size > 0 ? size_ / local_world_size : 1;
+  const bool one_node = nodes_ == 1;
   // NVLink multicast stays off unless the caller decided otherwise (it can take a shared GPU out
   // of service, and epx never needs it).
   ::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
@@ -183,7 +188,8 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
   std::memcpy(&id, ids[0].data(), sizeof(id));
   // Peer access and native peer atomics between the ranks' GPUs, before NCCL is asked for
   // anything (transport/peer_links.hpp).
-  transport::check_process_peer_links(*bootstrap_, device_, "NcclWorld");
+  // (Across nodes the ranks meet only through NCCL's collectives.)
+  if (one_node) transport::check_process_peer_links(*bootstrap_, device_, "NcclWorld");
   // 2. The communicator (collective inside NCCL), then its LSA team must be the whole world.
   const Step comm = attempt([&] {
     ncclComm_t c = nullptr;
@@ -195,10 +201,12 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
     const LsaTeam lsa = nccl().team_lsa(c);
     EPX_CHECK(lsa.nRanks != 0, UnsupportedError, "NCCL LSA team size", 0,
               "> 0 (NCCL's device runtime did not start; rerun with NCCL_DEBUG=WARN)");
-    EPX_CHECK(lsa.nRanks == size_, UnsupportedError, "NCCL LSA team size", lsa.nRanks,
-              fmt::format("the world size {} (every rank on one node over NVLink; inter-node "
-                          "GIN transport is not implemented)",
+    EPX_CHECK(!one_node || lsa.nRanks == size_, UnsupportedError, "NCCL LSA team size",
+              lsa.nRanks,
+              fmt::format("the world size {} (every rank on one node over NVLink; across nodes "
+                          "give the node layout: local_world_size, LOCAL_WORLD_SIZE)",
                           size_));
+    if (!one_node) return;  // the collective engine needs neither windows nor the device API
     // NCCL refuses a device communicator without symmetric memory (NCCL_CUMEM_ENABLE=0,
     // NCCL_P2P_DISABLE=1), while its window registration still succeeds. The requirements'
     // layout is that of the headers epx was built with: probed only when the library is of
@@ -224,7 +232,8 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device)
 }
 
 NcclWorld NcclWorld::from_env(int device) {
-  return NcclWorld(std::make_unique<SocketBootstrap>(BootstrapOptions::from_env()), device);
+  const BootstrapOptions options = BootstrapOptions::from_env();
+  return NcclWorld(std::make_unique<SocketBootstrap>(options), device, options.local_world_size);
 }
 
 NcclWorld::NcclWorld(NcclWorld&& o) noexcept { *this = std::move(o); }
@@ -238,6 +247,7 @@ NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
     size_ = o.size_;
     device_ = o.device_;
     num_sms_ = o.num_sms_;
+    nodes_ = o.nodes_;
   }
   return *this;
 }
@@ -315,6 +325,8 @@ struct NcclWindow {
 
 SymmetricBuffer SymmetricBuffer::create_nccl(NcclWorld& world, size_t bytes) {
   EPX_CHECK(bytes > 0, InputError, "bytes", bytes, "> 0");
+  EPX_CHECK(world.num_nodes() == 1, UnsupportedError, "NcclWorld nodes", world.num_nodes(),
+            "1 for a symmetric buffer (NCCL's windows reach the ranks of one node)");
   const std::vector<std::string> sizes =
       world.bootstrap().all_gather(std::to_string(bytes));
   for (int r = 0; r < world.size(); ++r) {

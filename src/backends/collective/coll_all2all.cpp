@@ -1,0 +1,269 @@
+// The collective engine's All2All (coll_all2all.hpp): NCCL's all-gather of fixed-size packs for
+// dispatch; grouped send/recv (allgather_reducescatter) or an all-gather (naive) of the partials'
+// blocks for combine, folded in rank order at each token's rank. Every size is fixed by the
+// configuration, so nothing waits on the host and every call can be captured in a CUDA graph.
+
+#include "backends/collective/coll_all2all.hpp"
+
+#include <fmt/format.h>
+
+#include <string>
+#include <vector>
+
+#include "backends/collective/coll_kernels.hpp"
+#include "backends/common/inputs.hpp"
+#include "backends/common/rank_status.hpp"
+#include "core/device_guard.hpp"
+#include "epx/bootstrap.hpp"
+#include "epx/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "epx/world.hpp"
+
+namespace epx::coll {
+namespace {
+
+// One device allocation carved into the engine's areas.
+struct Areas {
+  size_t pack, gathered, status, pos, counts, offsets, recv_count, expert_counts;
+  size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
+  size_t partials, blocks, received, total;
+};
+
+Areas make_areas(const EpConfig& cfg, Backend backend) {
+  const size_t W = cfg.world_size, T = cfg.max_tokens_per_rank, cap = cfg.capacity();
+  const size_t H = cfg.hidden, K = cfg.topk;
+  const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
+  size_t c = 0;
+  auto carve = [&c](size_t bytes) {
+    const size_t at = c;
+    c = (c + bytes + 255) / 256 * 256;
+    return at;
+  };
+  Areas a{};
+  a.pack = carve(pack_bytes(cfg));
+  a.gathered = carve(W * pack_bytes(cfg));
+  a.status = carve(sizeof(DeviceStatus));
+  a.pos = carve(W * T * sizeof(int32_t));
+  a.counts = carve(W * sizeof(int32_t));
+  a.offsets = carve(W * sizeof(int32_t));
+  a.recv_count = carve(sizeof(int32_t));
+  a.expert_counts = carve(size_t(cfg.num_local_experts()) * sizeof(int32_t));
+  a.recv_x = carve(cap * size_t(cfg.wire_row_bytes()));
+  a.recv_scales = carve(cap * G * sizeof(float));
+  a.recv_src_rank = carve(cap * sizeof(int32_t));
+  a.recv_src_idx = carve(cap * sizeof(int32_t));
+  a.recv_topk_ids = carve(cap * K * sizeof(int32_t));
+  a.recv_topk_w = carve(cap * K * sizeof(float));
+  a.partials = carve(cap * H * 2);
+  a.blocks = carve(W * T * H * 2);  // [W][T][H]: this rank's partials, by source rank
+  // allgather_reducescatter: every rank's block of this rank's tokens [W][T][H]; naive: every
+  // rank's blocks [W][W][T][H].
+  a.received = carve((backend == Backend::kNaive ? W : 1) * W * T * H * 2);
+  a.total = c;
+  return a;
+}
+
+class CollAll2All final : public All2All {
+ public:
+  CollAll2All(const EpConfig& cfg, Backend backend, NcclWorld& world)
+      : cfg_(cfg), backend_(backend), world_(world), areas_(make_areas(cfg, backend)),
+        status_(cfg, world.device()) {
+    const DeviceGuard guard(world.device());
+    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&mem_), areas_.total));
+    EPX_CUDA_CHECK(cudaMemset(mem_, 0, areas_.total));
+  }
+  ~CollAll2All() override {
+    const DeviceGuard guard(world_.device());
+    (void)cudaFree(mem_);
+  }
+  CollAll2All(const CollAll2All&) = delete;
+  CollAll2All& operator=(const CollAll2All&) = delete;
+
+  const EpConfig& config() const override { return cfg_; }
+  Backend backend() const override { return backend_; }
+  size_t symmetric_bytes() const override { return areas_.total; }
+  uint64_t masked_ranks() const override { return 0; }
+  uint64_t dropped_pairs() const override { return 0; }
+  void clear_mask(cudaStream_t) override { status_.check_usable(); }
+  void* combine_buffer() override { return mem_ + areas_.partials; }
+
+  DispatchResult dispatch(const DispatchInput& in, cudaStream_t stream) override {
+    dispatch_send(in, stream);
+    return dispatch_recv(stream);
+  }
+  void dispatch_send(const DispatchInput& in, cudaStream_t stream) override {
+    status_.poll();
+    EPX_CHECK(pending_ == Pending::kNone, StateError, "dispatch", "called",
+              "after the receive half of the last send half");
+    const int N = in.num_tokens;
+    EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
+              "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    check_routing_by_ids(in, backend_);
+    if (N > 0) {
+      status_.check_ptr(in.x, "x", 16);
+      status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
+      status_.check_ptr(in.topk_weights, "topk_weights", 4);
+      if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
+    }
+    const DeviceGuard guard(world_.device());
+    CollShape S = shape();
+    S.ids_int64 = in.ids_type == IdType::kInt64;
+    launch_coll_pack(S, N, in.x, in.x_scales, in.topk_ids, in.topk_weights, mem_ + areas_.pack,
+                     CollStatus{reinterpret_cast<DeviceStatus*>(mem_ + areas_.status),
+                                status_.device_mirror()},
+                     stream);
+    world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+    tokens_ = N;
+    dispatched_ = true;
+    pending_ = Pending::kDispatchReceive;
+  }
+  DispatchResult dispatch_recv(cudaStream_t stream) override {
+    status_.check_usable();
+    EPX_CHECK(pending_ == Pending::kDispatchReceive, StateError, "dispatch_recv", "called",
+              "after dispatch_send");
+    const DeviceGuard guard(world_.device());
+    launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
+    pending_ = Pending::kNone;
+    return result();
+  }
+
+  using All2All::combine;  // (with extras: refused by the base class)
+  void combine(const void* expert_out, void* y, cudaStream_t stream) override {
+    combine_send(expert_out, stream);
+    combine_recv(y, stream);
+  }
+  void combine_send(const void* expert_out, cudaStream_t stream) override {
+    status_.check_usable();
+    EPX_CHECK(dispatched_, StateError, "combine", "called before any dispatch",
+              "after a dispatch (combine returns the tokens of the last dispatch)");
+    EPX_CHECK(pending_ == Pending::kNone, StateError, "combine", "called",
+              "after the receive half of the last send half");
+    status_.check_ptr(expert_out, "expert_out", 16);
+    const DeviceGuard guard(world_.device());
+    launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
+    const size_t W = cfg_.world_size;
+    const size_t block = size_t(cfg_.max_tokens_per_rank) * cfg_.hidden * 2;
+    if (backend_ == Backend::kNaive) {  // every rank's blocks to every rank
+      world_.all_gather(mem_ + areas_.blocks, mem_ + areas_.received, W * block, stream);
+    } else {  // block q to rank q
+      std::vector<size_t> offsets(W), bytes(W, block);
+      for (size_t q = 0; q < W; ++q) offsets[q] = q * block;
+      world_.all_to_all(mem_ + areas_.blocks, offsets.data(), bytes.data(),
+                        mem_ + areas_.received, offsets.data(), bytes.data(), stream);
+    }
+    pending_ = Pending::kCombineReceive;
+  }
+  void combine_recv(void* y, cudaStream_t stream) override {
+    status_.check_usable();
+    EPX_CHECK(pending_ == Pending::kCombineReceive, StateError, "combine_recv", "called",
+              "after combine_send");
+    if (tokens_ > 0) status_.check_ptr(y, "y", 16);
+    const DeviceGuard guard(world_.device());
+    // The rows of this rank's tokens from rank r: block `rank` of rank r's blocks (naive), or
+    // rank r's block (allgather_reducescatter).
+    const size_t T = cfg_.max_tokens_per_rank, W = cfg_.world_size;
+    const bool naive = backend_ == Backend::kNaive;
+    const uint8_t* from = mem_ + areas_.received +
+                          (naive ? size_t(cfg_.rank) * T * cfg_.hidden * 2 : 0);
+    launch_coll_fold(shape(), tokens_, mem_ + areas_.pack, from, naive ? W * T : T, y, stream);
+    pending_ = Pending::kNone;
+  }
+
+  void poll() override { status_.poll(); }
+  void synchronize(cudaStream_t stream) override {
+    const DeviceGuard guard(world_.device());
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    poll();
+  }
+
+ private:
+  enum class Pending { kNone, kDispatchReceive, kCombineReceive };
+
+  CollShape shape() const {
+    return CollShape{.world = cfg_.world_size,
+                     .rank = cfg_.rank,
+                     .hidden = cfg_.hidden,
+                     .num_experts = cfg_.num_experts,
+                     .num_local = cfg_.num_local_experts(),
+                     .topk = cfg_.topk,
+                     .max_tokens = cfg_.max_tokens_per_rank,
+                     .groups = cfg_.wire_fp8() ? cfg_.num_scale_groups() : 0,
+                     .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
+                     .dtype = int32_t(cfg_.dtype),
+                     .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
+                     .ids_int64 = 0,
+                     .round_scale = cfg_.round_scale,
+                     .slot_bytes = int32_t(slot_bytes(cfg_)),
+                     .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull};
+  }
+  CollRows rows() const {
+    auto p = [this](size_t off) { return mem_ + off; };
+    return CollRows{.recv_x = p(areas_.recv_x),
+                    .recv_scales = reinterpret_cast<float*>(p(areas_.recv_scales)),
+                    .recv_src_rank = reinterpret_cast<int32_t*>(p(areas_.recv_src_rank)),
+                    .recv_src_idx = reinterpret_cast<int32_t*>(p(areas_.recv_src_idx)),
+                    .recv_topk_ids = reinterpret_cast<int32_t*>(p(areas_.recv_topk_ids)),
+                    .recv_topk_w = reinterpret_cast<float*>(p(areas_.recv_topk_w)),
+                    .expert_counts = reinterpret_cast<int32_t*>(p(areas_.expert_counts)),
+                    .recv_count = reinterpret_cast<int32_t*>(p(areas_.recv_count)),
+                    .pos = reinterpret_cast<int32_t*>(p(areas_.pos)),
+                    .counts = reinterpret_cast<int32_t*>(p(areas_.counts)),
+                    .offsets = reinterpret_cast<int32_t*>(p(areas_.offsets))};
+  }
+  DispatchResult result() const {
+    const CollRows r = rows();
+    DispatchResult d;
+    d.capacity = cfg_.capacity();
+    d.combine_buffer = mem_ + areas_.partials;
+    d.recv_count = r.recv_count;
+    d.recv_x = r.recv_x;
+    d.recv_scales = cfg_.wire_fp8() ? r.recv_scales : nullptr;
+    d.recv_src_rank = r.recv_src_rank;
+    d.recv_src_idx = r.recv_src_idx;
+    d.recv_topk_ids = r.recv_topk_ids;
+    d.recv_topk_weights = r.recv_topk_w;
+    d.expert_counts = r.expert_counts;
+    return d;
+  }
+
+  EpConfig cfg_;
+  Backend backend_;
+  NcclWorld& world_;
+  Areas areas_;
+  RankStatus status_;
+  uint8_t* mem_ = nullptr;
+  int tokens_ = 0;
+  bool dispatched_ = false;
+  Pending pending_ = Pending::kNone;
+};
+
+}  // namespace
+
+std::unique_ptr<All2All> make_nccl_rank(Backend backend, const EpConfig& base, NcclWorld& world) {
+  EpConfig cfg = base;
+  cfg.world_size = world.size();
+  cfg.rank = world.rank();
+  cfg.validate();
+  EPX_CHECK(backend == Backend::kNaive || backend == Backend::kAllgatherReduceScatter,
+            UnsupportedError, "backend", to_string(backend),
+            fmt::format("naive or allgather_reducescatter across nodes ({} nodes here): the "
+                        "hierarchical low_latency and high_throughput are not built yet "
+                        "(docs/scale-out.md)",
+                        world.num_nodes()));
+  EPX_CHECK(cfg.layout == OutputLayout::kTokenMajor, ConfigError, "layout", to_string(cfg.layout),
+            std::string("token (backend ") + to_string(backend) + " has no expert-major output)");
+  EPX_CHECK(cfg.rounds_in_flight == 1, ConfigError, "rounds_in_flight", cfg.rounds_in_flight,
+            "1 across nodes");
+  EPX_CHECK(!cfg.mask_failed_ranks, ConfigError, "mask_failed_ranks", "true",
+            "false across nodes (NCCL's collectives need every rank)");
+  EPX_CHECK(cfg.combine != CombineMode::kPush, ConfigError, "combine", to_string(cfg.combine),
+            "auto or pull across nodes (the partials move by NCCL's collectives)");
+  check_fingerprints(world.bootstrap(), cfg, backend);
+  {
+    const DeviceGuard guard(world.device());
+    load_coll_kernels();
+  }
+  return std::make_unique<CollAll2All>(cfg, backend, world);
+}
+
+}  // namespace epx::coll

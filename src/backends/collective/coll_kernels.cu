@@ -1,0 +1,264 @@
+// The collective engine's kernels (coll_kernels.hpp says what each does).
+
+#include <cuda_bf16.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "backends/collective/coll_kernels.hpp"
+#include "core/fp8.cuh"
+#include "core/sync_device.cuh"
+#include "core/vec_device.cuh"
+#include "epx/cuda_check.hpp"
+
+namespace epx::coll {
+namespace {
+
+using dev::kFullWarp;
+using dev::kWarpSize;
+
+constexpr int kThreads = 256;
+constexpr int kBlocks = 132;
+
+// The parts of slot n of a pack.
+struct Slot {
+  uint8_t* base;
+  const CollShape& S;
+  __device__ uint8_t* row() const { return base; }
+  __device__ float* scales() const { return reinterpret_cast<float*>(base + S.wire_row_bytes); }
+  __device__ int32_t* ids() const {
+    return reinterpret_cast<int32_t*>(base + S.wire_row_bytes + size_t(S.groups) * 4);
+  }
+  __device__ float* weights() const { return reinterpret_cast<float*>(ids() + S.topk); }
+  __device__ int32_t* valid() const { return reinterpret_cast<int32_t*>(weights() + S.topk); }
+};
+__device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n) {
+  return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
+}
+
+__device__ __forceinline__ int64_t load_id(const CollShape& S, const void* ids, int n, int k) {
+  const size_t i = size_t(n) * S.topk + k;
+  return S.ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
+}
+
+// One warp per token: ids checked (lane k holds id k), row copied or quantised, metadata written.
+__global__ void __launch_bounds__(kThreads)
+    coll_pack_kernel(const CollShape S, int N, const void* __restrict__ x,
+                     const float* __restrict__ x_scales, const void* __restrict__ ids,
+                     const float* __restrict__ weights, uint8_t* __restrict__ pack, CollStatus st) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<int32_t*>(pack) = N;
+  const dev::WaitContext w{st.status, st.host_status, S.timeout_ns, S.rank};
+  const int K = S.topk, H = S.hidden;
+  for (int n = warp; n < N; n += warps) {
+    const Slot s = slot_of(S, pack, n);
+    // The ids: in [-1, E), no expert twice.
+    const int64_t id = lane < K ? load_id(S, ids, n, lane) : -1;
+    const bool out_of_range = lane < K && (id < -1 || id >= S.num_experts);
+    if (out_of_range) dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1,
+                                        S.num_experts, id, n, lane);
+    const bool expert = lane < K && id >= 0 && !out_of_range;
+    const uint32_t key = expert ? uint32_t(id) : 0x80000000u | uint32_t(lane);
+    const uint32_t same = __match_any_sync(kFullWarp, key);
+    const bool repeated = expert && (same & dev::lanemask_lt()) != 0;
+    if (repeated) dev::record_error(w, StatusCode::kInput, Phase::kDispatchRoute, -1,
+                                    __ffs(same) - 1, id, n, lane);
+    const bool valid = !__any_sync(kFullWarp, out_of_range || repeated);
+    if (lane < K) {
+      s.ids()[lane] = int32_t(id);
+      s.weights()[lane] = weights[size_t(n) * K + lane];
+    }
+    if (lane == 0) *s.valid() = valid ? 1 : 0;
+    if (S.dtype == int32_t(DispatchDtype::kBF16ToFP8)) {
+      // 16 values a lane, 8 lanes a 1x128 block; every lane takes part in each block's shuffles.
+      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(x) + size_t(n) * H;
+      for (int v0 = 0; v0 < H; v0 += kWarpSize * 16) {
+        const int v = v0 + lane * 16;
+        float f[16];
+        if (v < H) {
+          float a[8], b[8];
+          dev::load_bf16x8(src + v, a);
+          dev::load_bf16x8(src + v + 8, b);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            f[i] = a[i];
+            f[8 + i] = b[i];
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) f[i] = 0.f;
+        }
+        float scale;
+        const uint4 q = dev::quantize_fp8_block<16>(f, scale, S.round_scale != 0);
+        if (v < H) {
+          *reinterpret_cast<uint4*>(s.row() + v) = q;
+          if (lane % 8 == 0) s.scales()[v / kFp8BlockSize] = scale;
+        }
+      }
+    } else {
+      const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(x) +
+                                                      size_t(n) * S.wire_row_bytes);
+      int4* dst = reinterpret_cast<int4*>(s.row());
+      for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = __ldg(src + v);
+      for (int g = lane; g < S.groups; g += kWarpSize)
+        s.scales()[g] = x_scales[size_t(n) * S.groups + g];
+    }
+  }
+}
+
+// One block per source rank q: each of its tokens' place among its valid tokens, and their count.
+__global__ void __launch_bounds__(kThreads)
+    coll_place_kernel(const CollShape S, const uint8_t* __restrict__ gathered, size_t pack_bytes,
+                      CollRows rows) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int q = blockIdx.x;
+  uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
+  const int N = min(max(*reinterpret_cast<const int32_t*>(pack), 0), S.max_tokens);
+  int32_t run = 0;
+  for (int n0 = 0; n0 < N; n0 += kThreads) {
+    const int n = n0 + threadIdx.x;
+    const int32_t valid = n < N ? *slot_of(S, pack, n).valid() : 0;
+    int32_t before = 0, total = 0;
+    Scan(tmp).ExclusiveSum(valid, before, total);
+    if (n < N) rows.pos[size_t(q) * S.max_tokens + n] = valid ? run + before : -1;
+    run += total;
+    __syncthreads();  // tmp is reused
+  }
+  if (threadIdx.x == 0) rows.counts[q] = run;
+}
+
+// One block: each source's first row, the round's row count, the expert counts cleared.
+__global__ void coll_offsets_kernel(const CollShape S, CollRows rows) {
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int q = 0; q < S.world; ++q) {
+      rows.offsets[q] = run;
+      run += rows.counts[q];
+    }
+    *rows.recv_count = run;
+  }
+  for (int e = threadIdx.x; e < S.num_local; e += blockDim.x) rows.expert_counts[e] = 0;
+}
+
+// One warp per (source, token): a valid token's row, scales and metadata at its place.
+__global__ void __launch_bounds__(kThreads)
+    coll_rows_kernel(const CollShape S, const uint8_t* __restrict__ gathered, size_t pack_bytes,
+                     CollRows rows) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int T = S.max_tokens, K = S.topk, cap = S.world * T;
+  const int e0 = S.rank * S.num_local;
+  for (int i = warp; i < S.world * T; i += warps) {
+    const int q = i / T, n = i % T;
+    const int32_t p = rows.pos[i];
+    uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
+    const int N = min(max(*reinterpret_cast<const int32_t*>(pack), 0), T);
+    if (n >= N || p < 0) continue;
+    const int row = rows.offsets[q] + p;
+    const Slot s = slot_of(S, pack, n);
+    const int4* src = reinterpret_cast<const int4*>(s.row());
+    int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
+    for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
+    for (int g = lane; g < S.groups; g += kWarpSize) {
+      const size_t at = S.scale_col_major ? size_t(g) * cap + row : size_t(row) * S.groups + g;
+      rows.recv_scales[at] = s.scales()[g];
+    }
+    if (lane < K) {
+      const int32_t id = s.ids()[lane];
+      rows.recv_topk_ids[size_t(row) * K + lane] = id;
+      rows.recv_topk_w[size_t(row) * K + lane] = s.weights()[lane];
+      if (id >= e0 && id < e0 + S.num_local) atomicAdd(rows.expert_counts + (id - e0), 1);
+    }
+    if (lane == 0) {
+      rows.recv_src_rank[row] = q;
+      rows.recv_src_idx[row] = n;
+    }
+  }
+}
+
+// One warp per received row: its partial to its source's block.
+__global__ void __launch_bounds__(kThreads)
+    coll_scatter_kernel(const CollShape S, const int4* __restrict__ partials, CollRows rows,
+                        int4* __restrict__ blocks) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int M = *rows.recv_count, vecs = S.hidden / 8;
+  for (int j = warp; j < M; j += warps) {
+    const int q = rows.recv_src_rank[j], n = rows.recv_src_idx[j];
+    int4* dst = blocks + (size_t(q) * S.max_tokens + n) * vecs;
+    const int4* src = partials + size_t(j) * vecs;
+    for (int v = lane; v < vecs; v += kWarpSize) dst[v] = __ldg(src + v);
+  }
+}
+
+// One thread per 8 values of a token: the ranks' rows in rank order, f32, rounded once.
+__global__ void __launch_bounds__(kThreads)
+    coll_fold_kernel(const CollShape S, int N, const uint8_t* __restrict__ own_pack,
+                     const __nv_bfloat16* __restrict__ from, size_t stride_rows,
+                     __nv_bfloat16* __restrict__ y) {
+  const int vecs = S.hidden / 8;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const int n = int(i / vecs), v = int(i % vecs);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (*slot_of(S, const_cast<uint8_t*>(own_pack), n).valid() != 0) {
+      for (int r = 0; r < S.world; ++r) {
+        float f[8];
+        dev::load_bf16x8(from + (size_t(r) * stride_rows + n) * S.hidden + size_t(v) * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += f[e];
+      }
+    }
+    dev::store_bf16x8(y + size_t(n) * S.hidden + size_t(v) * 8, acc);
+  }
+}
+
+}  // namespace
+
+void load_coll_kernels() {
+  cudaFuncAttributes attr{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_pack_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_place_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_offsets_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_rows_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_fold_kernel));
+}
+
+void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
+                      const void* ids, const float* weights, uint8_t* pack, CollStatus st,
+                      cudaStream_t stream) {
+  coll_pack_kernel<<<kBlocks, kThreads, 0, stream>>>(S, num_tokens, x, x_scales, ids, weights,
+                                                     pack, st);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
+                        const CollRows& rows, cudaStream_t stream) {
+  coll_place_kernel<<<S.world, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
+  coll_offsets_kernel<<<1, kThreads, 0, stream>>>(S, rows);
+  coll_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
+                         void* blocks, cudaStream_t stream) {
+  coll_scatter_kernel<<<kBlocks, kThreads, 0, stream>>>(S, static_cast<const int4*>(partials),
+                                                        rows, static_cast<int4*>(blocks));
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
+                      const void* from, size_t stride_rows, void* y, cudaStream_t stream) {
+  if (num_tokens == 0) return;
+  coll_fold_kernel<<<kBlocks, kThreads, 0, stream>>>(
+      S, num_tokens, own_pack, static_cast<const __nv_bfloat16*>(from), stride_rows,
+      static_cast<__nv_bfloat16*>(y));
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace epx::coll

@@ -1,0 +1,91 @@
+#pragma once
+// The collective engine's kernels (src/backends/collective): the baselines naive and
+// allgather_reducescatter over NCCL's host collectives, for worlds that span several nodes.
+//
+// Dispatch: each rank packs its tokens into fixed-size slots (one per possible token) behind a
+// header holding its token count, NCCL all-gathers the packs, and every rank lays the valid tokens
+// of every rank out as token-major rows ordered by (source rank, source index).
+// Combine: each rank scatters its rows' partials into one block of max_tokens rows per source
+// rank; allgather_reducescatter sends each block to its rank (grouped send/recv), naive all-gathers
+// every block to every rank; the token's rank adds its rows in rank order in f32 and rounds once.
+// Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/device_status.hpp"
+#include "epx/config.hpp"
+
+namespace epx::coll {
+
+struct CollShape {
+  int32_t world;
+  int32_t rank;
+  int32_t hidden;
+  int32_t num_experts;
+  int32_t num_local;
+  int32_t topk;
+  int32_t max_tokens;      // T: slots per pack, rows per partials block
+  int32_t groups;          // fp8 scale blocks per row (0: bf16 wire)
+  int32_t wire_row_bytes;
+  int32_t dtype;           // DispatchDtype
+  int32_t scale_col_major;
+  int32_t ids_int64;
+  int32_t round_scale;
+  int32_t slot_bytes;      // one packed token, 16-byte multiple
+  uint64_t timeout_ns;
+};
+
+// A pack: kPackHeader bytes (int32 token count), then T slots of
+// [wire row | f32 scales | int32 ids | f32 weights | int32 valid], each slot_bytes long.
+inline constexpr size_t kPackHeader = 16;
+constexpr size_t slot_bytes(const EpConfig& cfg) {
+  const size_t g = cfg.dtype == DispatchDtype::kBF16 ? 0 : size_t(cfg.hidden / kFp8BlockSize);
+  const size_t row = cfg.dtype == DispatchDtype::kBF16 ? size_t(cfg.hidden) * 2 : size_t(cfg.hidden);
+  return (row + g * 4 + size_t(cfg.topk) * 8 + 4 + 15) / 16 * 16;
+}
+constexpr size_t pack_bytes(const EpConfig& cfg) {
+  return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg);
+}
+
+// Where the dispatch's outputs and its bookkeeping live (device pointers).
+struct CollRows {
+  uint8_t* recv_x;          // [cap][wire_row_bytes]
+  float* recv_scales;       // [cap][G] or [G][cap]
+  int32_t* recv_src_rank;   // [cap]
+  int32_t* recv_src_idx;    // [cap]
+  int32_t* recv_topk_ids;   // [cap][K]
+  float* recv_topk_w;       // [cap][K]
+  int32_t* expert_counts;   // [E/W]
+  int32_t* recv_count;      // [1]
+  int32_t* pos;             // [W][T]: row of (source q, token n) among q's valid tokens, or -1
+  int32_t* counts;          // [W]: valid tokens of each source
+  int32_t* offsets;         // [W]: first row of each source
+};
+
+struct CollStatus {
+  DeviceStatus* status;       // device word
+  DeviceStatus* host_status;  // mapped host mirror
+};
+
+void load_coll_kernels();
+// Packs this rank's N tokens into `pack` (quantised for bf16-to-fp8), checking their ids (a bad
+// or repeated id is recorded as an input error and the token is sent nowhere).
+void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
+                      const void* ids, const float* weights, uint8_t* pack, CollStatus st,
+                      cudaStream_t stream);
+// The gathered packs [W][pack_bytes] -> the token-major rows.
+void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
+                        const CollRows& rows, cudaStream_t stream);
+// Row j's partial [H] bf16 -> blocks[src_rank][src_idx] ([W][T][H]), for j < *recv_count.
+void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
+                         void* blocks, cudaStream_t stream);
+// y[n] for n < N: the rows of this rank's tokens from every rank, `from` + (r * stride + n) * H
+// bf16, summed in rank order in f32 and rounded once; 0 for a token this rank's pack marked
+// invalid (sent nowhere).
+void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
+                      const void* from, size_t stride_rows, void* y, cudaStream_t stream);
+
+}  // namespace epx::coll
