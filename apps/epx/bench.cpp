@@ -39,7 +39,13 @@ bench::Plan validate(const BenchFlags& f, bool world_given) {
   p.nccl = kind == WorldKind::kNccl;
   SweepFlags sweep = f.sweep;
   if (p.ipc) take_world_from_env(sweep.shape, world_given, "epx bench");
-  p.shape = make_sweep(sweep);
+  // --combine-format is a list here: every format's configs pass EpConfig::validate(), and
+  // shape.cfg carries the first.
+  p.formats = parse_combine_format_list(sweep.shape.combine_format, "--combine-format");
+  for (auto f = p.formats.rbegin(); f != p.formats.rend(); ++f) {
+    sweep.shape.combine_format = to_string(*f);
+    p.shape = make_sweep(sweep);
+  }
   p.backends = parse_backend_list(f.backends, "--backends");
   check_range("--iters", f.iters, bench::kMinIters, bench::kMaxIters,
               "median and p90 need at least 50 timed iterations, DESIGN §8");
@@ -65,6 +71,11 @@ void add_bench(CLI::App& app, int& exit_code) {
   c->add_option("--backends", f->backends,
                 "comma list of naive | allgather_reducescatter | low_latency | high_throughput")
       ->capture_default_str();
+  c->get_option("--combine-format")
+      ->description(
+          "comma list of bf16 | logfmt: each backend measured once per format, each result row "
+          "naming its combine_format (logfmt: LogFMT-10 rows, low_latency only; the other "
+          "backends are reported unavailable for it)");
   c->add_option("--iters", f->iters, "timed rounds (at least 50)")->capture_default_str();
   c->add_option("--warmup", f->warmup, "untimed rounds before them")->capture_default_str();
   c->add_option("--json", f->json_path,

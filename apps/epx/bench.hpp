@@ -31,8 +31,11 @@ inline constexpr int kCopyRepeats = 20;
 inline constexpr const char* kOps[] = {"dispatch", "combine"};
 
 struct Plan {
-  Sweep shape;
+  Sweep shape;  // shape.cfg.combine_format is formats.front(); each result sets its own
   std::vector<Backend> backends;
+  // --combine-format: each backend is measured once per format, in this order (a backend that
+  // does not take a format gets an "unavailable" result for it, not a run)
+  std::vector<CombineFormat> formats{CombineFormat::kBF16};
   LaunchSource launch;
   int iters = 0;
   int warmup = 0;
@@ -43,8 +46,10 @@ struct Plan {
 };
 
 // One backend at one token count.
+// One backend in one combine format at one token count.
 struct BackendResult {
   Backend backend{};
+  CombineFormat format = CombineFormat::kBF16;
   std::string status = "ok";             // ok | unavailable | failed (verification) | error
   std::string verification = "not_run";  // passed | failed | skipped | not_run
   std::string message;
@@ -81,7 +86,8 @@ inline int headline_mode(const BackendResult& br) {
 
 struct TokenResult {
   int tokens = 0;
-  Volumes volumes;
+  Volumes volumes;         // combine's bytes as bf16 rows
+  Volumes logfmt_volumes;  // the same with combine's bytes as LogFMT rows
   double floor_us[2] = {0, 0};  // dispatch, combine
   std::vector<BackendResult> backends;
 };
@@ -89,6 +95,19 @@ struct TokenResult {
 inline const OpBytes& op_bytes(const Volumes& v, int op) {
   return op == 0 ? v.dispatch : v.combine;
 }
+inline const Volumes& volumes_of(const TokenResult& tr, CombineFormat f) {
+  return f == CombineFormat::kLogFMT ? tr.logfmt_volumes : tr.volumes;
+}
+// cfg with combine_format = f.
+inline EpConfig with_format(EpConfig cfg, CombineFormat f) {
+  cfg.combine_format = f;
+  return cfg;
+}
+// The result of a pair the run does not measure: a backend that refuses the format (LogFMT is
+// low_latency's only), or nullopt when the pair is measured.
+std::optional<BackendResult> format_not_taken(Backend b, CombineFormat f);
+// "low_latency" or "low_latency logfmt": a result's name in the table and the progress lines.
+std::string result_name(Backend b, CombineFormat f);
 
 // ---- report (bench_report.cpp) -----------------------------------------------------------------
 
@@ -103,7 +122,8 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
                          const std::vector<TokenResult>& results);
 // True unless a backend failed or erred (an unavailable backend is reported, not a failure).
 bool all_ok(const std::vector<TokenResult>& results);
-// "low_latency,naive": the backends of the plan.
+// "low_latency,naive": the backends of the plan, then " combine bf16,logfmt" when the plan
+// measures more than bf16.
 std::string backend_list(const Plan& p);
 
 #if EPX_HAVE_CUDA

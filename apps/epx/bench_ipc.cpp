@@ -61,7 +61,9 @@ BackendResult run_backend_ipc(const Plan& p, Backend backend, const EpConfig& cf
   };
   BackendResult br;
   br.backend = backend;
-  const std::string tag = fmt::format("[tokens {}] {}", inputs.tokens(), to_string(backend));
+  br.format = cfg.combine_format;
+  const std::string tag =
+      fmt::format("[tokens {}] {}", inputs.tokens(), result_name(backend, br.format));
   auto fail = [&](const Verdict& v) {
     br.status = v.status;
     br.message = v.message;
@@ -232,7 +234,9 @@ bool run_bench_process(const Plan& p, World& world, std::chrono::steady_clock::t
     DeviceInputs inputs(me, world.device(), cfg, T, p.shape.routing, p.shape.seed);
     TokenResult tr;
     tr.tokens = T;
-    tr.volumes = compute_volumes(cfg, inputs.routings());
+    tr.volumes = compute_volumes(with_format(cfg, CombineFormat::kBF16), inputs.routings());
+    tr.logfmt_volumes =
+        compute_volumes(with_format(cfg, CombineFormat::kLogFMT), inputs.routings());
     for (int op = 0; op < 2; ++op)
       tr.floor_us[op] = double(op_bytes(tr.volumes, op).floor) / (bw.gbps * 1e3);
     if (lead) {
@@ -244,7 +248,15 @@ bool run_bench_process(const Plan& p, World& world, std::chrono::steady_clock::t
                           double(std::max<int64_t>(1, tr.volumes.tokens)),
                       seconds_since(t0)));
     }
-    for (Backend b : p.backends) tr.backends.push_back(run_backend_ipc(p, b, cfg, world, inputs));
+    for (Backend b : p.backends) {
+      for (CombineFormat f : p.formats) {
+        if (auto skipped = format_not_taken(b, f)) {
+          tr.backends.push_back(*skipped);
+          continue;
+        }
+        tr.backends.push_back(run_backend_ipc(p, b, with_format(cfg, f), world, inputs));
+      }
+    }
     if constexpr (std::is_same_v<World, NcclWorld>) {
       for (auto& rec : run_nccl_yardstick(p, world, cfg, T, inputs.routings()))
         yardstick.push_back(std::move(rec));

@@ -36,6 +36,22 @@ int gpus_used(const InProcessWorld& world) {
 
 }  // namespace
 
+std::optional<BackendResult> format_not_taken(Backend b, CombineFormat f) {
+  if (f != CombineFormat::kLogFMT || takes_logfmt_combine(b)) return std::nullopt;
+  BackendResult br;
+  br.backend = b;
+  br.format = f;
+  br.status = "unavailable";
+  br.message = fmt::format("combine_format {} is low_latency's only; {} combines bf16 rows",
+                           to_string(f), to_string(b));
+  return br;
+}
+
+std::string result_name(Backend b, CombineFormat f) {
+  return f == CombineFormat::kBF16 ? std::string(to_string(b))
+                                   : fmt::format("{} {}", to_string(b), to_string(f));
+}
+
 void print_table(const Plan& p, const std::vector<TokenResult>& results) {
   const int W = p.shape.cfg.world_size;
   const bool in_process = !p.ipc;
@@ -56,7 +72,7 @@ void print_table(const Plan& p, const std::vector<TokenResult>& results) {
             br.status == "ok" && timing_of(headline_mode(br)) == TimingMode::kEager;
         const std::string head =
             fmt::format("{:>7}  {:<8}  {:<23}", tr.tokens, kOps[op],
-                        std::string(to_string(br.backend)) + (eager_headline ? " (eager)" : ""));
+                        result_name(br.backend, br.format) + (eager_headline ? " (eager)" : ""));
         if (br.status != "ok") {
           const std::string what = br.status == "failed" ? "FAILED" : br.status;
           fmt::print("{}  {}: {}\n", head, what, one_line(br.message, 100));
@@ -78,7 +94,7 @@ void print_table(const Plan& p, const std::vector<TokenResult>& results) {
         const double med = g.op[op].median_us;
         fmt::print("{}  {:10.2f}  {:10.2f}  {}  {}  {:12.1f}  {:9.2f}  {:8.2f}\n", head, med,
                    g.op[op].p90_us, eager, per_rank,
-                   gbps(op_bytes(tr.volumes, op).crossing, med, W), tr.floor_us[op],
+                   gbps(op_bytes(volumes_of(tr, br.format), op).crossing, med, W), tr.floor_us[op],
                    med / tr.floor_us[op]);
       }
     }
@@ -91,9 +107,12 @@ void print_table(const Plan& p, const std::vector<TokenResult>& results) {
   }
   fmt::print(
       "cross GB/s per rank = payload bytes between distinct ranks after per-rank dedup "
-      "/ graph median / world ({});\nfloor = HBM bytes of the op (input rows read once, "
+      "/ graph median / world ({}){};\nfloor = HBM bytes of the op (input rows read once, "
       "deduplicated output rows written once) / measured copy bandwidth.\n",
-      W);
+      W,
+      std::find(p.formats.begin(), p.formats.end(), CombineFormat::kLogFMT) != p.formats.end()
+          ? " (a logfmt combine counts LogFMT rows, 41 * H / 32 bytes each)"
+          : "");
 }
 
 void print_yardstick(const nlohmann::json& records) {
@@ -139,6 +158,8 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
                   {"round_scale", cfg.round_scale},
                   {"combine", to_string(cfg.combine)},
                   {"routing", p.shape.routing_name}};
+  doc["shape"]["combine_formats"] = json::array();  // those measured; each result names its own
+  for (CombineFormat f : p.formats) doc["shape"]["combine_formats"].push_back(to_string(f));
   doc["launch_configs"] = {{"source", p.launch.origin},
                            {"dispatch", launch_json(p.launch.launch.dispatch)},
                            {"combine", launch_json(p.launch.launch.combine)},
@@ -164,7 +185,8 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
                 {"rows_self", v.rows_self},
                 {"destination_ranks_per_token",
                  v.tokens ? double(v.rows_crossing + v.rows_self) / double(v.tokens) : 0.0},
-                {"wire_row_bytes", v.wire_row_bytes}};
+                {"wire_row_bytes", v.wire_row_bytes},
+                {"combine_row_bytes", v.combine_row_bytes}};
     for (int op = 0; op < 2; ++op) {
       const OpBytes& b = op_bytes(v, op);
       vol[kOps[op]] = {{"crossing_bytes", b.crossing},
@@ -172,15 +194,26 @@ nlohmann::json make_json(const Plan& p, const nlohmann::json& world_json, const 
                        {"floor_bytes", b.floor},
                        {"floor_us", tr.floor_us[op]}};
     }
+    // "combine" above counts bf16 rows; a run that measures LogFMT rows adds their figures.
+    if (std::find(p.formats.begin(), p.formats.end(), CombineFormat::kLogFMT) !=
+        p.formats.end()) {
+      const Volumes& lv = tr.logfmt_volumes;
+      vol["combine_logfmt"] = {{"combine_row_bytes", lv.combine_row_bytes},
+                               {"crossing_bytes", lv.combine.crossing},
+                               {"algorithm_bytes", lv.combine.algorithm},
+                               {"floor_bytes", lv.combine.floor},
+                               {"floor_us", tr.floor_us[1]}};
+    }
     volumes.push_back(vol);
     for (const BackendResult& br : tr.backends) {
       for (int op = 0; op < 2; ++op) {
         for (int m = 0; m < 4; ++m) {
-          const OpBytes& b = op_bytes(v, op);
+          const OpBytes& b = op_bytes(volumes_of(tr, br.format), op);
           const auto& mode = br.mode[m];
           if (!mode.run && br.status == "ok") continue;
           if (br.status != "ok" && m != headline_mode(br)) continue;  // one record says why
           json rec = {{"backend", to_string(br.backend)},
+                      {"combine_format", to_string(br.format)},
                       {"tokens_per_rank", tr.tokens},
                       {"op", kOps[op]},
                       {"mode", to_string(timing_of(m))},
@@ -238,6 +271,11 @@ std::string backend_list(const Plan& p) {
   for (Backend b : p.backends) {
     if (!out.empty()) out += ',';
     out += to_string(b);
+  }
+  if (p.formats.size() > 1 || p.formats.front() != CombineFormat::kBF16) {
+    out += " combine ";
+    for (size_t i = 0; i < p.formats.size(); ++i)
+      out += (i > 0 ? "," : "") + std::string(to_string(p.formats[i]));
   }
   return out;
 }

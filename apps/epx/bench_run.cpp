@@ -34,7 +34,9 @@ BackendResult run_backend(const Plan& p, Backend backend, const EpConfig& cfg,
                           const InProcessWorld& world, const DeviceInputs& inputs, ForkJoin& fj) {
   BackendResult br;
   br.backend = backend;
-  const std::string tag = fmt::format("[tokens {}] {}", inputs.tokens(), to_string(backend));
+  br.format = cfg.combine_format;
+  const std::string tag =
+      fmt::format("[tokens {}] {}", inputs.tokens(), result_name(backend, br.format));
   if (p.verify) {
     const auto t0 = std::chrono::steady_clock::now();
     const testing::CheckOptions o = verify_options(p, backend, cfg, inputs.tokens());
@@ -149,7 +151,9 @@ bool run_in_process(const Plan& p) {
     DeviceInputs inputs(world, cfg, T, p.shape.routing, p.shape.seed);
     TokenResult tr;
     tr.tokens = T;
-    tr.volumes = compute_volumes(cfg, inputs.routings());
+    tr.volumes = compute_volumes(with_format(cfg, CombineFormat::kBF16), inputs.routings());
+    tr.logfmt_volumes =
+        compute_volumes(with_format(cfg, CombineFormat::kLogFMT), inputs.routings());
     for (int op = 0; op < 2; ++op)
       tr.floor_us[op] = double(op_bytes(tr.volumes, op).floor) / (bw.gbps * 1e3);
     progress(
@@ -159,7 +163,15 @@ bool run_in_process(const Plan& p) {
                     double(tr.volumes.rows_crossing + tr.volumes.rows_self) /
                         double(std::max<int64_t>(1, tr.volumes.tokens)),
                     seconds_since(t0)));
-    for (Backend b : p.backends) tr.backends.push_back(run_backend(p, b, cfg, world, inputs, fj));
+    for (Backend b : p.backends) {
+      for (CombineFormat f : p.formats) {
+        if (auto skipped = format_not_taken(b, f)) {
+          tr.backends.push_back(*skipped);
+          continue;
+        }
+        tr.backends.push_back(run_backend(p, b, with_format(cfg, f), world, inputs, fj));
+      }
+    }
     results.push_back(std::move(tr));
     // The token counts done so far, so that a run cut short keeps them ("complete": false); not
     // into a pipe or a device (--json /dev/stdout gets one document, at the end).

@@ -73,6 +73,7 @@ nlohmann::json options_json(const testing::CheckOptions& o, const CheckRunFlags&
           {"rounds_in_flight", cfg.rounds_in_flight},
           {"worst_case_output", cfg.worst_case_output},
           {"combine", to_string(cfg.combine)},
+          {"combine_format", to_string(cfg.combine_format)},
           {"timeout_ms", cfg.timeout_ms},
           {"routing", f.routing},
           {"seed", o.seed},
@@ -123,11 +124,11 @@ int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f,
   const EpConfig& cfg = o.cfg;
   fmt::print(
       "epx check: backend {}, world {}, H {}, E {}, K {}, tokens {}, max {}, dtype {}, "
-      "layout {}, scales {}{}, combine {}, routing {}, seed {}\n",
+      "layout {}, scales {}{}, combine {} {}, routing {}, seed {}\n",
       to_string(o.backend), cfg.world_size, cfg.hidden, cfg.num_experts, cfg.topk, f.tokens,
       cfg.max_tokens_per_rank, to_string(cfg.dtype), to_string(cfg.layout),
       to_string(cfg.scale_layout), cfg.round_scale ? " (powers of two)" : "",
-      to_string(cfg.combine), f.routing, o.seed);
+      to_string(cfg.combine), to_string(cfg.combine_format), f.routing, o.seed);
   const auto t0 = std::chrono::steady_clock::now();
   const testing::CheckReport rep = testing::run_check(o);
   const double secs = seconds_since(t0);
@@ -161,11 +162,13 @@ int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const
   if (lead) {
     fmt::print(
         "epx check: {} world ({} processes), backend {}, world {}, H {}, E {}, K {}, "
-        "tokens {}, max {}, dtype {}, layout {}, scales {}{}, combine {}, routing {}, seed {}\n",
+        "tokens {}, max {}, dtype {}, layout {}, scales {}{}, combine {} {}, routing {}, "
+        "seed {}\n",
         to_string(kind), world.size(), to_string(o.backend), cfg.world_size, cfg.hidden,
         cfg.num_experts, cfg.topk, f.tokens, cfg.max_tokens_per_rank, to_string(cfg.dtype),
         to_string(cfg.layout), to_string(cfg.scale_layout),
-        cfg.round_scale ? " (powers of two)" : "", to_string(cfg.combine), f.routing, o.seed);
+        cfg.round_scale ? " (powers of two)" : "", to_string(cfg.combine),
+        to_string(cfg.combine_format), f.routing, o.seed);
     std::fflush(stdout);
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -223,6 +226,7 @@ bool same_check(const testing::CheckOptions& a, const testing::CheckOptions& b) 
          x.scale_layout == y.scale_layout && x.round_scale == y.round_scale && x.layout == y.layout &&
          x.deterministic == y.deterministic && x.rounds_in_flight == y.rounds_in_flight &&
          x.worst_case_output == y.worst_case_output && x.combine == y.combine &&
+         x.combine_format == y.combine_format &&
          a.gpus == b.gpus && a.backend == b.backend && a.tokens == b.tokens &&
          a.routing == b.routing && a.seed == b.seed && a.iters == b.iters &&
          a.graph_replays == b.graph_replays && a.verify_every == b.verify_every &&

@@ -4,6 +4,8 @@
 #include <bit>
 #include <cmath>
 
+#include "core/logfmt.hpp"
+
 namespace epx::cli {
 
 Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings) {
@@ -29,8 +31,11 @@ Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& ro
   v.dispatch.crossing = v.rows_crossing * v.wire_row_bytes;
   v.dispatch.algorithm = rows * v.wire_row_bytes;
   v.dispatch.floor = v.tokens * input_row + rows * v.wire_row_bytes;
-  v.combine.crossing = v.rows_crossing * 2 * H;
-  v.combine.algorithm = rows * 2 * H;
+  // The partials are bf16 in HBM whatever crosses; only the bytes between ranks shrink.
+  v.combine_row_bytes =
+      cfg.combine_format == CombineFormat::kLogFMT ? logfmt::row_bytes(cfg.hidden) : 2 * H;
+  v.combine.crossing = v.rows_crossing * v.combine_row_bytes;
+  v.combine.algorithm = rows * v.combine_row_bytes;
   v.combine.floor = rows * 2 * H + v.tokens * 2 * H;
   return v;
 }

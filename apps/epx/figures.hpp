@@ -27,8 +27,10 @@ struct Volumes {
   int64_t rows_crossing = 0;   // (token, destination rank != source) pairs
   int64_t rows_self = 0;       // (token, its own rank) pairs
   int64_t wire_row_bytes = 0;  // dispatched row: payload + fp8 scales
+  // combined partial as it crosses: 2 * hidden (bf16) or logfmt::row_bytes(hidden) (LogFMT)
+  int64_t combine_row_bytes = 0;
   OpBytes dispatch;
-  OpBytes combine;
+  OpBytes combine;  // crossing and algorithm in cfg.combine_format; floor in bf16 (what HBM holds)
 };
 Volumes compute_volumes(const EpConfig& cfg, const std::vector<ref::Routing>& routings);
 

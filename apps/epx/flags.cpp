@@ -142,6 +142,7 @@ std::string in_flag_names(const std::string& message, const char* max_tokens_fla
                                  {"scale_layout", "--scale-layout"},
                                  {"round_scale", "--round-scale"},
                                  {"combine", "--combine"},
+                                 {"combine_format", "--combine-format"},
                                  {"timeout_ms", "--timeout-ms"}});
 }
 
@@ -177,6 +178,19 @@ OutputLayout parse_layout_flag(const std::string& name) {
 
 ScaleLayout parse_scale_layout_flag(const std::string& name) {
   return parse_as_flag(parse_scale_layout, name, "scale_layout", "--scale-layout");
+}
+
+std::vector<CombineFormat> parse_combine_format_list(const std::string& text, const char* flag) {
+  std::vector<CombineFormat> out;
+  for (const std::string& name : split_list(text, flag)) {
+    const CombineFormat f = parse_as_flag(parse_combine_format, name, "combine_format", flag);
+    if (std::find(out.begin(), out.end(), f) != out.end()) {
+      EPX_THROW(ConfigError, fmt::format("{} = '{}' lists {} twice, expected each format once",
+                                         flag, text, name));
+    }
+    out.push_back(f);
+  }
+  return out;
 }
 
 WorldKind parse_world_kind(const std::string& name) {
@@ -216,6 +230,8 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.rounds_in_flight = rounds_in_flight;
   cfg.worst_case_output = worst_case_output;
   cfg.combine = parse_as_flag(parse_combine_mode, combine, "combine", "--combine");
+  cfg.combine_format =
+      parse_as_flag(parse_combine_format, combine_format, "combine_format", "--combine-format");
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -268,6 +284,11 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
   c->add_option("--combine", f.combine,
                 "auto | pull | push: how combine moves the partials (low_latency, "
                 "allgather_reducescatter); auto pulls when every rank is on one GPU")
+      ->capture_default_str();
+  c->add_option("--combine-format", f.combine_format,
+                "bf16 | logfmt: what the partials cross as in combine (logfmt: LogFMT-10 rows, "
+                "about 0.64 of the bytes, DeepEP's use_logfmt; low_latency only, --hidden a "
+                "multiple of 128)")
       ->capture_default_str();
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");

@@ -53,6 +53,9 @@ Backend backend_or_env(const std::string& name, const char* flag);
 DispatchDtype parse_dtype_flag(const std::string& name);       // --dtype
 OutputLayout parse_layout_flag(const std::string& name);       // --layout
 ScaleLayout parse_scale_layout_flag(const std::string& name);  // --scale-layout
+// A comma list of combine formats ("bf16,logfmt"), each once, in the order given; errors name
+// `flag`.
+std::vector<CombineFormat> parse_combine_format_list(const std::string& text, const char* flag);
 
 // --world-kind: how the ranks reach each other.
 enum class WorldKind {
@@ -85,6 +88,8 @@ struct ShapeFlags {
   int rounds_in_flight = 1;    // --rounds-in-flight
   bool worst_case_output = false;  // --worst-case-output (high_throughput)
   std::string combine = "auto";    // --combine: auto | pull | push
+  // --combine-format: bf16 | logfmt (bench: a comma list, split by bench before config())
+  std::string combine_format = "bf16";
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

@@ -47,6 +47,14 @@ enum class CombineMode {
           // hidden bf16 (f32 for the expert-major layout)
 };
 
+// What crosses between the ranks in combine (DeepEP's use_logfmt). low_latency only: every other
+// backend refuses kLogFMT with ConfigError.
+enum class CombineFormat {
+  kBF16,    // bf16 partials, 2 * hidden bytes a row
+  kLogFMT,  // LogFMT-10 rows (src/core/logfmt.hpp): 41 * hidden / 32 bytes a row, about 0.64 of
+            // the bytes at any hidden that is a multiple of 512; hidden a multiple of 128
+};
+
 enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughput };
 
 // The baselines deliver every token of every rank (that is what they are); low_latency and
@@ -54,6 +62,9 @@ enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughp
 constexpr bool delivers_every_token(Backend b) {
   return b == Backend::kNaive || b == Backend::kAllgatherReduceScatter;
 }
+
+// The backends that take CombineFormat::kLogFMT; every other backend refuses it (ConfigError).
+constexpr bool takes_logfmt_combine(Backend b) { return b == Backend::kLowLatency; }
 
 struct EpConfig {
   int rank = 0;
@@ -93,6 +104,10 @@ struct EpConfig {
   // naive (an all-reduce), high_throughput and mask_failed_ranks take kAuto (which then pulls)
   // or kPull only.
   CombineMode combine = CombineMode::kAuto;
+  // What each partial crosses as (CombineFormat): bf16, or LogFMT-10 rows, which the token's rank
+  // decodes and adds in the same order as the bf16 sum (the error of the format, not of the order,
+  // is what differs). kLogFMT needs hidden a multiple of 128 and the low_latency backend.
+  CombineFormat combine_format = CombineFormat::kBF16;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
@@ -157,9 +172,11 @@ const char* to_string(DispatchDtype d);
 const char* to_string(ScaleLayout s);
 const char* to_string(OutputLayout l);
 const char* to_string(CombineMode m);
+const char* to_string(CombineFormat f);
 DispatchDtype parse_dispatch_dtype(const std::string& name);
 OutputLayout parse_output_layout(const std::string& name);
 ScaleLayout parse_scale_layout(const std::string& name);
 CombineMode parse_combine_mode(const std::string& name);
+CombineFormat parse_combine_format(const std::string& name);
 
 }  // namespace epx

@@ -44,6 +44,7 @@ class ConfigValues(NamedTuple):
     mask_failed_ranks: bool
     worst_case_output: bool
     combine: str
+    combine_format: str
     timeout_ms: int
     capacity: int
     num_local_experts: int

@@ -31,7 +31,9 @@ def ep_config(**fields: Any) -> EpConfig:
     deterministic, rounds_in_flight (1, or 2: the next round's dispatch before this round's
     combine), mask_failed_ranks (a peer that times out is masked, not fatal), worst_case_output
     (high_throughput's receive areas for every row; required for that backend from Python),
-    combine ('auto', 'pull', 'push': how combine moves the partials), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    combine ('auto', 'pull', 'push': how combine moves the partials), combine_format ('bf16',
+    'logfmt': what the partials cross as; 'logfmt' is low_latency's LogFMT-10 rows, DeepEP's
+    use_logfmt), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
     """
     cfg = EpConfig(**fields)
     cfg.validate()

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/env.hpp"
+#include "core/logfmt.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -54,6 +55,10 @@ constexpr std::array<NamedValue<CombineMode>, 3> kCombineModeNames{{
     {CombineMode::kAuto, "auto"},
     {CombineMode::kPull, "pull"},
     {CombineMode::kPush, "push"},
+}};
+constexpr std::array<NamedValue<CombineFormat>, 2> kCombineFormatNames{{
+    {CombineFormat::kBF16, "bf16"},
+    {CombineFormat::kLogFMT, "logfmt"},
 }};
 
 template <typename Enum, size_t N>
@@ -105,6 +110,7 @@ const char* to_string(DispatchDtype d) { return name_of(kDtypeNames, d); }
 const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
 const char* to_string(CombineMode m) { return name_of(kCombineModeNames, m); }
+const char* to_string(CombineFormat f) { return name_of(kCombineFormatNames, f); }
 
 Backend parse_backend(const std::string& name) { return detail::parse_backend_as("backend", name); }
 DispatchDtype parse_dispatch_dtype(const std::string& name) {
@@ -118,6 +124,9 @@ ScaleLayout parse_scale_layout(const std::string& name) {
 }
 CombineMode parse_combine_mode(const std::string& name) {
   return parse_named(kCombineModeNames, "combine", name);
+}
+CombineFormat parse_combine_format(const std::string& name) {
+  return parse_named(kCombineFormatNames, "combine_format", name);
 }
 
 // ---- EpConfig -------------------------------------------------------------------------------
@@ -145,6 +154,9 @@ void EpConfig::validate() const {
             fmt::format("one of {}", list_names(kOutputLayoutNames)));
   EPX_CHECK(is_named(kCombineModeNames, combine), ConfigError, "combine", static_cast<int>(combine),
             fmt::format("one of {}", list_names(kCombineModeNames)));
+  EPX_CHECK(is_named(kCombineFormatNames, combine_format), ConfigError, "combine_format",
+            static_cast<int>(combine_format),
+            fmt::format("one of {}", list_names(kCombineFormatNames)));
   // Only epx's own quantisation rounds scales; fp8 input keeps the caller's.
   EPX_CHECK(!round_scale || dtype == DispatchDtype::kBF16ToFP8, ConfigError, "round_scale", "true",
             fmt::format("false with dtype {} (only bf16-to-fp8 is quantised by epx)",
@@ -153,6 +165,11 @@ void EpConfig::validate() const {
   EPX_CHECK(!wire_fp8() || hidden % kFp8BlockSize == 0, ConfigError, "hidden", hidden,
             fmt::format("a multiple of kFp8BlockSize = {} for dtype {}", kFp8BlockSize,
                         to_string(dtype)));
+  // A LogFMT row carries one metadata word per block of 128 values; a partial block has none.
+  EPX_CHECK(combine_format != CombineFormat::kLogFMT || hidden % logfmt::kBlockValues == 0,
+            ConfigError, "combine_format", to_string(combine_format),
+            fmt::format("bf16 with hidden = {} (LogFMT rows need hidden a multiple of {})", hidden,
+                        logfmt::kBlockValues));
   // Every rank holds at least one expert ...
   EPX_CHECK(num_experts >= world_size, ConfigError, "num_experts", num_experts,
             fmt::format(">= world_size = {}", world_size));

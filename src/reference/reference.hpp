@@ -146,9 +146,8 @@ std::vector<float> logfmt_round_trip(const uint16_t* x, int rows, int hidden);
 void logfmt_round_trip_row(const uint16_t* x, int hidden, float* out);
 
 // ---- combine -------------------------------------------------------------------------------
-// What crosses between the ranks in combine: bf16 partials, or LogFMT-10 rows (about 0.64 of
-// the bytes; DeepEP's use_logfmt).
-enum class CombineFormat { kBF16, kLogFMT };
+// What crosses between the ranks in combine: the public epx::CombineFormat (include/epx/config.hpp).
+using CombineFormat = epx::CombineFormat;
 
 // What token-major combine may also do (All2All::combine with CombineExtras), per rank; an empty
 // vector is "not given":

@@ -49,12 +49,12 @@ inline InputSet make_set(const CheckOptions& o, const EpConfig& cfg, const std::
   if (cfg.layout == OutputLayout::kTokenMajor) {
     std::vector<std::vector<uint16_t>> partials(W);
     ref::for_each_index(W, [&](int r) { partials[r] = ref::identity_partials(cfg, r, s.tm[r]); });
-    s.y = ref::combine_token_major(cfg, s.in, s.tm, partials);
+    s.y = ref::combine_token_major(cfg, s.in, s.tm, partials, cfg.combine_format);
   } else {
     s.em = ref::dispatch_expert_major(cfg, s.in);
     std::vector<std::vector<std::vector<uint16_t>>> outs(W);
     ref::for_each_index(W, [&](int r) { outs[r] = ref::identity_expert_outputs(cfg, s.em[r]); });
-    s.y = ref::combine_expert_major(cfg, s.in, s.em, outs);
+    s.y = ref::combine_expert_major(cfg, s.in, s.em, outs, cfg.combine_format);
   }
   return s;
 }

@@ -312,6 +312,16 @@ void Catalogue::build() {
   config("config.combine_not_an_enum", "combine = CombineMode(9)",
          [](EpConfig& c) { c.combine = static_cast<CombineMode>(9); },
          {"combine = 9", "one of auto, pull, push"});
+  config("config.combine_format_not_an_enum", "combine_format = CombineFormat(2)",
+         [](EpConfig& c) { c.combine_format = static_cast<CombineFormat>(2); },
+         {"combine_format = 2", "one of bf16, logfmt"});
+  config("config.combine_format_logfmt_hidden", "dtype = bf16, hidden = 1000, combine_format = logfmt",
+         [](EpConfig& c) {
+           c.dtype = DispatchDtype::kBF16;
+           c.hidden = 1000;
+           c.combine_format = CombineFormat::kLogFMT;
+         },
+         {"combine_format = logfmt", "bf16 with hidden = 1000", "a multiple of 128"});
   config("config.scale_layout_not_an_enum", "scale_layout = ScaleLayout(-1)",
          [](EpConfig& c) { c.scale_layout = static_cast<ScaleLayout>(-1); },
          {"scale_layout = -1", "one of row, column"});
@@ -615,6 +625,11 @@ void Catalogue::build() {
       {"--combine = \"sideways\"", "expected one of auto, pull, push"});
   cli("cli.check.round_scale_bf16", {"check", "--dtype", "bf16", "--round-scale"},
       {"--round-scale = true", "false with --dtype bf16"});
+  cli("cli.check.combine_format_logfmt_hidden",
+      {"check", "--dtype", "bf16", "--hidden", "1000", "--combine-format", "logfmt"},
+      {"--combine-format = logfmt", "bf16 with --hidden = 1000"});
+  cli("cli.bench.combine_format_twice", {"bench", "--combine-format", "logfmt,logfmt"},
+      {"--combine-format = 'logfmt,logfmt' lists logfmt twice"});
   cli("cli.launch.ranks_above_64", {"launch", "-n", "65", "--", "true"},
       {"-n = 65", "[1, kMaxRanks = 64]"});
   cli("cli.launch.no_ranks", {"launch", "-n", "0", "--", "true"},

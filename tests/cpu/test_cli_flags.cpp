@@ -138,6 +138,20 @@ TEST(CliFlags, BackendFromFlagThenEnvironment) {
   EXPECT_EQ(backend_or_env("low_latency", "--backend"), Backend::kLowLatency);
 }
 
+// `epx bench --combine-format bf16,logfmt`: each format once, in the order given.
+TEST(CliFlags, CombineFormatList) {
+  EXPECT_EQ(parse_combine_format_list("bf16", "--combine-format"),
+            (std::vector<CombineFormat>{CombineFormat::kBF16}));
+  EXPECT_EQ(parse_combine_format_list("logfmt,bf16", "--combine-format"),
+            (std::vector<CombineFormat>{CombineFormat::kLogFMT, CombineFormat::kBF16}));
+  EXPECT_MESSAGE_HAS(config_error([] { parse_combine_format_list("bf16,lgofmt", "--cf"); }),
+                     "--cf = \"lgofmt\", expected one of bf16, logfmt");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_combine_format_list("logfmt,logfmt", "--cf"); }),
+                     "--cf = 'logfmt,logfmt' lists logfmt twice, expected each format once");
+  EXPECT_MESSAGE_HAS(config_error([] { parse_combine_format_list("bf16,", "--cf"); }),
+                     "--cf = 'bf16,'");
+}
+
 TEST(CliFlags, OneSpellingPerWorldKind) {
   EXPECT_EQ(parse_world_kind("in-process"), WorldKind::kInProcess);
   EXPECT_EQ(parse_world_kind("ipc"), WorldKind::kIpc);
@@ -164,6 +178,7 @@ TEST(CliFlags, ShapeDefaultsAreDeepSeekR1OnEightRanks) {
   EXPECT_EQ(cfg.dtype, DispatchDtype::kBF16ToFP8);
   EXPECT_EQ(cfg.layout, OutputLayout::kTokenMajor);
   EXPECT_EQ(cfg.scale_layout, ScaleLayout::kRowMajor);
+  EXPECT_EQ(cfg.combine_format, CombineFormat::kBF16);
   EXPECT_EQ(cfg.timeout_ms, EpConfig{}.timeout_ms);
   EXPECT_EQ(f.devices(), (std::vector<int>{0}));
 }
@@ -206,6 +221,15 @@ TEST(CliFlags, ShapeErrorsNameFlagValueAndBound) {
                      "--timeout-ms = -5, expected in [1, kMaxTimeoutMs = 86400000]");
   EXPECT_MESSAGE_HAS(error_of([](ShapeFlags& f) { f.dtype = "fp16"; }),
                      "--dtype = \"fp16\", expected one of bf16, fp8, bf16-to-fp8");
+  EXPECT_MESSAGE_HAS(error_of([](ShapeFlags& f) { f.combine_format = "fp8"; }),
+                     "--combine-format = \"fp8\", expected one of bf16, logfmt");
+  EXPECT_MESSAGE_HAS(error_of([](ShapeFlags& f) {
+                       f.dtype = "bf16";
+                       f.hidden = 1000;
+                       f.combine_format = "logfmt";
+                     }),
+                     "--combine-format = logfmt, expected bf16 with --hidden = 1000 (LogFMT "
+                     "rows need --hidden a multiple of 128)");
   // max_tokens_per_rank is named after the flag it came from.
   EXPECT_MESSAGE_HAS(error_of([](ShapeFlags&) {}, 70000),
                      "--tokens = 70000, expected in [1, kMaxTokensPerRank = 65536]");
@@ -234,7 +258,7 @@ TEST(CliFlags, ShapeFlagsBindToCommandLine) {
   add_shape_flags(&app, f, MaxTokensFlag::kOffered);
   app.parse(
       "--world 4 --gpus 2 --hidden 2048 --experts 16 --topk 4 --max-tokens 64 --dtype fp8 "
-      "--layout expert --scale-layout column --timeout-ms 500",
+      "--layout expert --scale-layout column --timeout-ms 500 --combine-format logfmt",
       false);
   const EpConfig cfg = f.config(7);
   EXPECT_EQ(cfg.world_size, 4);
@@ -246,6 +270,7 @@ TEST(CliFlags, ShapeFlagsBindToCommandLine) {
   EXPECT_EQ(cfg.layout, OutputLayout::kExpertMajor);
   EXPECT_EQ(cfg.scale_layout, ScaleLayout::kColumnMajor);
   EXPECT_EQ(cfg.timeout_ms, 500);
+  EXPECT_EQ(cfg.combine_format, CombineFormat::kLogFMT);
   EXPECT_EQ(f.devices(), (std::vector<int>{0, 1}));
 
   CLI::App sweep_app;

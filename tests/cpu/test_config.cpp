@@ -132,6 +132,27 @@ TEST(ConfigValidate, HiddenForFp8) {
   EXPECT_NO_THROW(c.validate());
 }
 
+// LogFMT rows are blocks of 128 values, whatever the dispatch dtype asks of hidden.
+TEST(ConfigValidate, HiddenForLogfmt) {
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.dtype = DispatchDtype::kBF16;
+        c.hidden = 1000;
+        c.combine_format = CombineFormat::kLogFMT;
+      },
+      {"combine_format = logfmt", "bf16 with hidden = 1000", "a multiple of 128"}));
+  EpConfig c = valid_config();
+  c.dtype = DispatchDtype::kBF16;
+  c.combine_format = CombineFormat::kLogFMT;
+  c.hidden = 128;
+  EXPECT_NO_THROW(c.validate());
+  c.hidden = 7168;
+  EXPECT_NO_THROW(c.validate());
+  c.combine_format = CombineFormat::kBF16;
+  c.hidden = 1000;
+  EXPECT_NO_THROW(c.validate());
+}
+
 TEST(ConfigValidate, NumExperts) {
   EXPECT_TRUE(invalid([](EpConfig& c) { c.num_experts = 250; },
                       {"num_experts = 250", "a multiple of world_size = 8"}));
@@ -176,6 +197,8 @@ TEST(ConfigValidate, EnumsOutOfRange) {
                       {"scale_layout = 5", "row, column"}));
   EXPECT_TRUE(invalid([](EpConfig& c) { c.layout = static_cast<OutputLayout>(-1); },
                       {"layout = -1", "token, expert"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.combine_format = static_cast<CombineFormat>(2); },
+                      {"combine_format = 2", "bf16, logfmt"}));
 }
 
 TEST(ConfigValidate, MessageCarriesLocation) {
@@ -223,6 +246,12 @@ TEST(ConfigNames, RoundTrip) {
   EXPECT_STREQ(to_string(DispatchDtype::kBF16ToFP8), "bf16-to-fp8");
   EXPECT_STREQ(to_string(ScaleLayout::kColumnMajor), "column");
   EXPECT_STREQ(to_string(OutputLayout::kExpertMajor), "expert");
+  for (CombineFormat f : {CombineFormat::kBF16, CombineFormat::kLogFMT}) {
+    EXPECT_EQ(parse_combine_format(to_string(f)), f);
+  }
+  EXPECT_STREQ(to_string(CombineFormat::kBF16), "bf16");
+  EXPECT_STREQ(to_string(CombineFormat::kLogFMT), "logfmt");
+  EXPECT_EQ(EpConfig{}.combine_format, CombineFormat::kBF16);
   EXPECT_STREQ(to_string(static_cast<Backend>(9)), "invalid");
 }
 
@@ -236,6 +265,8 @@ TEST(ConfigNames, UnknownNamesListTheValidOnes) {
                                   {"dtype = \"e4m3\"", "bf16, fp8, bf16-to-fp8"}));
   EXPECT_TRUE(throws_config_error([] { parse_scale_layout("diagonal"); }, {"row, column"}));
   EXPECT_TRUE(throws_config_error([] { parse_output_layout(""); }, {"token, expert"}));
+  EXPECT_TRUE(throws_config_error([] { parse_combine_format("LogFMT"); },
+                                  {"combine_format = \"LogFMT\"", "bf16, logfmt"}));
 }
 
 // ---- JSON launch files ------------------------------------------------------------------------

@@ -135,3 +135,50 @@ def combined(cfg, x, ids, w, scales):
     coef = torch.where(idsl >= 0, w * (1.0 + (idsl.clamp(min=0) % 7).float() / 8.0),
                        torch.zeros_like(w))
     return xv * coef.sum(dim=1, keepdim=True)
+
+
+LOGFMT_BLOCK = 128
+
+
+def logfmt_round_trip(x):
+    """bf16 [N, H] (H a multiple of 128) -> f32 [N, H]: what the token's rank adds of a partial
+    that crossed as a LogFMT-10 row (src/core/logfmt.hpp), written from the format's definition:
+    per block of 128 values, amax and amin of |x| (bf16), l_max = log2(amax),
+    l_min = max(log2(amin), l_max - 32), step = (l_max - l_min) / 510; a magnitude takes code
+    c = floor((log2|x| - l_min) / step + 2 - log2((1 + 2^step) / 2) / step) in 0..511 (the level
+    nearest on the linear scale; |x| >= amax is 511, 0 is 0) and decodes to 2^(l_min + (c-1)
+    step), code 511 to amax; a block of equal magnitudes is exact; a block holding inf or NaN is
+    NaN. torch's log2 / exp2 stand in for the format's fixed polynomials: a decoded value may
+    differ from epx's in the last bits of f32 (about 1e-6 relative), and a code by one level
+    where a value lands on a rounding boundary (rare)."""
+    n, h = x.shape
+    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    negative = (bits >> 15) == 1
+    mag = (bits & 0x7FFF).view(n, h // LOGFMT_BLOCK, LOGFMT_BLOCK)
+
+    def value(b):  # bf16 bits (int32) -> f32
+        return (b << 16).view(torch.float32)
+
+    amax_bits = mag.amax(dim=2, keepdim=True)
+    amin_bits = mag.amin(dim=2, keepdim=True)
+    amax = value(amax_bits)
+    l_max = torch.log2(amax)
+    floor_log = l_max - 32.0
+    l_min = torch.where(amin_bits == 0, floor_log,
+                        torch.maximum(torch.log2(value(amin_bits)), floor_log))
+    spread = amin_bits != amax_bits
+    step = torch.where(spread, (l_max - l_min) / 510.0, torch.zeros_like(l_max))
+    inv_step = torch.where(spread, 1.0 / step, torch.zeros_like(step))
+    mid = torch.log2((1.0 + torch.exp2(step)) * 0.5)
+    rounding = torch.where(spread, 2.0 - mid * inv_step, torch.zeros_like(step))
+    with torch.no_grad():
+        t = (torch.log2(value(mag)) - l_min) * inv_step + rounding
+        code = torch.where(t >= 1.0, torch.floor(t.clamp(max=511.0)), torch.zeros_like(t))
+        code = torch.where(mag >= amax_bits, torch.full_like(code, 511.0), code)
+        code = torch.where(mag == 0, torch.zeros_like(code), code)
+        level = torch.exp2(l_min + (code - 1.0) * step)
+        m = torch.where(code == 0, torch.zeros_like(level),
+                        torch.where(code >= 511.0, amax.expand_as(level), level))
+        m = torch.where(amax_bits >= 0x7F80, torch.full_like(m, float("nan")), m)
+    m = m.view(n, h)
+    return torch.where(negative, -m, m)

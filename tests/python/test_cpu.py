@@ -34,6 +34,14 @@ def test_ep_config_by_keyword():
     assert q.round_scale
     with pytest.raises(epx.ConfigError, match=r"round_scale = true, expected false with dtype fp8"):
         c.replace(round_scale=True).validate()
+    assert c.combine_format == "bf16" and "combine_format='bf16'" in repr(c)
+    lf = c.replace(combine_format="logfmt")
+    lf.validate()
+    assert lf.combine_format == "logfmt" and lf != c
+    with pytest.raises(epx.ConfigError, match=r"combine_format = logfmt, expected bf16 with "
+                                              r"hidden = 1000 \(LogFMT rows need hidden a "
+                                              r"multiple of 128\)"):
+        lf.replace(dtype="bf16", hidden=1000).validate()
 
 
 @pytest.mark.parametrize(
@@ -46,6 +54,8 @@ def test_ep_config_by_keyword():
         ({"layout": "rows"}, "layout"),
         ({"deterministic": 1}, "EpConfig.deterministic = 1 (int), expected True or False"),
         ({"combine": "sideways"}, 'combine = "sideways", expected one of auto, pull, push'),
+        ({"combine_format": "fp8"}, 'combine_format = "fp8", expected one of bf16, logfmt'),
+        ({"combine_format": True}, "EpConfig.combine_format = True (bool), expected a str"),
     ],
 )
 def test_ep_config_refuses_bad_keywords(fields, message):

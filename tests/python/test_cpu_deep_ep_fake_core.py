@@ -3,7 +3,8 @@
 threads, where each All2All is a plain torch model of the contract epx's expert-major and
 token-major dispatch and combine keep (DESIGN §4): expert rows ordered by (source rank, source
 index) when deterministic, token-major rows in any order otherwise, garbage past the counts,
-combine folding the weights carried at dispatch; and of masking (mask_failed_ranks): a peer that
+combine folding the weights carried at dispatch (with combine_format 'logfmt', each rank's
+partial of a token rounded to bf16 and sent through ref.logfmt_round_trip); and of masking (mask_failed_ranks): a peer that
 has not posted a call's data within timeout_ms is masked, later calls neither wait for it nor
 send to it (dropped pairs counted) nor add its partials.
 Needs torch (skipped without it); no GPU."""
@@ -74,7 +75,8 @@ class FakeWorld:
 class FakeConfig:
     def __init__(self, c, world_size, rank):
         for f in ("hidden", "num_experts", "topk", "max_tokens_per_rank", "dtype", "round_scale",
-                  "layout", "deterministic", "mask_failed_ranks", "timeout_ms"):
+                  "layout", "deterministic", "mask_failed_ranks", "combine_format",
+                  "timeout_ms"):
             setattr(self, f, getattr(c, f))
         self.world_size, self.rank = world_size, rank
         self.capacity = world_size * c.max_tokens_per_rank
@@ -251,12 +253,18 @@ class FakeAll2All:
                 for q, (partials, _, rows) in posted.items():
                     if (r, n) in rows:
                         y[n] += partials[rows[(r, n)]].float()
+        logfmt = c.combine_format == "logfmt"
         for n in range(self.num_tokens if c.layout == "expert" else 0):
+            partial = torch.zeros(c.world_size, c.hidden)  # each expert rank's sum for token n
             for k in range(c.topk):
                 e = int(ids[n, k])
                 if e >= 0 and e // L in posted:  # a masked rank's partials are left out
                     rows, slots, _ = posted[e // L]
-                    y[n] += weights[n, k] * rows[slots[(r, n, k)]].float()
+                    partial[e // L] += weights[n, k] * rows[slots[(r, n, k)]].float()
+            if logfmt:  # each partial crosses as a LogFMT row of its bf16 value
+                partial = ref.logfmt_round_trip(partial.to(torch.bfloat16))
+            y[n] = partial.sum(dim=0)
+        self.logfmt_combines = getattr(self, "logfmt_combines", 0) + int(logfmt)
         y = y.to(torch.bfloat16)
         if out is None:
             return y
@@ -323,6 +331,11 @@ def test_scenario_over_a_fake_core(monkeypatch):
             buffer = deep_ep.Buffer(FakeGroup(rank, scenario.WORLD), low_latency_mode=True,
                                     explicitly_destroy=True)
             scenario.run_scenario(buffer, rank, torch.device("cpu"))
+            # use_logfmt reached objects made with combine_format 'logfmt', and only those
+            objects = buffer._low_latency_objects()
+            assert any(getattr(a, "logfmt_combines", 0) for a in objects)
+            assert all(a.config.combine_format == "logfmt" for a in objects
+                       if getattr(a, "logfmt_combines", 0))
             buffer.destroy()
             outcome[rank] = "ok"
         except BaseException:
@@ -404,3 +417,51 @@ def test_mask_calls_need_shrink_mode(monkeypatch):
         shrinking.low_latency_query_mask_buffer(torch.zeros(2, 2, dtype=torch.int32)[:, 0])
     shrinking.low_latency_query_mask_buffer(status)
     assert status.tolist() == [0]
+
+
+def test_logfmt_at_combine_only_needs_ordered_rows_and_the_routing_kept(monkeypatch):
+    """A combine whose use_logfmt differs from its dispatch's sends the round again with the
+    dispatch's topk_idx: shrink mode (rows in arrival order) refuses it, and so does a topk_idx
+    modified since the dispatch. Named at dispatch, shrink mode combines in LogFMT."""
+    import epx.deep_ep as deep_ep
+
+    monkeypatch.setattr(deep_ep._low_latency_shapes, "All2All", FakeAll2All)
+    monkeypatch.setattr(deep_ep.Buffer, "_make_world",
+                        staticmethod(lambda group, comm: FakeWorld(Fabric(1), 0)))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2], [3, -1], [2, 0]])
+    w = torch.rand(4, 2)
+    shrinking = deep_ep.Buffer(FakeGroup(0, 1), low_latency_mode=True, enable_shrink=True)
+    recv_x, _, handle, _, _ = shrinking.low_latency_dispatch(x, ids, 8, 4, use_fp8=False)
+    with pytest.raises(NotImplementedError, match="shrink mode"):
+        shrinking.low_latency_combine(recv_x, ids, w, handle, use_logfmt=True)
+    recv_x, _, handle, _, _ = shrinking.low_latency_dispatch(x, ids, 8, 4, use_fp8=False,
+                                                             use_logfmt=True)
+    y, _, _ = shrinking.low_latency_combine(recv_x, ids, w, handle, use_logfmt=True)
+    assert y.shape == (4, 256)
+
+    # Named at dispatch: the round's own LogFMT objects combine it, no second dispatch; named
+    # at combine only: the round is dispatched again on the shape's LogFMT objects.
+    b = deep_ep.Buffer(FakeGroup(0, 1), low_latency_mode=True)
+
+    def rows_dispatched():  # dispatches of the row objects, by combine format
+        out = {}
+        for a in b._low_latency_objects():
+            if a.config.layout == "expert" and a.dispatches:
+                out[a.config.combine_format] = out.get(a.config.combine_format, 0) + a.dispatches
+        return out
+
+    recv_x, _, handle, _, _ = b.low_latency_dispatch(x, ids, 8, 4, use_fp8=False,
+                                                     use_logfmt=True)
+    b.low_latency_combine(recv_x, ids, w, handle, use_logfmt=True)
+    assert rows_dispatched() == {"logfmt": 1}
+    recv_x, _, handle, _, _ = b.low_latency_dispatch(x, ids, 8, 4, use_fp8=False)
+    b.low_latency_combine(recv_x, ids, w, handle, use_logfmt=True)
+    assert rows_dispatched() == {"logfmt": 2, "bf16": 1}
+    mine = ids.clone()
+    recv_x, _, handle, _, _ = b.low_latency_dispatch(x, mine, 8, 4, use_fp8=False)
+    mine[0, 0] = 3
+    with pytest.raises(epx.InputError, match="topk_idx was modified"):
+        b.low_latency_combine(recv_x, ids, w, handle, use_logfmt=True)
+    with pytest.raises(epx.InputError, match="multiple of 128 with use_logfmt"):
+        b.prepare_low_latency_shape(8, 200, 4, 2, use_fp8=False, use_logfmt=True)

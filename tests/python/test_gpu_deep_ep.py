@@ -101,6 +101,30 @@ def combined_reference(mode, x, ids, w):
     return travelled(mode, x) * coef.sum(dim=1, keepdim=True)
 
 
+def logfmt_combined_reference(mode, x, ids, w):
+    """combine's result with use_logfmt and the weights given at combine, from the tokens: each
+    expert row is scaled by its weight in bf16 at the expert's rank (epx.deep_ep's
+    combine-time weights), the rank's partial p_q[n] = sum over k ascending with e_k on q of
+    bf16(w_k * bf16(f_{e_k}(travelled x_n))) crosses as a LogFMT row of bf16(p_q)
+    (ref.logfmt_round_trip), and y = bf16(sum over q ascending)."""
+    import torch
+
+    v = travelled(mode, x)
+    il = ids.long()
+    y = torch.zeros_like(v)
+    for q in range(WORLD):
+        p = torch.zeros_like(v)
+        for k in range(il.shape[1]):
+            e = il[:, k]
+            coef = 1.0 + (e.clamp(min=0) % 7).float() / 8.0
+            rows = (v * coef.unsqueeze(1)).to(torch.bfloat16).float()
+            weighted = (w[:, k:k + 1] * rows).to(torch.bfloat16).float()
+            mine = ((e >= 0) & (e // L == q)).unsqueeze(1)
+            p = p + torch.where(mine, weighted, torch.zeros_like(rows))
+        y = y + ref.logfmt_round_trip(p.to(torch.bfloat16))
+    return y.to(torch.bfloat16)
+
+
 def check_dispatch(mode, rank, inputs, result, stats=None):
     """Shapes, dtypes, strides, counts, handle and received rows of one dispatch."""
     import torch
@@ -234,6 +258,35 @@ def run_scenario(buffer, rank, dev):
     ids = inputs[rank][1].clone()
     ids[0, (ids[0] >= 0).nonzero()[0]] = -1
     round_trip("bf16", inputs, combine_ids=ids)
+
+    # LogFMT (use_logfmt). Named at dispatch, the round's own objects combine it; named at
+    # combine only (DeepEP's API), the round is dispatched again on the shape's LogFMT objects
+    # (and the other way round for a bf16 combine of a round dispatched for LogFMT). The sums
+    # are the torch model's of the format (up to a level now and then) and not the bf16
+    # combine's bits: the partials did cross as LogFMT rows.
+    x, ids, w = inputs_for(6)[rank]
+    for mode in ("bf16", "fp8"):
+        y = {}
+        for at_dispatch, at_combine in ((False, False), (True, True), (False, True),
+                                        (True, False)):
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
+                x, ids, T, E, use_fp8=MODES[mode][0], use_logfmt=at_dispatch)
+            expert_out = expert_stage(rank, received_values(mode, recv_x))
+            y[at_dispatch, at_combine], _, _ = buffer.low_latency_combine(
+                expert_out, ids, w, handle, use_logfmt=at_combine)
+        sync()
+        assert torch.equal(y[True, False], y[False, False]), f"{mode}: bf16 combines differ"
+        assert torch.equal(y[False, True], y[True, True]), f"{mode}: LogFMT combines differ"
+        assert not torch.equal(y[True, True], y[False, False]), f"{mode}: LogFMT = bf16 bits"
+        want = logfmt_combined_reference(mode, x, ids, w)
+        same = (y[True, True] == want).float().mean().item()
+        assert same > 0.99, f"{mode}: {same:.4f} of the LogFMT sums equal the model's"
+        torch.testing.assert_close(y[True, True].float(), want.float(), rtol=5e-2, atol=1e-2)
+    try:
+        buffer.low_latency_dispatch(x[:, :1000].contiguous(), ids, T, E, use_fp8=False, use_logfmt=True)
+        raise AssertionError("use_logfmt with hidden 1000 was not refused")
+    except epx.InputError as e:
+        assert "multiple of 128 with use_logfmt" in str(e), str(e)
 
     # Two rounds in flight: dispatch, dispatch, combine, combine.
     a_in, b_in = inputs_for(4), inputs_for(5)

@@ -35,11 +35,13 @@ The modes live in modules of this package, one each, beside what they share:
 
 Not provided (NotImplementedError naming what and why): in the normal mode, combine's
 topk_weights and bias, a dispatch without topk_idx (and no handle), int32 scales, internode_*
-(see _normal.py); ElasticBuffer, LogFMT combine, the
+(see _normal.py); ElasticBuffer, the
 per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
 without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
 than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
-combine; the mask updates above that epx cannot express.
+combine; the mask updates above that epx cannot express; in shrink mode, a LogFMT combine of a
+round not dispatched with epx's ``use_logfmt`` keyword (see _low_latency.py: the format of a
+combine is fixed per epx object, chosen at dispatch, else the round is dispatched again).
 
 Differences worth knowing: the returned tensors are views of epx memory, valid until the
 dispatch after next of the same shape (DeepEP's "no more than 2 results at a time");

@@ -31,6 +31,20 @@ How DeepEP's low-latency mode maps onto epx:
   ranks with a small epx dispatch of its own (an All2All of hidden 128 that carries only the
   weights), scales each expert row by its (token, k) weight there and then combines. The result
   is DeepEP's sum; the extra dispatch costs one more round trip per combine.
+- LogFMT (use_logfmt): an epx object combines in one format, fixed when it is made
+  (EpConfig.combine_format), and a round is combined by the object that dispatched it. So the
+  format is part of the shape: a shape's 'logfmt' objects are others than its 'bf16' ones, made
+  collectively on first use like any shape. DeepEP names the format only at combine; epx's own
+  keyword-only ``use_logfmt`` of low_latency_dispatch (and prepare_low_latency_shape) names it
+  at dispatch, and a combine with the same use_logfmt takes the round's objects as they are:
+  the partials cross as LogFMT-10 rows (about 0.64 of the bytes; low_latency, hidden a multiple
+  of 128). A combine whose use_logfmt differs from the dispatch's (a DeepEP caller that passes
+  it at combine only) is still served: the round is dispatched again, zero rows with the
+  dispatch's routing and weights, on the same shape's objects of the combine's format (rows
+  are ordered by (source rank, source index), so that dispatch lays the rows out exactly as
+  the first did) and combined there. That costs one more dispatch per combine, and it counts as
+  a round of those objects (rounds_in_flight); shrink mode, whose rows come in arrival order,
+  refuses it (pass use_logfmt at dispatch there).
 - Events and hooks: epx runs on torch's current stream and a dispatch is complete when its
   kernel is, so ``event`` (async_finish) is an event recorded after the call and ``hook``
   (return_recv_hook) runs the receive half: today the torch work that completes the outputs
@@ -51,6 +65,13 @@ from ._low_latency_shapes import (_BACKEND, _Shape, _ShapeState, _Slot, _carrier
                                   _data_config, _make_barrier, _shape_of)
 
 _UE8M0_GROUPS = 4  # exponents packed into one int32
+_LOGFMT_BLOCK = 128  # values per LogFMT metadata word (src/core/logfmt.hpp)
+
+
+def _check_logfmt_hidden(use_logfmt: bool, hidden: int) -> None:
+    if use_logfmt and hidden % _LOGFMT_BLOCK != 0:
+        raise _epx.InputError(f"hidden = {hidden}, expected a multiple of {_LOGFMT_BLOCK} with "
+                              "use_logfmt (LogFMT rows are blocks of 128 values)")
 
 
 class _Handle(tuple):
@@ -117,7 +138,8 @@ class _LowLatencyMode:
         """Bytes of device memory a Buffer allocates per rank for one low-latency shape: the
         ``rounds_in_flight`` (2) All2All objects with bf16 rows (fp8 rows need less), at the
         largest top-k, plus the carrier of combine-time weights. Each further shape (another
-        hidden, expert count, token count, top-k, wire dtype or round_scale) allocates its own."""
+        hidden, expert count, token count, top-k, wire dtype, round_scale or combine format)
+        allocates its own."""
         topk = min(_epx.MAX_TOPK, num_experts)
         shape = _Shape(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, "bf16")
         rows = buffer_bytes(_data_config(shape, num_ranks), _BACKEND)
@@ -151,17 +173,19 @@ class _LowLatencyMode:
 
     def prepare_low_latency_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                   num_experts: int, num_topk: int, use_fp8: bool = True,
-                                  round_scale: bool = False) -> None:
+                                  round_scale: bool = False, *, use_logfmt: bool = False) -> None:
         """epx's own: makes the epx objects of the low-latency dispatches with these arguments
         now instead of at the first such dispatch (collective: every rank calls it, in the same
         order). Shrink mode needs it for every shape before any rank may fail; elsewhere it only
-        moves the set-up cost out of the first dispatch. use_ue8m0 does not change the shape."""
+        moves the set-up cost out of the first dispatch. use_ue8m0 does not change the shape;
+        use_logfmt does (the objects of LogFMT combines, see the module's notes)."""
         self._check_usable("prepare_low_latency_shape")
         if num_experts % self.group_size != 0:
             raise _epx.InputError(f"num_experts = {num_experts}, expected a multiple of the "
                                   f"group's size {self.group_size}")
+        _check_logfmt_hidden(use_logfmt, hidden)
         self._state(_shape_of(hidden, num_experts, num_max_dispatch_tokens_per_rank, num_topk,
-                              use_fp8, round_scale))
+                              use_fp8, round_scale, use_logfmt))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -180,7 +204,7 @@ class _LowLatencyMode:
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False,
-                             *, topk_weights=None):
+                             *, topk_weights=None, use_logfmt: bool = False):
         """Sends each token to its experts' ranks; returns (recv_x, recv_count, handle, event,
         hook) as DeepEP's low_latency_dispatch.
 
@@ -191,6 +215,9 @@ class _LowLatencyMode:
         epx's own, keyword only: `topk_weights` [N, K] float32: the router weights, when they
         are known now; combine then folds them at the experts' ranks with no extra round trip,
         and must be given the same tensor, unmodified. Every rank gives them, or none.
+        `use_logfmt`: the round's combine will have use_logfmt=True; its partials then cross
+        as LogFMT-10 rows with no extra dispatch (see the module's notes). `topk_idx` must stay
+        unmodified until the combine when the combine's use_logfmt differs from this one.
         """
         self._check_usable("low_latency_dispatch")
         torch = T.torch()
@@ -217,9 +244,10 @@ class _LowLatencyMode:
         if use_ue8m0 and hidden % (_epx.FP8_BLOCK_SIZE * _UE8M0_GROUPS) != 0:
             raise _epx.InputError(f"x.shape[1] = {hidden}, expected a multiple of "
                                   f"{_epx.FP8_BLOCK_SIZE * _UE8M0_GROUPS} with use_ue8m0")
+        _check_logfmt_hidden(use_logfmt, hidden)
         topk = topk_idx.shape[1]
         shape = _shape_of(hidden, num_experts, num_max_dispatch_tokens_per_rank, topk, use_fp8,
-                          round_scale)
+                          round_scale, use_logfmt)
         if num_experts % self.group_size != 0:
             raise _epx.InputError(f"num_experts = {num_experts}, expected a multiple of the "
                                   f"group's size {self.group_size}")
@@ -243,6 +271,8 @@ class _LowLatencyMode:
         slot.out = out
         slot.weights = topk_weights
         slot.weights_version = topk_weights._version if topk_weights is not None else -1
+        slot.topk_idx = topk_idx
+        slot.topk_idx_version = topk_idx._version
 
         # The outputs exist now; the receive half completes them. In shrink mode epx's rows
         # are in arrival order: they are ordered into tensors of the Buffer's own there.
@@ -335,13 +365,11 @@ class _LowLatencyMode:
         x: [E/W, W*T, H] bf16, the expert outputs row-aligned with the dispatch's recv_x (with
         zero_copy, they are in get_next_low_latency_combine_buffer(handle) and x is not read).
         topk_idx, topk_weights: [N, K] of the dispatch's tokens; a -1 id takes no part.
+        use_logfmt: the partials cross as LogFMT-10 rows (DeepEP's use_logfmt); named at
+        dispatch too, it costs nothing more, else the round is dispatched again (module notes).
         """
         slot = self._slot_of(handle, "low_latency_combine")
         torch = T.torch()
-        if use_logfmt:
-            raise _unsupported("low_latency_combine(use_logfmt=True)",
-                               "epx combines bf16 rows; DeepEP's LogFMT wire format is not "
-                               "implemented")
         if combine_wait_recv_cost_stats is not None:
             raise _unsupported("low_latency_combine(combine_wait_recv_cost_stats=...)",
                                "epx does not time its waits per source rank")
@@ -351,6 +379,20 @@ class _LowLatencyMode:
         state: _ShapeState = handle._state
         a2a = slot.a2a
         n = handle._num_tokens
+        combine_format = "logfmt" if use_logfmt else "bf16"
+        if combine_format != state.shape.combine_format:
+            _check_logfmt_hidden(use_logfmt, state.shape.hidden)
+            if state.shrink:
+                raise _unsupported(
+                    f"low_latency_combine(use_logfmt={use_logfmt}) of a dispatch with "
+                    f"use_logfmt={not use_logfmt} in shrink mode",
+                    "the round would be dispatched again, and shrink mode's rows come in "
+                    "arrival order; pass the same use_logfmt to low_latency_dispatch")
+            if slot.topk_idx._version != slot.topk_idx_version:
+                raise _epx.InputError(
+                    "Buffer.low_latency_combine: the dispatch's topk_idx was modified, expected "
+                    "it unmodified when combine's use_logfmt differs from the dispatch's (the "
+                    "round is dispatched again with it)")
         K = state.shape.topk
         dev = a2a.device
         buf = a2a.combine_buffer()
@@ -383,6 +425,8 @@ class _LowLatencyMode:
             row_weights = self._row_weights(state, slot.out, topk_idx, topk_weights)
             torch.mul(given, row_weights.unsqueeze(-1), out=buf)
             expert_out = buf
+        if combine_format != state.shape.combine_format:
+            a2a = self._dispatch_again(state, slot, n, combine_format)
         combined = a2a.combine(expert_out, out=out)
 
         def recv() -> None:
@@ -397,6 +441,21 @@ class _LowLatencyMode:
         event = EventOverlap(EventHandle() if async_finish else None,
                              (x, topk_idx, topk_weights, combined) if async_finish else None)
         return combined, event, hook
+
+    def _dispatch_again(self, state: _ShapeState, slot: _Slot, n: int, combine_format: str):
+        """The All2All of `state`'s shape in `combine_format`, after a dispatch of zero rows with
+        `slot`'s routing and weights: its expert rows are laid out as `slot`'s (ordered rows), so
+        its combine takes the caller's rows as they are."""
+        other = self._state(state.shape._replace(combine_format=combine_format))
+        again = other.take_slot()
+        weights = slot.weights if slot.weights is not None else other.unit_weights[:n]
+        again.out = again.a2a.dispatch(other.zeros(n), slot.topk_idx, weights)
+        again.serial += 1  # a handle of that object's earlier round is gone
+        again.weights = slot.weights
+        again.weights_version = slot.weights_version
+        again.topk_idx = slot.topk_idx
+        again.topk_idx_version = slot.topk_idx_version
+        return again.a2a
 
     def _row_weights(self, state: _ShapeState, d, topk_idx, topk_weights):
         """[E/W, W*T] float32: for each valid expert row of dispatch `d`, the combine-time weight

@@ -20,7 +20,9 @@ _CARRIER_HIDDEN = _epx.FP8_BLOCK_SIZE
 
 class _Shape(NamedTuple):
     """What a dispatch's epx objects depend on. `wire` is the All2All dtype: 'bf16' (use_fp8
-    off) or 'bf16-to-fp8'; `round_scale`: the fp8 wire's scales are powers of two."""
+    off) or 'bf16-to-fp8'; `round_scale`: the fp8 wire's scales are powers of two;
+    `combine_format`: what the partials cross as in the objects' combine, 'bf16' or 'logfmt'
+    (EpConfig.combine_format: an object combines in one format only)."""
 
     hidden: int
     num_experts: int
@@ -28,6 +30,7 @@ class _Shape(NamedTuple):
     topk: int
     wire: str
     round_scale: bool = False
+    combine_format: str = "bf16"
 
 
 def _data_config(shape: _Shape, world_size: int, rank: int = 0,
@@ -37,7 +40,7 @@ def _data_config(shape: _Shape, world_size: int, rank: int = 0,
         rank=rank, world_size=world_size, hidden=shape.hidden, num_experts=shape.num_experts,
         topk=shape.topk, max_tokens_per_rank=shape.max_tokens, dtype=shape.wire,
         round_scale=shape.round_scale, layout="expert", scale_layout="column",
-        deterministic=not shrink,
+        combine_format=shape.combine_format, deterministic=not shrink,
         mask_failed_ranks=shrink))
 
 
@@ -60,10 +63,11 @@ def _barrier_config(world_size: int, rank: int = 0) -> EpConfig:
 
 
 def _shape_of(hidden: int, num_experts: int, max_tokens: int, topk: int, use_fp8: bool,
-              round_scale: bool) -> _Shape:
+              round_scale: bool, use_logfmt: bool = False) -> _Shape:
     """The shape of a low_latency_dispatch with these arguments."""
     wire = "bf16-to-fp8" if use_fp8 else "bf16"
-    return _Shape(hidden, num_experts, max_tokens, topk, wire, use_fp8 and round_scale)
+    return _Shape(hidden, num_experts, max_tokens, topk, wire, use_fp8 and round_scale,
+                  "logfmt" if use_logfmt else "bf16")
 
 
 
@@ -87,6 +91,8 @@ class _Slot:
         self.out = None  # DispatchOutput of the last dispatch
         self.weights = None  # router weights given at that dispatch (None: unit weights)
         self.weights_version = -1
+        self.topk_idx = None  # that dispatch's routing (a combine in the other format sends
+        self.topk_idx_version = -1  # the round again with it)
         # Shrink mode: [E/W * W*T] int64, for each epx row (flattened over the experts), the
         # row of the order the caller sees that holds it; set by the dispatch's receive half.
         self.caller_row_of = None
@@ -107,6 +113,7 @@ class _ShapeState:
                                                    world, _BACKEND)))
         self.next = 0
         self.carrier: Optional[All2All] = None
+        self.zero_x = None  # [max_tokens, H] bf16 zeros: the rows of a dispatch sent again
         c = self.slots[0].a2a.config
         dev = self.slots[0].a2a.device
         self.world_size = c.world_size
@@ -132,6 +139,18 @@ class _ShapeState:
             self.carrier_x = torch.zeros((self.shape.max_tokens, _CARRIER_HIDDEN),
                                          dtype=torch.bfloat16, device=self.device)
         return self.carrier
+
+    def take_slot(self) -> _Slot:
+        """The next object in turn; the handles of its earlier dispatch are gone."""
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        return slot
+
+    def zeros(self, n: int):
+        if self.zero_x is None:
+            self.zero_x = T.torch().zeros((self.shape.max_tokens, self.shape.hidden),
+                                          dtype=T.torch().bfloat16, device=self.device)
+        return self.zero_x[:n]
 
     def objects(self) -> List[All2All]:
         return [s.a2a for s in self.slots] + ([self.carrier] if self.carrier is not None else [])
