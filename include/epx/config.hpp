@@ -47,6 +47,8 @@ enum class CombineMode {
           // hidden bf16 (f32 for the expert-major layout)
 };
 
+enum class CombineFormat { kBF16, kLogFMT };
+
 enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughput };
 
 // The baselines deliver every token of every rank (that is what they are); low_latency and
@@ -93,6 +95,7 @@ struct EpConfig {
   // naive (an all-reduce), high_throughput and mask_failed_ranks take kAuto (which then pulls)
   // or kPull only.
   CombineMode combine = CombineMode::kAuto;
+  CombineFormat combine_format = CombineFormat::kBF16;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
