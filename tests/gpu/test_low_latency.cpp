@@ -245,10 +245,9 @@ TEST(RoundScale, MatchesReferenceOnEveryQuantisedShape) {
   EXPECT_GE(shapes, 5);
 }
 
-TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
-  REQUIRE_GPU();
-  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
-  base.cfg.combine = CombineMode::kPush;
+// `base` (one call) as one launch, graph replays mixed with eager calls, the halves and two
+// rounds in flight: each against the reference.
+void check_launch_variants(testing::CheckOptions base) {
   base.iters = 1;
   auto one = base;
   one.one_launch = true;
@@ -269,6 +268,13 @@ TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
     EXPECT_TRUE(rep.ok) << what << describe(rep);
     EXPECT_GT(rep.calls, 0) << what;
   }
+}
+
+TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
+  REQUIRE_GPU();
+  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
+  base.cfg.combine = CombineMode::kPush;
+  check_launch_variants(base);
 }
 
 // Push is refused by name where it cannot work: naive's combine is an all-reduce over every
@@ -318,26 +324,7 @@ TEST(LogFMT, MatchesReferencePullAndPush) {
   EXPECT_GE(runs, 12);
   auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
   base.cfg.combine_format = CombineFormat::kLogFMT;
-  base.iters = 1;
-  auto one = base;
-  one.one_launch = true;
-  one.iters = 2;
-  auto graph = base;
-  graph.graph_replays = 20;
-  graph.mixed = true;
-  auto halves = base;
-  halves.halves = true;
-  halves.iters = 2;
-  auto rounds = base;
-  rounds.cfg.rounds_in_flight = 2;
-  rounds.graph_replays = 10;
-  rounds.iters = 2;
-  for (const auto& [what, o] : {std::pair{"one launch", one}, std::pair{"graph, mixed", graph},
-                                std::pair{"halves", halves}, std::pair{"two rounds", rounds}}) {
-    const auto rep = testing::run_check(o);
-    EXPECT_TRUE(rep.ok) << what << describe(rep);
-    EXPECT_GT(rep.calls, 0) << what;
-  }
+  check_launch_variants(base);
 }
 
 // LogFMT is low_latency's: the other backends refuse it by name.
