@@ -245,10 +245,9 @@ TEST(RoundScale, MatchesReferenceOnEveryQuantisedShape) {
   EXPECT_GE(shapes, 5);
 }
 
-TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
-  REQUIRE_GPU();
-  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
-  base.cfg.combine = CombineMode::kPush;
+// `base` (one call) as one launch, graph replays mixed with eager calls, the halves and two
+// rounds in flight: each against the reference.
+void check_launch_variants(testing::CheckOptions base) {
   base.iters = 1;
   auto one = base;
   one.one_launch = true;
@@ -271,6 +270,13 @@ TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
   }
 }
 
+TEST(PushCombine, OneLaunchGraphMixedHalvesAndTwoRounds) {
+  REQUIRE_GPU();
+  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
+  base.cfg.combine = CombineMode::kPush;
+  check_launch_variants(base);
+}
+
 // Push is refused by name where it cannot work: naive's combine is an all-reduce over every
 // rank's rows, and a masked sender's reserved rows may carry no metadata.
 TEST(PushCombine, RefusedWithNaiveAndWithMasking) {
@@ -290,6 +296,52 @@ TEST(PushCombine, RefusedWithNaiveAndWithMasking) {
     } catch (const ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("combine = push"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find(bound), std::string::npos) << e.what();
+    }
+  }
+}
+
+// LogFMT combine (EpConfig::combine_format = logfmt): each partial crosses encoded and the
+// token's rank adds the decoded values in rank order. The reference models the same codec
+// (src/core/logfmt.hpp), so the bits must match: token- and expert-major shapes (expert-major
+// rows are folded in f32 and rounded to bf16 before they are encoded), pull and push, then one
+// launch, graph replays mixed with eager calls, the halves and two rounds in flight.
+TEST(LogFMT, MatchesReferencePullAndPush) {
+  REQUIRE_GPU();
+  int runs = 0;
+  for (int index = 0; index < int(std::size(kCases)); ++index) {
+    const Case& c = kCases[index];
+    if (c.hidden % 128 != 0) continue;  // (LogFMT blocks are 128 values)
+    if (*std::max_element(c.tokens.begin(), c.tokens.end()) > 128) continue;  // (decode sizes)
+    for (const CombineMode mode : {CombineMode::kPull, CombineMode::kPush}) {
+      auto o = options_for(c);
+      o.cfg.combine_format = CombineFormat::kLogFMT;
+      o.cfg.combine = mode;
+      const auto rep = testing::run_check(o);
+      EXPECT_TRUE(rep.ok) << c.name << " " << to_string(mode) << describe(rep);
+      ++runs;
+    }
+  }
+  EXPECT_GE(runs, 12);
+  auto base = options_for(kCases[13]);  // w8_r1_mixed_tokens_q
+  base.cfg.combine_format = CombineFormat::kLogFMT;
+  check_launch_variants(base);
+}
+
+// LogFMT is low_latency's: the other backends refuse it by name.
+TEST(LogFMT, RefusedByTheOtherBackends) {
+  REQUIRE_GPU();
+  EpConfig c = gpu_test::small_config();
+  c.world_size = 2;
+  c.combine_format = CombineFormat::kLogFMT;
+  InProcessWorld world(2);
+  for (const Backend b :
+       {Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kHighThroughput}) {
+    try {
+      (void)make_all2all_group(b, c, world);
+      ADD_FAILURE() << "expected a ConfigError naming combine_format for " << to_string(b);
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("combine_format = logfmt"), std::string::npos)
+          << e.what();
     }
   }
 }

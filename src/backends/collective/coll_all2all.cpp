@@ -258,6 +258,10 @@ std::unique_ptr<All2All> make_nccl_rank(Backend backend, const EpConfig& base, N
             "false across nodes (NCCL's collectives need every rank)");
   EPX_CHECK(cfg.combine != CombineMode::kPush, ConfigError, "combine", to_string(cfg.combine),
             "auto or pull across nodes (the partials move by NCCL's collectives)");
+  EPX_CHECK(cfg.combine_format == CombineFormat::kBF16, ConfigError, "combine_format",
+            to_string(cfg.combine_format),
+            std::string("bf16 for backend ") + to_string(backend) +
+                " (LogFMT combine is low_latency's)");
   check_fingerprints(world.bootstrap(), cfg, backend);
   {
     const DeviceGuard guard(world.device());

@@ -130,6 +130,8 @@ void validate_for(const EpConfig& cfg) {
   EPX_CHECK(cfg.combine != CombineMode::kPush, ConfigError, "combine", to_string(cfg.combine),
             "auto or pull for backend high_throughput (its combine pulls in an in-process group "
             "and moves partials through its rings between processes)");
+  EPX_CHECK(cfg.combine_format == CombineFormat::kBF16, ConfigError, "combine_format", "logfmt",
+            "bf16 for backend high_throughput (LogFMT combine is low_latency's)");
 }
 
 class HtAll2All final : public All2All {

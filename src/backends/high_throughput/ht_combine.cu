@@ -381,19 +381,12 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// dst[0, *rows * vecs_per_row) = src[...]: the rows the round received, however many.
-__global__ void ht_copy_partials_kernel(const int4* __restrict__ src, int4* __restrict__ dst,
-                                        const int32_t* rows, size_t vecs_per_row) {
-  const size_t total = size_t(max(*rows, 0)) * vecs_per_row;
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += size_t(gridDim.x) * blockDim.x)
-    dst[i] = __ldg(src + i);
-}
-
-// dst[0, *rows * row_words) = src[...] in 4-byte words.
-__global__ void ht_copy_words_kernel(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst,
-                                     const int32_t* rows, size_t row_words) {
-  const size_t total = size_t(max(*rows, 0)) * row_words;
+// dst[0, *rows * per_row) = src[...]: the rows the round received, however many, in units T
+// (16 bytes for partials, 4 for top-k weights).
+template <typename T>
+__global__ void ht_copy_rows_kernel(const T* __restrict__ src, T* __restrict__ dst,
+                                    const int32_t* rows, size_t per_row) {
+  const size_t total = size_t(max(*rows, 0)) * per_row;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += size_t(gridDim.x) * blockDim.x)
     dst[i] = __ldg(src + i);
@@ -404,14 +397,14 @@ __global__ void ht_copy_words_kernel(const uint32_t* __restrict__ src, uint32_t*
 void load_ht_combine_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_combine_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_partials_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_words_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_rows_kernel<int4>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ht_copy_rows_kernel<uint32_t>));
 }
 
 void launch_ht_copy_words(const void* src, void* dst, const int32_t* rows, int row_words,
                           cudaStream_t stream) {
   constexpr int kThreads = 256, kBlocks = 32;  // [M][K] f32: small
-  ht_copy_words_kernel<<<kBlocks, kThreads, 0, stream>>>(
+  ht_copy_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(
       static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), rows, size_t(row_words));
   EPX_CUDA_CHECK(cudaGetLastError());
 }
@@ -419,7 +412,7 @@ void launch_ht_copy_words(const void* src, void* dst, const int32_t* rows, int r
 void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, int hidden,
                              cudaStream_t stream) {
   constexpr int kThreads = 256, kBlocks = 264;  // enough to stream at HBM speed on an H100
-  ht_copy_partials_kernel<<<kBlocks, kThreads, 0, stream>>>(
+  ht_copy_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(
       static_cast<const int4*>(src), static_cast<int4*>(dst), rows, size_t(hidden) * 2 / 16);
   EPX_CUDA_CHECK(cudaGetLastError());
 }

@@ -11,6 +11,10 @@
 //               partial of each rank that got the token, in rank order, sums in f32 and writes
 //               bf16 (push mode: from this rank's own memory). The naive backend instead
 //               all-reduces every row over the ranks and takes its own tokens' rows.
+// LogFMT (Shape::logfmt, low_latency): A encodes each row's partial (token-major: as the expert
+// stage wrote it; expert-major: folded in f32 and rounded to bf16 first) into the encoded area,
+// or (push) into its token's rank; B decodes each rank's row and adds the values in the same
+// rank order. src/core/logfmt.hpp is the format, shared with the reference bit for bit.
 // A is the send half, B the receive half (Half): launched apart, compute may run between them.
 // Combine serves the round whose rows its buffer slot holds (RoundState, written by that round's
 // dispatch): its flags carry that round, so a combine needs no state of its own. Every wait is
@@ -22,6 +26,7 @@
 
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/peer_device.cuh"
+#include "core/logfmt.hpp"
 #include "core/sync_device.cuh"
 #include "epx/cuda_check.hpp"
 
@@ -127,6 +132,204 @@ __device__ __forceinline__ void push_rows(const CombineCall& c, const int4* src)
         const int v = v0 + u * kWarpSize;
         if (v < vecs) dst[v] = t[u];
       }
+    }
+  }
+}
+
+// ---- LogFMT ----------------------------------------------------------------------------------
+
+// Bytes of one encoded row in an area.
+__device__ __forceinline__ size_t logfmt_stride(const Shape& S) {
+  return size_t(logfmt::row_stride(S.hidden));
+}
+
+// Push mode, LogFMT: where rank `rank`'s encoded partial of token n of `owner` goes.
+__device__ __forceinline__ uint8_t* pushed_logfmt_row(const CombineCall& c, uint8_t* owner_buf,
+                                                      int rank, int n) {
+  const Shape& S = c.p.common.shape;
+  return owner_buf + c.p.common.layout.pushed + (size_t(rank) * S.max_tokens + n) * logfmt_stride(S);
+}
+
+// One warp encodes one row of H values into the LogFMT row at `dst`: lane l takes group
+// g0 + l of 16 values (values16(g, x) gives their bf16 bits), the 8 lanes of a 128-value block
+// agree on its metadata word by shuffles (the max and min of |x|, as logfmt::block_meta), and
+// each lane packs its group as logfmt::encode_row does.
+template <typename Values16>
+__device__ __forceinline__ void logfmt_encode_row(const Values16& values16, int H, uint8_t* dst) {
+  constexpr int kLanesPerBlock = logfmt::kBlockValues / logfmt::kGroupValues;  // 8
+  const int lane = threadIdx.x % kWarpSize;
+  const int groups = H / logfmt::kGroupValues;  // a multiple of 8: blocks never straddle steps
+  for (int g0 = 0; g0 < groups; g0 += kWarpSize) {
+    const int g = g0 + lane;
+    const bool active = g < groups;
+    uint16_t x[logfmt::kGroupValues];
+    if (active) {
+      values16(g, x);
+    } else {
+#pragma unroll
+      for (int j = 0; j < logfmt::kGroupValues; ++j) x[j] = 0;
+    }
+    uint32_t hi = 0, lo = 0x7FFF;
+#pragma unroll
+    for (int j = 0; j < logfmt::kGroupValues; ++j) {
+      const uint32_t a = x[j] & 0x7FFFu;  // |x|: bit order = magnitude order
+      hi = a > hi ? a : hi;
+      lo = a < lo ? a : lo;
+    }
+#pragma unroll
+    for (int off = 1; off < kLanesPerBlock; off <<= 1) {
+      hi = max(hi, __shfl_xor_sync(kFullWarp, hi, off));
+      lo = min(lo, __shfl_xor_sync(kFullWarp, lo, off));
+    }
+    if (!active) continue;
+    const uint32_t meta = logfmt::pack_meta(uint16_t(hi), uint16_t(lo));
+    if (lane % kLanesPerBlock == 0)
+      *reinterpret_cast<uint32_t*>(dst + (g / kLanesPerBlock) * logfmt::kMetaBytes) = meta;
+    const logfmt::BlockScale s = logfmt::block_scale(meta);
+    uint32_t codes[logfmt::kGroupValues];
+    uint32_t signs = 0;
+#pragma unroll
+    for (int j = 0; j < logfmt::kGroupValues; ++j) {
+      codes[j] = logfmt::encode_magnitude(uint16_t(x[j] & 0x7FFFu), s);
+      signs |= uint32_t(x[j] >> 15) << j;
+    }
+    uint32_t w[logfmt::kGroupWords];
+    logfmt::pack_group(codes, signs, w);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst + logfmt::group_offset(H, g));
+#pragma unroll
+    for (int k = 0; k < logfmt::kGroupWords; ++k) out[k] = w[k];
+  }
+}
+
+// A: every received row's partial encoded, here (pull) or at its token's rank (push); then every
+// rank is (or, from the last block, will be) told.
+template <typename PartialT>
+__device__ __forceinline__ void publish_logfmt(const CombineCall& c) {
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
+  const int K = S.topk, H = S.hidden, M = c.M;
+  const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int32_t* src_rank = at<int32_t>(c.local(), L.recv_src_rank);
+  const int32_t* src_idx = at<int32_t>(c.local(), L.recv_src_idx);
+  for (int j = c.b * num_warps + warp; j < M; j += c.nb * num_warps) {
+    uint8_t* dst = S.push ? pushed_logfmt_row(c, c.peers[src_rank[j]], c.rank(), src_idx[j])
+                          : c.local() + L.encoded + size_t(j) * logfmt_stride(S);
+    if constexpr (sizeof(PartialT) == 2) {  // token-major: the expert stage's bf16 row
+      const uint16_t* row = static_cast<const uint16_t*>(c.me.expert_out) + size_t(j) * H;
+      logfmt_encode_row(
+          [&](int g, uint16_t (&x)[logfmt::kGroupValues]) {
+            const int4* v = reinterpret_cast<const int4*>(row + g * logfmt::kGroupValues);
+            const int4 a = __ldcg(v), b = __ldcg(v + 1);
+            memcpy(x, &a, 16);
+            memcpy(x + 8, &b, 16);
+          },
+          H, dst);
+    } else {  // expert-major: p = sum over k of fmaf(w_k, out, p), rounded to bf16 once
+      const __nv_bfloat16* out = static_cast<const __nv_bfloat16*>(c.me.expert_out);
+      const int32_t* row_slot = at<int32_t>(c.local(), L.row_expert_slot) + size_t(j) * K;
+      const int32_t* rids = at<int32_t>(c.local(), L.recv_topk_ids) + size_t(j) * K;
+      const float* rw = at<float>(c.local(), L.recv_topk_w) + size_t(j) * K;
+      const int e0 = c.rank() * S.num_local;
+      logfmt_encode_row(
+          [&](int g, uint16_t (&x)[logfmt::kGroupValues]) {
+            float acc[logfmt::kGroupValues] = {};
+            for (int k = 0; k < K; ++k) {
+              const int slot = row_slot[k];
+              if (slot < 0) continue;
+              const float w = rw[k];
+              const __nv_bfloat16* from =
+                  out + (size_t(rids[k] - e0) * S.capacity + slot) * H + g * logfmt::kGroupValues;
+              float f[8];
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                load_bf16x8(from + 8 * h, f);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[8 * h + i] = fmaf(w, f[i], acc[8 * h + i]);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < logfmt::kGroupValues; ++i)
+              x[i] = __bfloat16_as_ushort(__float2bfloat16_rn(acc[i]));
+          },
+          H, dst);
+    }
+  }
+  if (S.push) {
+    __syncthreads();
+    if (threadIdx.x == 0) dev::fence_acq_rel_sys();
+  }
+  if (dev::last_block(&c.state()->combine_ready_ticket, c.nb)) tell_all(c, L.ready);
+}
+
+// B: one warp per (token, 32 groups of 16 values); lane l decodes group l of the chunk from the
+// row of every rank that got the token, loads of up to kBatch ranks in flight before their adds,
+// and adds them in rank order in f32; y is rounded once. Push mode reads this rank's own area.
+__device__ __forceinline__ void pull_logfmt(const CombineCall& c) {
+  constexpr int kBatch = 4;
+  constexpr int kWords = 1 + logfmt::kGroupWords;  // the block's metadata word, the group's five
+  const Shape& S = c.p.common.shape;
+  const Layout& L = c.p.common.layout;
+  const int W = S.world, H = S.hidden, N = c.N;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int groups = H / logfmt::kGroupValues;
+  const int chunks = (groups + kWarpSize - 1) / kWarpSize;
+  const int32_t* send_slot = at<int32_t>(c.local(), L.send_slot);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(c.me.y);
+  const uint64_t live = ~__shfl_sync(kFullWarp, dev::masked_ranks(c.wait()), 0);
+  for (int item = c.b * num_warps + warp; item < N * chunks; item += c.nb * num_warps) {
+    const int n = item / chunks, g = (item % chunks) * kWarpSize + lane;
+    const bool active = g < groups;
+    const RankSlots slots = load_rank_slots(send_slot, n, W, lane);
+    uint64_t m = slots.ranks() & live;  // warp-uniform
+    float acc[logfmt::kGroupValues] = {};
+    while (m != 0) {
+      uint32_t words[kBatch][kWords];
+      int got = 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (m != 0) {
+          const int r = lowest_rank(m);
+          m &= m - 1;
+          const int slot = slots.of(r);
+          if (active) {
+            const uint8_t* row = S.push ? pushed_logfmt_row(c, c.local(), r, n)
+                                        : c.peers[r] + L.encoded + size_t(slot) * logfmt_stride(S);
+            words[i][0] = __ldcg(reinterpret_cast<const uint32_t*>(row) + g / 8);
+            const uint32_t* grp = reinterpret_cast<const uint32_t*>(row + logfmt::group_offset(H, g));
+#pragma unroll
+            for (int k = 0; k < logfmt::kGroupWords; ++k) words[i][1 + k] = __ldcg(grp + k);
+          }
+          got = i + 1;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {  // rank order
+        if (i >= got || !active) continue;
+        const logfmt::BlockScale s = logfmt::block_scale(words[i][0]);
+        uint32_t w[logfmt::kGroupWords];
+#pragma unroll
+        for (int k = 0; k < logfmt::kGroupWords; ++k) w[k] = words[i][1 + k];
+        uint32_t codes[logfmt::kGroupValues];
+        uint32_t signs = 0;
+        logfmt::unpack_group(w, codes, signs);
+#pragma unroll
+        for (int j = 0; j < logfmt::kGroupValues; ++j) {
+          const float mag = logfmt::decode_magnitude(codes[j], s);
+          acc[j] += ((signs >> j) & 1u) != 0 ? -mag : mag;
+        }
+      }
+    }
+    if (active) {
+      __nv_bfloat16* out = y + size_t(n) * H + g * logfmt::kGroupValues;
+      float lo8[8], hi8[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        lo8[i] = acc[i];
+        hi8[i] = acc[8 + i];
+      }
+      store_bf16x8(out, lo8);
+      store_bf16x8(out + 8, hi8);
     }
   }
 }
@@ -365,7 +568,11 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
 #endif
   const Half half = p.common.half;
   if (half != Half::kReceive) {
-    publish_partials<PartialT>(c);
+    if (p.common.shape.logfmt) {
+      publish_logfmt<PartialT>(c);
+    } else {
+      publish_partials<PartialT>(c);
+    }
     EPX_PHASE_MARK_SYNC(p.common, CombinePhase::kPublished, clock0);
     if (half == Half::kSend) return;
   }
@@ -376,6 +583,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerBlock)
   constexpr bool kMayAllReduce = std::is_same_v<PartialT, __nv_bfloat16>;
   if (kMayAllReduce && p.common.shape.all_reduce) {
     (void)pull_all_reduced(c);
+  } else if (p.common.shape.logfmt) {
+    pull_logfmt(c);
   } else {
     pull_partials<PartialT>(c);
   }

@@ -34,6 +34,7 @@ struct Shape {
   int32_t mask_failed;       // EpConfig::mask_failed_ranks
   int32_t push;              // combine pushes the partials (Layout::pushed)
   int32_t round_scale;       // EpConfig::round_scale: power-of-two fp8 scales
+  int32_t logfmt;            // EpConfig::combine_format: partials cross as LogFMT-10 rows
 #if EPX_MEASUREMENT
   int32_t ablate;            // kAblate* bits: stages left out to time the rest (wrong results)
 #endif

@@ -60,7 +60,10 @@ struct Layout {
   size_t recv_topk_w;    // f32 [cap][K]
   size_t partials;       // [cap][H] bf16 (token-major) or f32 (expert-major, folded)
   size_t pushed;         // push combine: [W][max_tokens][H] as partials: rank q's partial of
-                         // this rank's token n at [q][n] (0 bytes for pull)
+                         // this rank's token n at [q][n] (0 bytes for pull); LogFMT: encoded
+                         // rows of logfmt::row_stride(H) bytes instead
+  size_t encoded;        // LogFMT pull: [cap][logfmt::row_stride(H)] bytes, the partials as they
+                         // cross (0 bytes otherwise)
   size_t reduced;        // all-reduce: bf16 [cap][H], rows of this rank's reduce-scatter chunk
   size_t sym_slot_bytes;
   size_t symmetric_end;
@@ -90,7 +93,8 @@ struct Layout {
     Layout l = *this;
     const size_t s = size_t(slot) * sym_slot_bytes, t = size_t(slot) * local_slot_bytes;
     for (size_t* f : {&l.recv_x, &l.recv_scales, &l.recv_src_rank, &l.recv_src_idx,
-                      &l.recv_topk_ids, &l.recv_topk_w, &l.partials, &l.pushed, &l.reduced})
+                      &l.recv_topk_ids, &l.recv_topk_w, &l.partials, &l.pushed, &l.encoded,
+                      &l.reduced})
       *f += s;
     for (size_t* f : {&l.round, &l.send_slot, &l.expert_counts, &l.row_expert_slot, &l.expert_x,
                       &l.expert_scales, &l.expert_src_rank, &l.expert_src_idx,

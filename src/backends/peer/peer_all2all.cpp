@@ -20,6 +20,7 @@
 #include "backends/peer/kernels.hpp"
 #include "backends/peer/layout.hpp"
 #include "core/device_guard.hpp"
+#include "core/logfmt.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/cuda_check.hpp"
 #include "epx/symmetric.hpp"
@@ -56,9 +57,14 @@ Layout make_layout(const EpConfig& cfg, const Algorithm& algo, bool push) {
   L.recv_src_idx = carve(c, cap * sizeof(int32_t));
   L.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
   L.recv_topk_w = carve(c, cap * K * sizeof(float));
-  // (expert-major push folds each row straight into its token's rank: no partials here)
-  L.partials = carve(c, em && push ? 0 : cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
-  L.pushed = carve(c, push ? cap * H * (em ? sizeof(float) : sizeof(uint16_t)) : 0);
+  // (expert-major push folds each row straight into its token's rank: no partials here; with
+  // LogFMT an expert-major row is folded and encoded at once, and token-major partials stay
+  // bf16 where the expert stage writes them, encoded on their way out)
+  const bool lf = cfg.combine_format == CombineFormat::kLogFMT;
+  const size_t lf_row = size_t(logfmt::row_stride(cfg.hidden));
+  L.partials = carve(c, em && (push || lf) ? 0 : cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  L.pushed = carve(c, !push ? 0 : lf ? cap * lf_row : cap * H * (em ? sizeof(float) : sizeof(uint16_t)));
+  L.encoded = carve(c, lf && !push ? cap * lf_row : 0);
   L.reduced = carve(c, algo.all_reduce ? cap * H * sizeof(uint16_t) : 0);
   L.sym_slot_bytes = c - sym_slot0;
   c += (R - 1) * L.sym_slot_bytes;
@@ -348,6 +354,7 @@ class PeerAll2All final : public All2All {
                  .mask_failed = cfg_.mask_failed_ranks,
                  .push = push_,
                  .round_scale = cfg_.round_scale,
+                 .logfmt = cfg_.combine_format == CombineFormat::kLogFMT,
 #if EPX_MEASUREMENT
                  .ablate = ablate_,
 #endif
@@ -444,6 +451,12 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
   // The naive all-reduce orders its rows (every rank must hold the same rows): no masking.
   EPX_CHECK(!cfg.mask_failed_ranks || algo.backend != Backend::kNaive, ConfigError,
             "mask_failed_ranks", "true", "false with backend naive (its rows are ordered)");
+  // LogFMT rows are encoded where the partials leave and decoded in the pull's rank-order sum:
+  // low_latency's combine. (The baselines' combines stand for vLLM's bf16 collectives.)
+  EPX_CHECK(cfg.combine_format == CombineFormat::kBF16 || takes_logfmt_combine(algo.backend),
+            ConfigError, "combine_format", "logfmt",
+            std::string("bf16 for backend ") + to_string(algo.backend) +
+                " (LogFMT combine is low_latency's)");
   // The baselines deliver every token of every rank in the token-major layout only.
   EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
             ConfigError, "layout", to_string(cfg.layout),
