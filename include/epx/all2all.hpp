@@ -98,7 +98,8 @@ struct DispatchInput {
 // What combine may also do (high_throughput only, token-major; InputError elsewhere):
 //   * topk_weights [capacity, K] f32, row-aligned with the round's rows (DispatchResult's
 //     recv_topk_weights, or the caller's own): y_topk_weights[n] = their sum over the ranks that
-//     got token n, in f32 in rank order (0 for a token sent nowhere);
+//     got token n, in f32 in rank order (0 for a token sent nowhere; a rank that passes no
+//     weights counts as zeros);
 //   * bias[0], bias[1]: [N, H] bf16 each, or null: y[n] = bf16(((0 + b0[n]) + b1[n]) + the
 //     partials in rank order), all in f32 and rounded once.
 struct CombineExtras {

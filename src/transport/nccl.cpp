@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/device_guard.hpp"
 #include "core/env.hpp"
@@ -170,6 +171,14 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device, int local
             ConfigError, "local_world_size", local_world_size,
             fmt::format("0 (one node) or a divisor of the world size {}", size_));
   nodes_ = local_world_size > 0 ? size_ / local_world_size : 1;
+  // Every rank must see the same layout: it decides which collectives follow and which engine
+  // serves the backends.
+  const std::vector<std::string> layouts = bootstrap_->all_gather(std::to_string(local_world_size));
+  for (int r = 0; r < size_; ++r) {
+    EPX_CHECK(layouts[size_t(r)] == std::to_string(local_world_size), ConfigError,
+              "local_world_size", local_world_size,
+              fmt::format("the same on every rank (rank {} has {})", r, layouts[size_t(r)]));
+  }
   const bool one_node = nodes_ == 1;
   // NVLink multicast stays off unless the caller decided otherwise (it can take a shared GPU out
   // of service, and epx never needs it).

@@ -71,9 +71,15 @@ class CollAll2All final : public All2All {
     const DeviceGuard guard(world.device());
     EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&mem_), areas_.total));
     EPX_CUDA_CHECK(cudaMemset(mem_, 0, areas_.total));
+    // (The zeros, the status word's among them, must be there before the caller's first call,
+    // whatever its stream: a non-blocking stream does not wait for the legacy one.)
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    for (cudaEvent_t* e : {&dispatch_sent_, &combine_sent_})
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   }
   ~CollAll2All() override {
     const DeviceGuard guard(world_.device());
+    for (cudaEvent_t e : {dispatch_sent_, combine_sent_}) (void)cudaEventDestroy(e);
     (void)cudaFree(mem_);
   }
   CollAll2All(const CollAll2All&) = delete;
@@ -113,6 +119,8 @@ class CollAll2All final : public All2All {
                                 status_.device_mirror()},
                      stream);
     world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+    // The receive half may come on another stream: it waits for this point.
+    EPX_CUDA_CHECK(cudaEventRecord(dispatch_sent_, stream));
     tokens_ = N;
     dispatched_ = true;
     pending_ = Pending::kDispatchReceive;
@@ -122,6 +130,7 @@ class CollAll2All final : public All2All {
     EPX_CHECK(pending_ == Pending::kDispatchReceive, StateError, "dispatch_recv", "called",
               "after dispatch_send");
     const DeviceGuard guard(world_.device());
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, dispatch_sent_, 0));
     launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
     pending_ = Pending::kNone;
     return result();
@@ -151,6 +160,7 @@ class CollAll2All final : public All2All {
       world_.all_to_all(mem_ + areas_.blocks, offsets.data(), bytes.data(),
                         mem_ + areas_.received, offsets.data(), bytes.data(), stream);
     }
+    EPX_CUDA_CHECK(cudaEventRecord(combine_sent_, stream));
     pending_ = Pending::kCombineReceive;
   }
   void combine_recv(void* y, cudaStream_t stream) override {
@@ -159,6 +169,7 @@ class CollAll2All final : public All2All {
               "after combine_send");
     if (tokens_ > 0) status_.check_ptr(y, "y", 16);
     const DeviceGuard guard(world_.device());
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, combine_sent_, 0));
     // The rows of this rank's tokens from rank r: block `rank` of rank r's blocks (naive), or
     // rank r's block (allgather_reducescatter).
     const size_t T = cfg_.max_tokens_per_rank, W = cfg_.world_size;
@@ -232,6 +243,8 @@ class CollAll2All final : public All2All {
   Areas areas_;
   RankStatus status_;
   uint8_t* mem_ = nullptr;
+  cudaEvent_t dispatch_sent_ = nullptr;  // the end of the last send half of each op
+  cudaEvent_t combine_sent_ = nullptr;
   int tokens_ = 0;
   bool dispatched_ = false;
   Pending pending_ = Pending::kNone;

@@ -2,6 +2,14 @@
 // The collective engine: the baselines naive and allgather_reducescatter over NCCL's host
 // collectives on the caller's stream (coll_kernels.hpp), for an NcclWorld whose ranks span
 // several nodes, where peer memory does not reach every rank (docs/scale-out.md §2).
+// Where it differs from the one-node engines:
+//   * a send half enqueues an NCCL collective, which waits on the device for every peer: work
+//     on the same stream between the halves does not overlap with it (the receive half waits
+//     for the send half's end, on any stream);
+//   * NCCL's collectives are not bounded by EpConfig::timeout_ms: a peer that never calls leaves
+//     the stream waiting (NCCL's own timeouts and abort apply; a watchdog is still to come);
+//   * memory: naive holds every rank's blocks of partials, world_size^2 * max_tokens_per_rank
+//     rows of hidden bf16 (the all-gather it stands for).
 
 #include <memory>
 

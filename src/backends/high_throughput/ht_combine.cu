@@ -189,9 +189,10 @@ __device__ __forceinline__ void send_partials(const HtCombineParams& p, const Ht
         const int row = seg_offset[s * C + c] + done[s] + j;
         const size_t slot = (size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring));
         copy_partial(out + size_t(row) * H * 2, cm.peers[s] + L.cring + slot * H * 2, H);
-        if (me.topk_w != nullptr && lane < S.topk) {
+        // (always: a rank that passes no weights sends zeros, as direct mode reads them)
+        if (lane < S.topk) {
           reinterpret_cast<float*>(cm.peers[s] + L.cwring)[slot * S.topk + lane] =
-              __ldg(me.topk_w + size_t(row) * S.topk + lane);
+              me.topk_w != nullptr ? __ldg(me.topk_w + size_t(row) * S.topk + lane) : 0.f;
         }
       }
     } else {
