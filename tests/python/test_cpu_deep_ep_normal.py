@@ -16,6 +16,7 @@ num_tokens_per_expert summed; combine also sums the rows' top-k weights per toke
 sum from bias rows. What epx's core lacks is refused, naming the argument. Needs torch (skipped
 without it); no GPU."""
 
+import functools
 import threading
 import traceback
 
@@ -29,6 +30,9 @@ import test_cpu_deep_ep_fake_core as fake  # noqa: E402  (needs torch too)
 
 H = 256  # two 1x128 scale blocks
 TOPK = 3
+# Where inputs() puts its tensors: the CPU here, the GPU when tests/python/test_gpu_deep_ep_normal.py
+# runs the same scenarios on real epx objects.
+DEVICE = torch.device("cpu")
 
 
 def run_ranks(monkeypatch, world_size, body, **buffer_kwargs):
@@ -71,7 +75,7 @@ def inputs(rank, num_experts, seed=0):
     idx[torch.rand(n, TOPK, generator=g) < 0.25] = -1
     idx[n // 2] = -1
     w = torch.randn(n, TOPK, generator=g)
-    return x, idx.long(), w
+    return x.to(DEVICE), idx.long().to(DEVICE), w.to(DEVICE)
 
 
 def expected_rows(rank, world_size, num_experts, seed=0):
@@ -166,7 +170,7 @@ def combine_reference(rank, W, E, give_back, start=None):
     ranks r that got the token (j: its row there), from `start` (f32 [N, H], else 0), rounded
     once."""
     x, _, _ = inputs(rank, E)
-    y = torch.zeros(x.shape[0], H) if start is None else start.clone()
+    y = torch.zeros(x.shape[0], H, device=x.device) if start is None else start.clone()
     for r in range(W):
         for j, (q, n) in enumerate(expected_rows(r, W, E)):
             if q == rank:
@@ -179,169 +183,168 @@ def partial(r, j, row):
     return (row.float() * (r + 1) + j).to(torch.bfloat16)
 
 
+def scenario_dispatch_combine_and_cached(buffer, rank, W, E):
+    out = dispatch_of(buffer, rank, E)
+    rows = check_dispatch(rank, W, E, out)
+    recv_x, _, _, _, handle, _ = out
+    # a cached dispatch sends the same routing again: the same rows, nothing else
+    again = buffer.dispatch(inputs(rank, E)[0], handle=handle)
+    assert again[1:5] == (None, None, None, None) and torch.equal(again[0], recv_x)
+    given = torch.stack([partial(rank, j, recv_x[j]) for j in range(len(rows))]) \
+        if rows else recv_x
+    combined, weights, event = buffer.combine(given, handle)
+    assert weights is None and event.event is None
+    assert torch.equal(combined, combine_reference(rank, W, E, partial))
+    # the handle's round outlives another routing on the same object
+    dispatch_of(buffer, rank, E, seed=1)
+    combined, _, _ = buffer.combine(given, handle)
+    assert torch.equal(combined, combine_reference(rank, W, E, partial))
+    # and repeated combines of one round are allowed
+    combined, _, _ = buffer.combine(given, handle)
+    assert torch.equal(combined, combine_reference(rank, W, E, partial))
+    assert len(buffer._objects()) == 1  # one shape, one epx object
+
+
 @pytest.mark.parametrize("W,E", [(2, 6), (3, 9)])
 def test_dispatch_combine_and_cached_dispatch(monkeypatch, W, E):
-    def body(buffer, rank):
-        out = dispatch_of(buffer, rank, E)
-        rows = check_dispatch(rank, W, E, out)
-        recv_x, _, _, _, handle, _ = out
-        # a cached dispatch sends the same routing again: the same rows, nothing else
-        again = buffer.dispatch(inputs(rank, E)[0], handle=handle)
-        assert again[1:5] == (None, None, None, None) and torch.equal(again[0], recv_x)
-        given = torch.stack([partial(rank, j, recv_x[j]) for j in range(len(rows))]) \
-            if rows else recv_x
-        combined, weights, event = buffer.combine(given, handle)
-        assert weights is None and event.event is None
-        assert torch.equal(combined, combine_reference(rank, W, E, partial))
-        # the handle's round outlives another routing on the same object
-        dispatch_of(buffer, rank, E, seed=1)
-        combined, _, _ = buffer.combine(given, handle)
-        assert torch.equal(combined, combine_reference(rank, W, E, partial))
-        # and repeated combines of one round are allowed
-        combined, _, _ = buffer.combine(given, handle)
-        assert torch.equal(combined, combine_reference(rank, W, E, partial))
-        assert len(buffer._objects()) == 1  # one shape, one epx object
+    run_ranks(monkeypatch, W, functools.partial(scenario_dispatch_combine_and_cached, W=W, E=E))
 
-    run_ranks(monkeypatch, W, body)
+
+def scenario_alignment_and_worst_tokens(buffer, rank, W=2, E=6):
+    out = dispatch_of(buffer, rank, E, expert_alignment=4)
+    check_dispatch(rank, W, E, out, alignment=4)
+    recv_x, recv_idx, recv_w = out[:3]
+    m = recv_x.shape[0]
+    worst = 2 * buffer.max_tokens_per_rank + 3  # more than epx holds: padded rows
+    wx, widx, ww, counts, handle, _ = dispatch_of(buffer, rank, E, num_worst_tokens=worst)
+    assert counts == []
+    assert wx.shape[0] == widx.shape[0] == ww.shape[0] == handle[3].shape[0] == worst
+    assert torch.equal(wx[:m], recv_x) and torch.equal(widx[:m], recv_idx)
+    assert torch.equal(ww[:m], recv_w)
+    assert (widx[m:] == -1).all() and (ww[m:] == 0).all()
+    # combine takes the padded rows (those past M are not read)
+    given = torch.cat([wx[:m], torch.full((worst - m, H), float("nan"),
+                                          dtype=torch.bfloat16, device=DEVICE)])
+    combined, _, _ = buffer.combine(given, handle)
+    assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row))
 
 
 def test_expert_alignment_and_worst_tokens(monkeypatch):
-    W, E = 2, 6
+    run_ranks(monkeypatch, 2, scenario_alignment_and_worst_tokens, max_tokens_per_rank=16)
 
-    def body(buffer, rank):
-        out = dispatch_of(buffer, rank, E, expert_alignment=4)
-        check_dispatch(rank, W, E, out, alignment=4)
-        recv_x, recv_idx, recv_w = out[:3]
-        m = recv_x.shape[0]
-        worst = 2 * buffer.max_tokens_per_rank + 3  # more than epx holds: padded rows
-        wx, widx, ww, counts, handle, _ = dispatch_of(buffer, rank, E, num_worst_tokens=worst)
-        assert counts == []
-        assert wx.shape[0] == widx.shape[0] == ww.shape[0] == handle[3].shape[0] == worst
-        assert torch.equal(wx[:m], recv_x) and torch.equal(widx[:m], recv_idx)
-        assert torch.equal(ww[:m], recv_w)
-        assert (widx[m:] == -1).all() and (ww[m:] == 0).all()
-        # combine takes the padded rows (those past M are not read)
-        given = torch.cat([wx[:m], torch.full((worst - m, H), float("nan"),
-                                              dtype=torch.bfloat16)])
-        combined, _, _ = buffer.combine(given, handle)
-        assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row))
 
-    run_ranks(monkeypatch, W, body, max_tokens_per_rank=16)
+def scenario_fp8_strided_scales(buffer, rank, W=2, E=6):
+    x, _, _ = inputs(rank, E)
+    out = dispatch_of(buffer, rank, E, x=fp8_of(x))
+    (rx, rs), recv_idx, _, _, handle, _ = out
+    rows = expected_rows(rank, W, E)
+    assert rx.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
+    assert rs.shape == (len(rows), H // 128) and rs.is_contiguous()
+    for j, (q, n) in enumerate(rows):
+        qx, qs = fp8_of(inputs(q, E)[0])
+        assert torch.equal(rx[j].view(torch.uint8), qx[n].view(torch.uint8))
+        assert torch.equal(rs[j], qs[n])
+    # the handle of an fp8 dispatch serves a bf16 cached dispatch (another epx object)
+    bf16 = buffer.dispatch(x, handle=handle)[0]
+    assert torch.equal(bf16, torch.stack([inputs(q, E)[0][n] for q, n in rows]))
+    # and an fp8 cached dispatch of a bf16 handle
+    h = dispatch_of(buffer, rank, E)[4]
+    (cx, cs), *_ = buffer.dispatch(fp8_of(x), handle=h)
+    assert torch.equal(cx.view(torch.uint8), rx.view(torch.uint8)) and torch.equal(cs, rs)
+    assert len(buffer._objects()) == 2  # one object per wire
+    combined, _, _ = buffer.combine(bf16, handle)
+    assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row))
 
 
 def test_fp8_rows_with_strided_scales(monkeypatch):
-    W, E = 2, 6
+    run_ranks(monkeypatch, 2, scenario_fp8_strided_scales)
 
-    def body(buffer, rank):
-        x, _, _ = inputs(rank, E)
-        out = dispatch_of(buffer, rank, E, x=fp8_of(x))
-        (rx, rs), recv_idx, _, _, handle, _ = out
-        rows = expected_rows(rank, W, E)
-        assert rx.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
-        assert rs.shape == (len(rows), H // 128) and rs.is_contiguous()
-        for j, (q, n) in enumerate(rows):
-            qx, qs = fp8_of(inputs(q, E)[0])
-            assert torch.equal(rx[j].view(torch.uint8), qx[n].view(torch.uint8))
-            assert torch.equal(rs[j], qs[n])
-        # the handle of an fp8 dispatch serves a bf16 cached dispatch (another epx object)
-        bf16 = buffer.dispatch(x, handle=handle)[0]
-        assert torch.equal(bf16, torch.stack([inputs(q, E)[0][n] for q, n in rows]))
-        # and an fp8 cached dispatch of a bf16 handle
-        h = dispatch_of(buffer, rank, E)[4]
-        (cx, cs), *_ = buffer.dispatch(fp8_of(x), handle=h)
-        assert torch.equal(cx.view(torch.uint8), rx.view(torch.uint8)) and torch.equal(cs, rs)
-        assert len(buffer._objects()) == 2  # one object per wire
-        combined, _, _ = buffer.combine(bf16, handle)
-        assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row))
 
-    run_ranks(monkeypatch, W, body)
+def scenario_without_topk_and_extras(buffer, rank, W=3, E=9):
+    L = E // W
+    x, idx, w = inputs(rank, E)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    rows = expected_rows(rank, W, E)
+    # Without top-k: routed by is_token_in_rank, the senders' expert counts summed.
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, expert_alignment=2)
+    assert recv_idx is None and recv_w is None
+    assert torch.equal(recv_x, torch.stack([inputs(q, E)[0][n] for q, n in rows]))
+    every = sum(buffer.get_dispatch_layout(inputs(q, E)[1], E)[2] for q in range(W))
+    assert counts == [-(-c // 2) * 2 for c in every[rank * L:(rank + 1) * L].tolist()]
+    again = buffer.dispatch(x, handle=handle)[0]  # the same routing, cached
+    assert torch.equal(again, recv_x)
+    # combine starts each token's f32 sum from the bias rows, rounding once
+    g = torch.Generator().manual_seed(50 + rank)
+    b0 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16).to(DEVICE)
+    b1 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16).to(DEVICE)
+    given = torch.stack([partial(rank, j, recv_x[j]) for j in range(len(rows))])
+    combined, weights, _ = buffer.combine(given, handle, bias=(b0, b1))
+    want = combine_reference(rank, W, E, partial, start=b0.float() + b1.float())
+    assert weights is None and torch.equal(combined, want)
+    with pytest.raises(epx.InputError, match="topk_weights = a tensor, expected None"):
+        buffer.combine(given, handle, topk_weights=torch.zeros(len(rows), 1, device=DEVICE))
+    # With top-k: combine sums the rows' weights back (each rank kept its own experts'), so
+    # every token gets its own weights where it has an expert.
+    recv_x, recv_idx, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
+    combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=b0)
+    assert torch.equal(weights, torch.where(idx >= 0, w, 0.0))
+    assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row,
+                                                   start=b0.float()))
 
 
 def test_dispatch_without_topk_and_combine_extras(monkeypatch):
-    W, E = 3, 9
-    L = E // W
-
-    def body(buffer, rank):
-        x, idx, w = inputs(rank, E)
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-        rows = expected_rows(rank, W, E)
-        # Without top-k: routed by is_token_in_rank, the senders' expert counts summed.
-        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, expert_alignment=2)
-        assert recv_idx is None and recv_w is None
-        assert torch.equal(recv_x, torch.stack([inputs(q, E)[0][n] for q, n in rows]))
-        every = sum(buffer.get_dispatch_layout(inputs(q, E)[1], E)[2] for q in range(W))
-        assert counts == [-(-c // 2) * 2 for c in every[rank * L:(rank + 1) * L].tolist()]
-        again = buffer.dispatch(x, handle=handle)[0]  # the same routing, cached
-        assert torch.equal(again, recv_x)
-        # combine starts each token's f32 sum from the bias rows, rounding once
-        g = torch.Generator().manual_seed(50 + rank)
-        b0 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16)
-        b1 = torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16)
-        given = torch.stack([partial(rank, j, recv_x[j]) for j in range(len(rows))])
-        combined, weights, _ = buffer.combine(given, handle, bias=(b0, b1))
-        want = combine_reference(rank, W, E, partial, start=b0.float() + b1.float())
-        assert weights is None and torch.equal(combined, want)
-        with pytest.raises(epx.InputError, match="topk_weights = a tensor, expected None"):
-            buffer.combine(given, handle, topk_weights=torch.zeros(len(rows), 1))
-        # With top-k: combine sums the rows' weights back (each rank kept its own experts'), so
-        # every token gets its own weights where it has an expert.
-        recv_x, recv_idx, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
-        combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=b0)
-        assert torch.equal(weights, torch.where(idx >= 0, w, 0.0))
-        assert torch.equal(combined, combine_reference(rank, W, E, lambda r, j, row: row,
-                                                       start=b0.float()))
-
-    run_ranks(monkeypatch, W, body)
+    run_ranks(monkeypatch, 3, scenario_without_topk_and_extras)
 
 
 # ---- refusals and checks ---------------------------------------------------------------------
 
 
+def scenario_refusals(buffer, rank, W=2, E=6):
+    x, idx, w = inputs(rank, E)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    with pytest.raises(epx.InputError, match="topk_weights = None, expected topk_idx"):
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx)
+    with pytest.raises(NotImplementedError, match="int32"):
+        buffer.dispatch((fp8_of(x)[0], torch.zeros(x.shape[0], 1, dtype=torch.int32,
+                                                   device=DEVICE)),
+                        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    recv_x, _, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
+    with pytest.raises(epx.InputError, match=r"topk_weights.shape"):
+        buffer.combine(recv_x, handle, topk_weights=recv_w[:, :1].contiguous())
+    with pytest.raises(epx.InputError, match=r"bias\[0\].shape"):
+        buffer.combine(recv_x, handle,
+                       bias=torch.zeros(x.shape[0] + 1, H, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="internode_dispatch"):
+        buffer.internode_dispatch(x)
+    with pytest.raises(NotImplementedError, match="internode_combine"):
+        buffer.internode_combine(x, handle)
+    # what DeepEP asserts
+    with pytest.raises(epx.InputError, match="handle=...\\): topk_idx"):
+        buffer.dispatch(x, handle=handle, topk_idx=idx)
+    with pytest.raises(epx.InputError, match="is_token_in_rank = None"):
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=w)
+    with pytest.raises(epx.InputError, match="x.shape\\[0\\] = 17"):
+        buffer.dispatch(torch.zeros(17, H, dtype=torch.bfloat16, device=DEVICE), handle=handle)
+    with pytest.raises(epx.InputError, match="x.shape = "):
+        buffer.combine(recv_x[:-1], handle)
+    # combine and the layout combine took nothing from a round that was not made
+    combined, _, _ = buffer.combine(recv_x, handle)
+    assert combined.shape == x.shape
+    # a layout that is not topk_idx's: found after the (collective) dispatch
+    wrong = per_rank.clone()
+    wrong[0] += 1
+    with pytest.raises(epx.InputError, match="differ from get_dispatch_layout"):
+        buffer.dispatch(x, num_tokens_per_rank=wrong, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+
 def test_missing_core_pieces_are_refused_by_name(monkeypatch):
-    W, E = 2, 6
-
-    def body(buffer, rank):
-        x, idx, w = inputs(rank, E)
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-        with pytest.raises(epx.InputError, match="topk_weights = None, expected topk_idx"):
-            buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=idx)
-        with pytest.raises(NotImplementedError, match="int32"):
-            buffer.dispatch((fp8_of(x)[0], torch.zeros(x.shape[0], 1, dtype=torch.int32)),
-                            num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-        recv_x, _, recv_w, _, handle, _ = dispatch_of(buffer, rank, E)
-        with pytest.raises(epx.InputError, match=r"topk_weights.shape"):
-            buffer.combine(recv_x, handle, topk_weights=recv_w[:, :1].contiguous())
-        with pytest.raises(epx.InputError, match=r"bias\[0\].shape"):
-            buffer.combine(recv_x, handle, bias=torch.zeros(x.shape[0] + 1, H, dtype=torch.bfloat16))
-        with pytest.raises(NotImplementedError, match="internode_dispatch"):
-            buffer.internode_dispatch(x)
-        with pytest.raises(NotImplementedError, match="internode_combine"):
-            buffer.internode_combine(x, handle)
-        # what DeepEP asserts
-        with pytest.raises(epx.InputError, match="handle=...\\): topk_idx"):
-            buffer.dispatch(x, handle=handle, topk_idx=idx)
-        with pytest.raises(epx.InputError, match="is_token_in_rank = None"):
-            buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
-                            topk_idx=idx, topk_weights=w)
-        with pytest.raises(epx.InputError, match="x.shape\\[0\\] = 17"):
-            buffer.dispatch(torch.zeros(17, H, dtype=torch.bfloat16), handle=handle)
-        with pytest.raises(epx.InputError, match="x.shape = "):
-            buffer.combine(recv_x[:-1], handle)
-        # combine and the layout combine took nothing from a round that was not made
-        combined, _, _ = buffer.combine(recv_x, handle)
-        assert combined.shape == x.shape
-        # a layout that is not topk_idx's: found after the (collective) dispatch
-        wrong = per_rank.clone()
-        wrong[0] += 1
-        with pytest.raises(epx.InputError, match="differ from get_dispatch_layout"):
-            buffer.dispatch(x, num_tokens_per_rank=wrong, is_token_in_rank=in_rank,
-                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-
-    run_ranks(monkeypatch, W, body, max_tokens_per_rank=16)
+    run_ranks(monkeypatch, 2, scenario_refusals, max_tokens_per_rank=16)
 
 
 def test_config_and_buffer_without_nvl_bytes():
