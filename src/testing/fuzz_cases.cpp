@@ -187,6 +187,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   cfg.combine = may_push && d.odds(1, 3) ? CombineMode::kPush : CombineMode::kAuto;
   // A quarter of the quantised cases with power-of-two scales (drawn last too).
   cfg.round_scale = cfg.dtype == DispatchDtype::kBF16ToFP8 && d.odds(1, 4);
+  // A quarter of low_latency's cases whose rows are whole LogFMT blocks combine in LogFMT (last).
+  if (takes_logfmt_combine(o.backend) && cfg.hidden % kFp8BlockSize == 0 && d.odds(1, 4))
+    cfg.combine_format = CombineFormat::kLogFMT;
 
   const std::string tokens = fmt::format("{}", fmt::join(o.tokens, ","));
   const std::string calls =
@@ -201,7 +204,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       cfg.deterministic   ? " deterministic"
       : cfg.worst_case_output ? " worst-case-output"
                               : "",
-      o.ids_int64 ? " ids64" : "", cfg.combine == CombineMode::kPush ? " push" : "",
+      o.ids_int64 ? " ids64" : "",
+      fmt::format("{}{}", cfg.combine == CombineMode::kPush ? " push" : "",
+                  cfg.combine_format == CombineFormat::kLogFMT ? " logfmt" : ""),
       cfg.rounds_in_flight, to_string(c.mode), calls);
 
   std::string cmd = fmt::format(
@@ -214,6 +219,7 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   if (o.graph_replays > 0) cmd += fmt::format(" --graph {}", o.graph_replays);
   if (cfg.combine == CombineMode::kPush) cmd += " --combine push";
   if (cfg.round_scale) cmd += " --round-scale";
+  if (cfg.combine_format == CombineFormat::kLogFMT) cmd += " --combine-format logfmt";
   for (const auto& [on, flag] : {std::pair{cfg.deterministic, " --deterministic"},
                                  std::pair{o.ids_int64, " --ids64"}, std::pair{o.mixed, " --mixed"},
                                  std::pair{o.one_launch, " --one-launch"},

@@ -68,6 +68,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   shape.worst_case_output = has("--worst-case-output");
   shape.round_scale = has("--round-scale");
   if (f.count("--combine") != 0) shape.combine = take("--combine");
+  if (f.count("--combine-format") != 0) shape.combine_format = take("--combine-format");
   const EpConfig cfg = shape.config(1);  // as `epx check` builds it (--max-tokens given)
   EXPECT_EQ(cfg.world_size, o.cfg.world_size) << c.command;
   EXPECT_EQ(cfg.hidden, o.cfg.hidden) << c.command;
@@ -82,6 +83,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   EXPECT_EQ(cfg.worst_case_output, o.cfg.worst_case_output) << c.command;
   EXPECT_EQ(cfg.combine, o.cfg.combine) << c.command;
   EXPECT_EQ(cfg.round_scale, o.cfg.round_scale) << c.command;
+  EXPECT_EQ(cfg.combine_format, o.cfg.combine_format) << c.command;
   const std::string tokens = take("--tokens");
   EXPECT_EQ(cli::tokens_per_rank(cli::parse_token_counts(tokens, "--tokens"), cfg.world_size,
                                  "--tokens", tokens),
@@ -185,6 +187,7 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
   bool ht_replayed = false, ht_exact_eager = false, ht_one_launch = false;
   bool push_expert = false, push_replayed = false, push_agrs = false;
   bool round_scale_ht = false, round_scale_ll = false;
+  bool logfmt_expert = false, logfmt_push = false, logfmt_replayed = false;
   for (int i = 0; i < kCases; ++i) {
     const FuzzCase c = make_fuzz_case(1, i);
     const CheckOptions& o = c.options;
@@ -221,7 +224,14 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
     EXPECT_TRUE(!o.cfg.round_scale || o.cfg.dtype == DispatchDtype::kBF16ToFP8) << c.description;
     round_scale_ht |= o.cfg.round_scale && ht;
     round_scale_ll |= o.cfg.round_scale && o.backend == Backend::kLowLatency;
+    const bool logfmt = o.cfg.combine_format == CombineFormat::kLogFMT;
+    EXPECT_TRUE(!logfmt || (o.backend == Backend::kLowLatency && o.cfg.hidden % 128 == 0))
+        << c.description;
+    logfmt_expert |= logfmt && o.cfg.layout == OutputLayout::kExpertMajor;
+    logfmt_push |= logfmt && push;
+    logfmt_replayed |= logfmt && o.graph_replays > 0;
   }
+  EXPECT_TRUE(logfmt_expert && logfmt_push && logfmt_replayed);
   EXPECT_TRUE(push_expert && push_replayed && push_agrs);
   EXPECT_TRUE(round_scale_ht && round_scale_ll);
   EXPECT_TRUE(ht_replayed && ht_exact_eager && ht_one_launch);
