@@ -3,6 +3,7 @@
 // placement facts; the kernels are the same in every world. InProcessWorld: all ranks in this
 // process; IpcWorld: one process per rank on one node.
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -164,6 +165,10 @@ class NcclWorld {
   // recv_bytes[r] bytes from rank r into recv + recv_offsets[r] (size() entries each).
   void all_to_all(const void* send, const size_t* send_offsets, const size_t* send_bytes,
                   void* recv, const size_t* recv_offsets, const size_t* recv_bytes, void* stream);
+  // Aborts the communicator (any thread): NCCL's kernels in flight end, later calls on this
+  // world throw StateError. For a watchdog that found a collective past its time.
+  void abort();
+  bool aborted() const { return aborted_.load(); }
 
  private:
   std::unique_ptr<Bootstrap> bootstrap_;
@@ -173,6 +178,7 @@ class NcclWorld {
   int device_ = 0;
   int num_sms_ = 1;
   int nodes_ = 1;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace epx

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -257,12 +258,13 @@ NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
     device_ = o.device_;
     num_sms_ = o.num_sms_;
     nodes_ = o.nodes_;
+    aborted_.store(o.aborted_.load());
   }
   return *this;
 }
 
 NcclWorld::~NcclWorld() {
-  if (comm_ == nullptr) return;
+  if (comm_ == nullptr || aborted_.load()) return;
   // Unwinding from an error (a peer may be dead): abort, which does not talk to the peers;
   // otherwise the orderly destroy.
   if (std::uncaught_exceptions() > 0) {
@@ -272,13 +274,28 @@ NcclWorld::~NcclWorld() {
   }
 }
 
+void NcclWorld::abort() {
+  if (comm_ == nullptr || aborted_.exchange(true)) return;
+  (void)nccl().comm_abort(static_cast<ncclComm_t>(comm_));
+}
+
+namespace {
+void check_not_aborted(const std::atomic<bool>& aborted) {
+  EPX_CHECK(!aborted.load(), StateError, "NcclWorld", "aborted",
+            "a live communicator (a collective outlived EPX_TIMEOUT_MS and the world was aborted: "
+            "make a new world)");
+}
+}  // namespace
+
 void NcclWorld::all_gather(const void* send, void* recv, size_t bytes, void* stream) {
+  check_not_aborted(aborted_);
   auto* c = static_cast<ncclComm_t>(comm_);
   EPX_NCCL_FINISH(c, nccl().all_gather(send, recv, bytes, ncclUint8, c,
                                        static_cast<cudaStream_t>(stream)));
 }
 
 void NcclWorld::reduce_scatter_bf16(const void* send, void* recv, size_t count, void* stream) {
+  check_not_aborted(aborted_);
   auto* c = static_cast<ncclComm_t>(comm_);
   EPX_NCCL_FINISH(c, nccl().reduce_scatter(send, recv, count, ncclBfloat16, ncclSum, c,
                                            static_cast<cudaStream_t>(stream)));
@@ -287,6 +304,7 @@ void NcclWorld::reduce_scatter_bf16(const void* send, void* recv, size_t count, 
 void NcclWorld::all_to_all(const void* send, const size_t* send_offsets, const size_t* send_bytes,
                            void* recv, const size_t* recv_offsets, const size_t* recv_bytes,
                            void* stream) {
+  check_not_aborted(aborted_);
   const Nccl& lib = nccl();
   auto* c = static_cast<ncclComm_t>(comm_);
   auto* st = static_cast<cudaStream_t>(stream);

@@ -211,7 +211,7 @@ CommandResult nccl_one_rank(const std::vector<std::pair<std::string, std::string
 
 #define REQUIRE_NCCL(r)                                                                       \
   do {                                                                                        \
-    if ((r).err.find("NCCL: cannot load") != std::string::npos)                               \
+    if (((r).err + (r).out).find("NCCL: cannot load") != std::string::npos)                   \
       GTEST_SKIP() << "no libnccl.so.2 (set EPX_NCCL_LIBRARY): " << (r).err.substr(0, 300);  \
   } while (0)
 
@@ -265,10 +265,13 @@ int free_master_port() {
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the node layout epx reads) and a host id
 // of its own (NCCL_HOSTID: NCCL then takes every process for a host, and refuses none of them for
 // sharing the GPU), each running `epx check --world-kind nccl` of `backend` on a small shape.
-CommandResult emulated_nodes_check(int nodes, int local, const std::string& backend) {
+CommandResult emulated_nodes_check(int nodes, int local, const std::string& backend,
+                                   const std::string& extra = "", int timeout_ms = 30000) {
   const int W = nodes * local;
   const int port = free_master_port();
-  std::string script = "rc=0; pids=; ";
+  // Each rank's output (stdout and stderr) goes to a file of its own, printed afterwards with a
+  // "[rank i] " prefix as `epx launch` prints it.
+  std::string script = "rc=0; pids=; d=$(mktemp -d); ";
   for (int r = 0; r < W; ++r) {
     script += "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(W) +
               " LOCAL_RANK=" + std::to_string(r % local) +
@@ -276,11 +279,14 @@ CommandResult emulated_nodes_check(int nodes, int local, const std::string& back
               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
               " NCCL_HOSTID=epx-emulated-" + std::to_string(r) + " '" + epx_cli() +
               "' check --world-kind nccl --backend " + backend +
-              " --hidden 2048 --experts 16 --topk 4 --tokens 7 --iters 2 & pids=\"$pids $!\"; ";
+              " --hidden 2048 --experts 16 --topk 4 --tokens 7 --iters 2 " + extra + " >$d/" +
+              std::to_string(r) + " 2>&1 & pids=\"$pids $!\"; ";
   }
-  script += "for p in $pids; do wait $p || rc=1; done; exit $rc";
+  script += "for p in $pids; do wait $p || rc=1; done; for f in $(ls $d | sort -n); do "
+            "sed \"s/^/[rank $f] /\" $d/$f; done; rm -rf $d; exit $rc";
   return run_command({"/bin/sh", "-c", script},
-                     {{"NCCL_NVLS_ENABLE", "0"}, {"EPX_TIMEOUT_MS", "30000"}}, 240);
+                     {{"NCCL_NVLS_ENABLE", "0"}, {"EPX_TIMEOUT_MS", std::to_string(timeout_ms)}},
+                     240);
 }
 
 // Across emulated nodes the NcclWorld serves the baselines through the collective engine (NCCL's
@@ -301,13 +307,27 @@ TEST(NcclNodes, BaselinesPassAcrossEmulatedNodes) {
   }
 }
 
+// A rank that dies after its world and object exist: the survivor's first collective never
+// completes, and the collective engine's watchdog ends it within EPX_TIMEOUT_MS of the stream
+// reaching it: a TimeoutError (exit code 2), never a hang.
+TEST(NcclNodes, AKilledRankEndsTheSurvivorWithATimeoutError) {
+  REQUIRE_GPU();
+  const int timeout_ms = 3000;
+  const auto r = emulated_nodes_check(2, 1, "allgather_reducescatter", "--fault-kill-rank 1",
+                                      timeout_ms);
+  REQUIRE_NCCL(r);
+  EXPECT_NE(exit_code(r), 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("[rank 0] epx: timeout error"), std::string::npos) << r.out << r.err;
+  EXPECT_LT(r.seconds, 120.0) << r.out << r.err;  // (start-up of NCCL included)
+}
+
 // low_latency across nodes is not built yet: refused by name on every rank, no hang.
 TEST(NcclNodes, LowLatencyAcrossNodesIsRefusedByName) {
   REQUIRE_GPU();
   const auto r = emulated_nodes_check(2, 1, "low_latency");
   REQUIRE_NCCL(r);
   EXPECT_NE(exit_code(r), 0) << r.out << r.err;
-  EXPECT_NE(r.err.find("naive or allgather_reducescatter across nodes"), std::string::npos)
+  EXPECT_NE(r.out.find("naive or allgather_reducescatter across nodes"), std::string::npos)
       << r.out << r.err;
 }
 

@@ -7,7 +7,12 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/collective/coll_kernels.hpp"
@@ -63,11 +68,131 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   return a;
 }
 
+// Bounds NCCL's collectives by EpConfig::timeout_ms (they have no bound of their own on the
+// device): every eager collective is bracketed by two events; once the first has passed (the
+// stream reached the collective), the second must pass within the timeout, or the watchdog
+// aborts the world's communicator (NCCL's kernels end) and records a TimeoutError for poll().
+// Collectives captured in a graph are not watched (their events cannot be queried).
+class Watchdog {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Watchdog(NcclWorld& world, RankStatus& status, int timeout_ms)
+      : world_(world), status_(status), timeout_(std::chrono::milliseconds(timeout_ms)) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Watchdog() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+    for (const Op& op : ops_) release(op);
+    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Enqueues `collective` on `stream` between two events and watches it.
+  template <typename F>
+  void run_watched(cudaStream_t stream, Phase phase, const F& collective) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) {
+      collective();
+      return;
+    }
+    Op op{.begin = take(), .end = take(), .phase = phase};
+    EPX_CUDA_CHECK(cudaEventRecord(op.begin, stream));
+    collective();
+    EPX_CUDA_CHECK(cudaEventRecord(op.end, stream));
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      ops_.push_back(op);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Op {
+    cudaEvent_t begin, end;
+    Phase phase;
+    Clock::time_point reached{};  // when `begin` was first seen passed
+  };
+
+  cudaEvent_t take() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void release(const Op& op) {
+    free_.push_back(op.begin);
+    free_.push_back(op.end);
+  }
+
+  void run() {
+    (void)cudaSetDevice(world_.device());
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (ops_.empty()) {
+        cv_.wait_for(lock, std::chrono::milliseconds(50));
+        continue;
+      }
+      Op& op = ops_.front();
+      const cudaError_t done = cudaEventQuery(op.end);
+      if (done != cudaErrorNotReady) {  // passed (or the stream failed: its own error surfaces)
+        if (done != cudaSuccess) (void)cudaGetLastError();
+        release(op);
+        ops_.pop_front();
+        continue;
+      }
+      const auto now = Clock::now();
+      if (op.reached == Clock::time_point{}) {
+        const cudaError_t reached = cudaEventQuery(op.begin);
+        if (reached == cudaSuccess) op.reached = now;
+        else if (reached != cudaErrorNotReady) (void)cudaGetLastError();
+      } else if (now - op.reached > timeout_) {
+        status_.record_from_host(StatusCode::kTimeout, op.phase,
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(timeout_)
+                                     .count(),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     now - op.reached)
+                                     .count());
+        world_.abort();  // NCCL's kernels end; later calls throw
+        for (const Op& o : ops_) release(o);
+        ops_.clear();
+        continue;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lock.lock();
+    }
+  }
+
+  NcclWorld& world_;
+  RankStatus& status_;
+  const Clock::duration timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> ops_;
+  std::vector<cudaEvent_t> free_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class CollAll2All final : public All2All {
  public:
   CollAll2All(const EpConfig& cfg, Backend backend, NcclWorld& world)
       : cfg_(cfg), backend_(backend), world_(world), areas_(make_areas(cfg, backend)),
-        status_(cfg, world.device()) {
+        status_(cfg, world.device()), watchdog_(world, status_, cfg.timeout_ms) {
     const DeviceGuard guard(world.device());
     EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&mem_), areas_.total));
     EPX_CUDA_CHECK(cudaMemset(mem_, 0, areas_.total));
@@ -118,7 +243,9 @@ class CollAll2All final : public All2All {
                      CollStatus{reinterpret_cast<DeviceStatus*>(mem_ + areas_.status),
                                 status_.device_mirror()},
                      stream);
-    world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+    watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
+      world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+    });
     // The receive half may come on another stream: it waits for this point.
     EPX_CUDA_CHECK(cudaEventRecord(dispatch_sent_, stream));
     tokens_ = N;
@@ -152,14 +279,16 @@ class CollAll2All final : public All2All {
     launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
     const size_t W = cfg_.world_size;
     const size_t block = size_t(cfg_.max_tokens_per_rank) * cfg_.hidden * 2;
-    if (backend_ == Backend::kNaive) {  // every rank's blocks to every rank
-      world_.all_gather(mem_ + areas_.blocks, mem_ + areas_.received, W * block, stream);
-    } else {  // block q to rank q
-      std::vector<size_t> offsets(W), bytes(W, block);
-      for (size_t q = 0; q < W; ++q) offsets[q] = q * block;
-      world_.all_to_all(mem_ + areas_.blocks, offsets.data(), bytes.data(),
-                        mem_ + areas_.received, offsets.data(), bytes.data(), stream);
-    }
+    watchdog_.run_watched(stream, Phase::kCombineReady, [&] {
+      if (backend_ == Backend::kNaive) {  // every rank's blocks to every rank
+        world_.all_gather(mem_ + areas_.blocks, mem_ + areas_.received, W * block, stream);
+      } else {  // block q to rank q
+        std::vector<size_t> offsets(W), bytes(W, block);
+        for (size_t q = 0; q < W; ++q) offsets[q] = q * block;
+        world_.all_to_all(mem_ + areas_.blocks, offsets.data(), bytes.data(),
+                          mem_ + areas_.received, offsets.data(), bytes.data(), stream);
+      }
+    });
     EPX_CUDA_CHECK(cudaEventRecord(combine_sent_, stream));
     pending_ = Pending::kCombineReceive;
   }
@@ -242,6 +371,7 @@ class CollAll2All final : public All2All {
   NcclWorld& world_;
   Areas areas_;
   RankStatus status_;
+  Watchdog watchdog_;  // (after status_: destroyed before it)
   uint8_t* mem_ = nullptr;
   cudaEvent_t dispatch_sent_ = nullptr;  // the end of the last send half of each op
   cudaEvent_t combine_sent_ = nullptr;

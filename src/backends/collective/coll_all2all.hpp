@@ -6,8 +6,10 @@
 //   * a send half enqueues an NCCL collective, which waits on the device for every peer: work
 //     on the same stream between the halves does not overlap with it (the receive half waits
 //     for the send half's end, on any stream);
-//   * NCCL's collectives are not bounded by EpConfig::timeout_ms: a peer that never calls leaves
-//     the stream waiting (NCCL's own timeouts and abort apply; a watchdog is still to come);
+//   * NCCL's collectives have no bound of their own: a host watchdog gives each eager one
+//     EpConfig::timeout_ms from the moment the stream reaches it, then aborts the world's
+//     communicator and records a TimeoutError (poll(), synchronize(); the world is done). A
+//     collective replayed from a CUDA graph is not watched;
 //   * memory: naive holds every rank's blocks of partials, world_size^2 * max_tokens_per_rank
 //     rows of hidden bf16 (the all-gather it stands for).
 

@@ -1,5 +1,7 @@
 #include "backends/common/rank_status.hpp"
 
+#include <atomic>
+
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
@@ -57,6 +59,22 @@ void RankStatus::poll() {
     first_error_ = e.what();
     throw;
   }
+}
+
+void RankStatus::record_from_host(StatusCode code, Phase phase, int64_t expected, int64_t seen) {
+  if (recorded_status(*mirror_)) return;
+  DeviceStatus& m = *mirror_;
+  if (std::atomic_ref<int32_t>(m.code).exchange(int32_t(code)) != int32_t(StatusCode::kNone))
+    return;  // a kernel is recording its own
+  m.phase = int32_t(phase);
+  m.rank = cfg_.rank;
+  m.peer = -1;
+  m.expected = expected;
+  m.seen = seen;
+  m.token = -1;
+  m.slot = -1;
+  m.call = 0;
+  std::atomic_ref<int32_t>(m.valid).store(1, std::memory_order_release);
 }
 
 void RankStatus::poll_fatal() {

@@ -34,6 +34,9 @@ class RankStatus {
   void poll_fatal();
   // InputError unless `p` is a non-null device pointer on this rank's GPU aligned to `align`.
   void check_ptr(const void* p, const char* name, size_t align) const;
+  // Records an error found on the host (a watchdog) as a kernel would: the next poll() raises
+  // it. Ignored when an error is recorded already (the first wins).
+  void record_from_host(StatusCode code, Phase phase, int64_t expected, int64_t seen);
 
  private:
   [[noreturn]] void raise(const DeviceStatus& s) const;
