@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -138,6 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("version", nargs="?", default="0.34.0")
     parser.add_argument("--python", default="3.12", help="the target's Python (default 3.12)")
     parser.add_argument("--out", type=Path, default=REPO / ".vllm")
+    parser.add_argument("--share-wheels", type=Path, default=None, metavar="BUNDLE",
+                        help="leave out the wheels that BUNDLE (another bundle, e.g. .vllm) holds "
+                             "already, byte for byte; bundle_env takes them from there, so that two "
+                             "bundles travel together in less room")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if out.exists():
@@ -157,9 +162,20 @@ def main(argv=None) -> int:
             print(f"vllm bundle: {d}{reqs.get(d, '')} not found, taking {d}", flush=True)
             _pip_download([d], out / "wheels", args.python)
     wheels = sorted(p.name for p in (out / "wheels").glob("*.whl"))
+    shared = []
+    if args.share_wheels is not None:
+        other = args.share_wheels.resolve() / "wheels"
+        for name in wheels:
+            mine, theirs = out / "wheels" / name, other / name
+            if theirs.exists() and theirs.read_bytes() == mine.read_bytes():
+                mine.unlink()
+                shared.append(name)
     (out / "BUNDLE.json").write_text(json.dumps({
         "vllm": args.version, "python": args.python, "dist_info": info["dist_info"],
         "files_kept": info["kept"], "files_dropped": info["dropped"], "wheels": wheels,
+        # wheels left out: in this bundle's sibling folder of that name, relative to it
+        "shared_wheels": {"from": os.path.relpath(args.share_wheels.resolve(), out),
+                          "names": shared} if shared else None,
     }, indent=1) + "\n")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"vllm bundle: vLLM {args.version} for Python {args.python} in {out} "

@@ -31,7 +31,16 @@ def _unpack(bundle: Path) -> None:
         return
     with zipfile.ZipFile(bundle / "site.zip") as z:
         z.extractall(bundle / "site")
-    for wheel in sorted((bundle / "wheels").glob("*.whl")):
+    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    shared = json.loads(stamp.read_text()).get("shared_wheels")
+    if shared:  # (bundle.sh --share-wheels: the rest are in another bundle)
+        source = (bundle / shared["from"] / "wheels").resolve()
+        for name in shared["names"]:
+            if not (source / name).exists():
+                raise FileNotFoundError(f"vLLM bundle {bundle}: wheel {name} is shared with "
+                                        f"{source.parent}, which lacks it")
+            wheels.append(source / name)
+    for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(bundle / "deps")
     done.write_text(stamp.read_text())
