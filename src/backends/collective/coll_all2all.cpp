@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backends/collective/coll_kernels.hpp"
+#include "backends/common/carve.hpp"
 #include "backends/common/inputs.hpp"
 #include "backends/common/rank_status.hpp"
 #include "core/device_guard.hpp"
@@ -39,31 +40,26 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   const size_t H = cfg.hidden, K = cfg.topk;
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
   size_t c = 0;
-  auto carve = [&c](size_t bytes) {
-    const size_t at = c;
-    c = (c + bytes + 255) / 256 * 256;
-    return at;
-  };
   Areas a{};
-  a.pack = carve(pack_bytes(cfg));
-  a.gathered = carve(W * pack_bytes(cfg));
-  a.status = carve(sizeof(DeviceStatus));
-  a.pos = carve(W * T * sizeof(int32_t));
-  a.counts = carve(W * sizeof(int32_t));
-  a.offsets = carve(W * sizeof(int32_t));
-  a.recv_count = carve(sizeof(int32_t));
-  a.expert_counts = carve(size_t(cfg.num_local_experts()) * sizeof(int32_t));
-  a.recv_x = carve(cap * size_t(cfg.wire_row_bytes()));
-  a.recv_scales = carve(cap * G * sizeof(float));
-  a.recv_src_rank = carve(cap * sizeof(int32_t));
-  a.recv_src_idx = carve(cap * sizeof(int32_t));
-  a.recv_topk_ids = carve(cap * K * sizeof(int32_t));
-  a.recv_topk_w = carve(cap * K * sizeof(float));
-  a.partials = carve(cap * H * 2);
-  a.blocks = carve(W * T * H * 2);  // [W][T][H]: this rank's partials, by source rank
+  a.pack = carve(c, pack_bytes(cfg));
+  a.gathered = carve(c, W * pack_bytes(cfg));
+  a.status = carve(c, sizeof(DeviceStatus));
+  a.pos = carve(c, W * T * sizeof(int32_t));
+  a.counts = carve(c, W * sizeof(int32_t));
+  a.offsets = carve(c, W * sizeof(int32_t));
+  a.recv_count = carve(c, sizeof(int32_t));
+  a.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
+  a.recv_x = carve(c, cap * size_t(cfg.wire_row_bytes()));
+  a.recv_scales = carve(c, cap * G * sizeof(float));
+  a.recv_src_rank = carve(c, cap * sizeof(int32_t));
+  a.recv_src_idx = carve(c, cap * sizeof(int32_t));
+  a.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
+  a.recv_topk_w = carve(c, cap * K * sizeof(float));
+  a.partials = carve(c, cap * H * 2);
+  a.blocks = carve(c, W * T * H * 2);  // [W][T][H]: this rank's partials, by source rank
   // allgather_reducescatter: every rank's block of this rank's tokens [W][T][H]; naive: every
   // rank's blocks [W][W][T][H].
-  a.received = carve((backend == Backend::kNaive ? W : 1) * W * T * H * 2);
+  a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * 2);
   a.total = c;
   return a;
 }
