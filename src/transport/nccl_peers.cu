@@ -4,6 +4,9 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <memory>
+#include <new>
+
 #include "epx/cuda_check.hpp"
 #include "transport/nccl_peers.hpp"
 
@@ -27,15 +30,26 @@ void probe_device_comm(void* comm, void* create, void* destroy,
                        const std::function<void(int result, const char* call)>& finish) {
   using Create = ncclResult_t (*)(ncclComm_t, const ncclDevCommRequirements*, ncclDevComm*);
   using Destroy = ncclResult_t (*)(ncclComm_t, const ncclDevComm*);
+  // The library may be a later patch than the headers, with larger structs than these: both
+  // live in zeroed heap blocks with room to spare, so that its writes past our idea of
+  // ncclDevComm (or its reads past ncclDevCommRequirements) land in them, never on the stack.
+  struct alignas(64) Room {
+    unsigned char bytes[64 * 1024];
+  };
+  static_assert(sizeof(ncclDevComm) <= sizeof(Room));
+  static_assert(sizeof(ncclDevCommRequirements) <= sizeof(Room));
+  const auto reqs_room = std::make_unique<Room>();  // value-initialised: zeros
+  const auto dev_room = std::make_unique<Room>();
 #ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
-  const ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  auto* reqs =
+      new (reqs_room->bytes) ncclDevCommRequirements(NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER);
 #else
-  const ncclDevCommRequirements reqs{};  // NCCL 2.28: no barriers, no resources, no GIN
+  auto* reqs = new (reqs_room->bytes) ncclDevCommRequirements{};  // 2.28: no barriers, no GIN
 #endif
-  ncclDevComm dev{};
+  auto* dev = new (dev_room->bytes) ncclDevComm{};
   const auto c = static_cast<ncclComm_t>(comm);
-  finish(int(reinterpret_cast<Create>(create)(c, &reqs, &dev)), "ncclDevCommCreate");
-  (void)reinterpret_cast<Destroy>(destroy)(c, &dev);
+  finish(int(reinterpret_cast<Create>(create)(c, reqs, dev)), "ncclDevCommCreate");
+  (void)reinterpret_cast<Destroy>(destroy)(c, dev);
 }
 
 }  // namespace epx::transport

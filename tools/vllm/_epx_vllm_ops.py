@@ -15,6 +15,9 @@ order and meaning), not from vLLM's kernels:
   tma_aligned): per group of `group` elements, scale = max(amax, eps) / fp8_max (rounded up to a
   power of two with ue8m0), q = clamp(x / scale) in fp8; `s` is written through its own strides
   (row- or column-major alike).
+- ``cutlass_scaled_mm_supports_fp8``, ``..._block_fp8``, ``..._fp4`` (capability): False, since
+  there are no CUTLASS kernels here (vLLM calls the block-fp8 one when it imports its fp8
+  utilities on a GPU).
 """
 
 import torch
@@ -79,6 +82,10 @@ def _noop(*args):
     return None
 
 
+def _no_cutlass(cuda_device_capability):
+    return False
+
+
 _OPS = {
     "silu_and_mul": ("(Tensor(a!) out, Tensor input) -> ()", _and_mul("silu")),
     "gelu_and_mul": ("(Tensor(a!) out, Tensor input) -> ()", _and_mul("gelu")),
@@ -87,6 +94,12 @@ _OPS = {
         "(Tensor(a!) out, Tensor input, Tensor valid_token_counts, str activation, "
         "float clamp_limit, float alpha, float beta, float situ_beta, float situ_linear_beta) "
         "-> ()", _masked_moe_activation),
+    # What vLLM asks at import on a GPU: whether its CUTLASS kernels serve a capability. The
+    # stand-ins have none, so vLLM takes its Triton and torch paths.
+    "cutlass_scaled_mm_supports_fp8": ("(int cuda_device_capability) -> bool", _no_cutlass),
+    "cutlass_scaled_mm_supports_block_fp8": ("(int cuda_device_capability) -> bool",
+                                             _no_cutlass),
+    "cutlass_scaled_mm_supports_fp4": ("(int cuda_device_capability) -> bool", _no_cutlass),
     "per_token_group_fp8_quant": (
         "(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, float eps, "
         "float fp8_min, float fp8_max, bool scale_ue8m0, bool column_major_scales, "

@@ -60,11 +60,12 @@ DEPS = [
 ]
 
 # What vLLM 0.33's fused-MoE import needs on top (its reasoning parsers import the server's tool
-# code: openai, fastapi, harmony, tracing).
+# code: openai, fastapi, harmony, tracing; openai 3 talks through httpx2).
 DEPS_BEFORE_0_34 = [
     "oss-harmony", "openai", "jiter", "distro", "fastapi", "starlette", "annotated-doc",
     "sniffio", "partial-json-parser", "einops", "opentelemetry-api", "opentelemetry-sdk",
     "opentelemetry-semantic-conventions", "importlib-metadata", "zipp",
+    "httpx2", "httpcore2", "truststore", "h11", "anyio",
 ]
 
 # vLLM's compiled extension modules that its imports need, as stand-ins.
