@@ -74,6 +74,7 @@ nlohmann::json options_json(const testing::CheckOptions& o, const CheckRunFlags&
           {"worst_case_output", cfg.worst_case_output},
           {"combine", to_string(cfg.combine)},
           {"combine_format", to_string(cfg.combine_format)},
+          {"combine_order", to_string(cfg.combine_order)},
           {"timeout_ms", cfg.timeout_ms},
           {"routing", f.routing},
           {"seed", o.seed},
@@ -226,7 +227,7 @@ bool same_check(const testing::CheckOptions& a, const testing::CheckOptions& b) 
          x.scale_layout == y.scale_layout && x.round_scale == y.round_scale && x.layout == y.layout &&
          x.deterministic == y.deterministic && x.rounds_in_flight == y.rounds_in_flight &&
          x.worst_case_output == y.worst_case_output && x.combine == y.combine &&
-         x.combine_format == y.combine_format &&
+         x.combine_format == y.combine_format && x.combine_order == y.combine_order &&
          a.gpus == b.gpus && a.backend == b.backend && a.tokens == b.tokens &&
          a.routing == b.routing && a.seed == b.seed && a.iters == b.iters &&
          a.graph_replays == b.graph_replays && a.verify_every == b.verify_every &&

@@ -143,6 +143,7 @@ std::string in_flag_names(const std::string& message, const char* max_tokens_fla
                                  {"round_scale", "--round-scale"},
                                  {"combine", "--combine"},
                                  {"combine_format", "--combine-format"},
+                                 {"combine_order", "--combine-order"},
                                  {"timeout_ms", "--timeout-ms"}});
 }
 
@@ -232,6 +233,8 @@ EpConfig ShapeFlags::config(int tokens, const char* tokens_flag) const {
   cfg.combine = parse_as_flag(parse_combine_mode, combine, "combine", "--combine");
   cfg.combine_format =
       parse_as_flag(parse_combine_format, combine_format, "combine_format", "--combine-format");
+  cfg.combine_order =
+      parse_as_flag(parse_combine_order, combine_order, "combine_order", "--combine-order");
   const EnvSettings env = read_env();  // throws ConfigError naming the variable
   if (env.timeout_ms) cfg.timeout_ms = *env.timeout_ms;
   if (timeout_ms != 0) cfg.timeout_ms = timeout_ms;
@@ -289,6 +292,10 @@ void add_shape_flags(CLI::App* c, ShapeFlags& f, MaxTokensFlag max_tokens) {
                 "bf16 | logfmt: what the partials cross as in combine (logfmt: LogFMT-10 rows, "
                 "about 0.64 of the bytes, DeepEP's use_logfmt; low_latency only, --hidden a "
                 "multiple of 128)")
+      ->capture_default_str();
+  c->add_option("--combine-order", f.combine_order,
+                "rank | highest_slot: the order of combine's f32 sum (highest_slot: each rank at "
+                "its highest top-k slot of the token, DeepEP V2's order; high_throughput only)")
       ->capture_default_str();
   c->add_option("--timeout-ms", f.timeout_ms,
                 "bound of every device wait (default EPX_TIMEOUT_MS or 10000)");

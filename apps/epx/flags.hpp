@@ -90,6 +90,7 @@ struct ShapeFlags {
   std::string combine = "auto";    // --combine: auto | pull | push
   // --combine-format: bf16 | logfmt (bench: a comma list, split by bench before config())
   std::string combine_format = "bf16";
+  std::string combine_order = "rank";
   int timeout_ms = 0;  // --timeout-ms; 0 = EPX_TIMEOUT_MS or the library's default
 
   // The EpConfig of these flags with max_tokens_per_rank = --max-tokens when given, else

@@ -55,6 +55,14 @@ enum class CombineFormat {
             // the bytes at any hidden that is a multiple of 512; hidden a multiple of 128
 };
 
+// The order in which the token's rank adds the partials of the ranks that hold it (f32, rounded
+// once). Either order gives the same bits on every backend that takes it and in the reference.
+enum class CombineOrder {
+  kRank,         // ranks ascending
+  kHighestSlot,  // each rank at its highest top-k slot of the token, slots ascending (DeepEP V2's
+                 // order: the rank whose experts end the token's top-k row adds last)
+};
+
 enum class Backend { kNaive, kAllgatherReduceScatter, kLowLatency, kHighThroughput };
 
 // The baselines deliver every token of every rank (that is what they are); low_latency and
@@ -65,6 +73,9 @@ constexpr bool delivers_every_token(Backend b) {
 
 // The backends that take CombineFormat::kLogFMT; every other backend refuses it (ConfigError).
 constexpr bool takes_logfmt_combine(Backend b) { return b == Backend::kLowLatency; }
+
+// The backends that take CombineOrder::kHighestSlot; every other backend refuses it (ConfigError).
+constexpr bool takes_highest_slot_order(Backend b) { return b == Backend::kHighThroughput; }
 
 struct EpConfig {
   int rank = 0;
@@ -108,6 +119,9 @@ struct EpConfig {
   // decodes and adds in the same order as the bf16 sum (the error of the format, not of the order,
   // is what differs). kLogFMT needs hidden a multiple of 128 and the low_latency backend.
   CombineFormat combine_format = CombineFormat::kBF16;
+  // The order of combine's sum (CombineOrder). kHighestSlot needs the high_throughput backend and
+  // the token-major layout.
+  CombineOrder combine_order = CombineOrder::kRank;
   int timeout_ms = 10000;
 
   int num_local_experts() const { return num_experts / world_size; }
@@ -173,10 +187,12 @@ const char* to_string(ScaleLayout s);
 const char* to_string(OutputLayout l);
 const char* to_string(CombineMode m);
 const char* to_string(CombineFormat f);
+const char* to_string(CombineOrder o);
 DispatchDtype parse_dispatch_dtype(const std::string& name);
 OutputLayout parse_output_layout(const std::string& name);
 ScaleLayout parse_scale_layout(const std::string& name);
 CombineMode parse_combine_mode(const std::string& name);
 CombineFormat parse_combine_format(const std::string& name);
+CombineOrder parse_combine_order(const std::string& name);
 
 }  // namespace epx

@@ -33,7 +33,9 @@ def ep_config(**fields: Any) -> EpConfig:
     (high_throughput's receive areas for every row; required for that backend from Python),
     combine ('auto', 'pull', 'push': how combine moves the partials), combine_format ('bf16',
     'logfmt': what the partials cross as; 'logfmt' is low_latency's LogFMT-10 rows, DeepEP's
-    use_logfmt), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
+    use_logfmt), combine_order ('rank', 'highest_slot': the order of combine's sum; 'highest_slot'
+    adds each rank at its highest top-k slot of the token, DeepEP V2's order, high_throughput
+    only), timeout_ms. Worlds set rank and world_size per rank, so they may be left out.
     """
     cfg = EpConfig(**fields)
     cfg.validate()

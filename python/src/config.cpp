@@ -38,7 +38,7 @@ constexpr std::array<IntField, 8> kIntFields{{
 constexpr const char* kEpConfigKeys =
     "rank, world_size, hidden, num_experts, topk, max_tokens_per_rank, dtype, scale_layout, "
     "round_scale, layout, deterministic, rounds_in_flight, mask_failed_ranks, worst_case_output, combine, "
-    "combine_format, timeout_ms";
+    "combine_format, combine_order, timeout_ms";
 
 void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
   for (const IntField& f : kIntFields) {
@@ -65,6 +65,8 @@ void set_ep_field(EpConfig& c, const std::string& key, nb::handle v) {
     c.combine = parse_combine_mode(str_arg("EpConfig", key, v));
   } else if (key == "combine_format") {
     c.combine_format = parse_combine_format(str_arg("EpConfig", key, v));
+  } else if (key == "combine_order") {
+    c.combine_order = parse_combine_order(str_arg("EpConfig", key, v));
   } else {
     EPX_CHECK(false, ConfigError, "EpConfig key", "'" + key + "'",
               std::string("one of ") + kEpConfigKeys);
@@ -77,12 +79,13 @@ std::string ep_repr(const EpConfig& c) {
       "max_tokens_per_rank={}, dtype='{}', scale_layout='{}', round_scale={}, layout='{}', "
       "deterministic={}, "
       "rounds_in_flight={}, mask_failed_ranks={}, worst_case_output={}, combine='{}', "
-      "combine_format='{}', timeout_ms={})",
+      "combine_format='{}', combine_order='{}', timeout_ms={})",
       c.rank, c.world_size, c.hidden, c.num_experts, c.topk, c.max_tokens_per_rank,
       to_string(c.dtype), to_string(c.scale_layout), c.round_scale ? "True" : "False",
       to_string(c.layout), c.deterministic ? "True" : "False", c.rounds_in_flight,
       c.mask_failed_ranks ? "True" : "False", c.worst_case_output ? "True" : "False",
-      to_string(c.combine), to_string(c.combine_format), c.timeout_ms);
+      to_string(c.combine), to_string(c.combine_format), to_string(c.combine_order),
+      c.timeout_ms);
 }
 
 void set_launch_field(LaunchConfig& l, const std::string& key, nb::handle v) {
@@ -222,6 +225,11 @@ void bind_config(nb::module_& m) {
       [](EpConfig& c, nb::handle v) { set_ep_field(c, "combine_format", v); },
       "'bf16' or 'logfmt': what each partial crosses as in combine (LogFMT-10 rows, about 0.64 "
       "of the bytes, DeepEP's use_logfmt; low_latency only, hidden a multiple of 128).");
+  ep.def_prop_rw(
+      "combine_order", [](const EpConfig& c) { return std::string(to_string(c.combine_order)); },
+      [](EpConfig& c, nb::handle v) { set_ep_field(c, "combine_order", v); },
+      "'rank' or 'highest_slot': the order of combine's f32 sum ('highest_slot': each rank at "
+      "its highest top-k slot of the token, DeepEP V2's order; high_throughput only).");
 
   nb::class_<LaunchConfig>(m, "LaunchConfig",
                            "Launch shape of one op; 0 = chosen per world and shape.")

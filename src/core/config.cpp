@@ -60,6 +60,10 @@ constexpr std::array<NamedValue<CombineFormat>, 2> kCombineFormatNames{{
     {CombineFormat::kBF16, "bf16"},
     {CombineFormat::kLogFMT, "logfmt"},
 }};
+constexpr std::array<NamedValue<CombineOrder>, 2> kCombineOrderNames{{
+    {CombineOrder::kRank, "rank"},
+    {CombineOrder::kHighestSlot, "highest_slot"},
+}};
 
 template <typename Enum, size_t N>
 const char* name_of(const std::array<NamedValue<Enum>, N>& table, Enum v) {
@@ -111,6 +115,7 @@ const char* to_string(ScaleLayout s) { return name_of(kScaleLayoutNames, s); }
 const char* to_string(OutputLayout l) { return name_of(kOutputLayoutNames, l); }
 const char* to_string(CombineMode m) { return name_of(kCombineModeNames, m); }
 const char* to_string(CombineFormat f) { return name_of(kCombineFormatNames, f); }
+const char* to_string(CombineOrder o) { return name_of(kCombineOrderNames, o); }
 
 Backend parse_backend(const std::string& name) { return detail::parse_backend_as("backend", name); }
 DispatchDtype parse_dispatch_dtype(const std::string& name) {
@@ -127,6 +132,9 @@ CombineMode parse_combine_mode(const std::string& name) {
 }
 CombineFormat parse_combine_format(const std::string& name) {
   return parse_named(kCombineFormatNames, "combine_format", name);
+}
+CombineOrder parse_combine_order(const std::string& name) {
+  return parse_named(kCombineOrderNames, "combine_order", name);
 }
 
 // ---- EpConfig -------------------------------------------------------------------------------
@@ -157,6 +165,13 @@ void EpConfig::validate() const {
   EPX_CHECK(is_named(kCombineFormatNames, combine_format), ConfigError, "combine_format",
             static_cast<int>(combine_format),
             fmt::format("one of {}", list_names(kCombineFormatNames)));
+  EPX_CHECK(is_named(kCombineOrderNames, combine_order), ConfigError, "combine_order",
+            static_cast<int>(combine_order),
+            fmt::format("one of {}", list_names(kCombineOrderNames)));
+  // The order follows each token's top-k row, which the token-major rows keep per token.
+  EPX_CHECK(combine_order == CombineOrder::kRank || layout == OutputLayout::kTokenMajor,
+            ConfigError, "combine_order", to_string(combine_order),
+            fmt::format("rank with layout {} (highest_slot is token-major's)", to_string(layout)));
   // Only epx's own quantisation rounds scales; fp8 input keeps the caller's.
   EPX_CHECK(!round_scale || dtype == DispatchDtype::kBF16ToFP8, ConfigError, "round_scale", "true",
             fmt::format("false with dtype {} (only bf16-to-fp8 is quantised by epx)",

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -247,6 +248,18 @@ std::vector<ExpertMajorRecv> dispatch_expert_major(const EpConfig& cfg,
 
 // ---- combine -------------------------------------------------------------------------------
 
+void ranks_in_highest_slot_order(const Routing& routing, int n, int experts_per_rank, int world,
+                                 std::vector<int>& order) {
+  // key[r] = the highest slot k of token n whose expert is on rank r, -1 where none is.
+  std::vector<int> key(static_cast<size_t>(world), -1);
+  const int32_t* ids = routing.ids.data() + static_cast<size_t>(n) * routing.topk;
+  for (int k = 0; k < routing.topk; ++k)
+    if (ids[k] >= 0) key[static_cast<size_t>(ids[k] / experts_per_rank)] = k;
+  order.resize(static_cast<size_t>(world));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return key[a] < key[b]; });
+}
+
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,
@@ -267,9 +280,9 @@ std::vector<std::vector<uint16_t>> combine_token_major(
               v->size(), "world_size = " + std::to_string(world));
     for (int s = 0; s < world; ++s) {
       const size_t want = static_cast<size_t>(inputs[s].num_tokens) * hidden;
-      EPX_CHECK((*v)[s].size() == want, InputError,
+      EPX_CHECK((*v)[s].empty() || (*v)[s].size() == want, InputError,
                 std::string("extras.") + name + "[" + std::to_string(s) + "].size()",
-                (*v)[s].size(), "num_tokens * hidden = " + std::to_string(want));
+                (*v)[s].size(), "empty or num_tokens * hidden = " + std::to_string(want));
     }
   }
   if (weights) {
@@ -309,8 +322,14 @@ std::vector<std::vector<uint16_t>> combine_token_major(
     }
   }
 
+  const bool highest_slot = cfg.combine_order == CombineOrder::kHighestSlot;
+  for (int s = 0; highest_slot && s < world; ++s)
+    EPX_CHECK(inputs[s].rank_mask.empty(), InputError, "inputs[" + std::to_string(s) + "].rank_mask",
+              "set", "empty with combine_order highest_slot (the order follows the top-k ids)");
   std::vector<std::vector<uint16_t>> y(static_cast<size_t>(world));
   for_each_index(world, [&](int s) {
+    std::vector<int> order(static_cast<size_t>(world));
+    std::iota(order.begin(), order.end(), 0);
     std::vector<float> acc(hidden);
     std::vector<float> decoded(format == CombineFormat::kLogFMT ? hidden : 0);
     y[s].resize(static_cast<size_t>(inputs[s].num_tokens) * hidden);
@@ -318,11 +337,16 @@ std::vector<std::vector<uint16_t>> combine_token_major(
     for (int n = 0; n < inputs[s].num_tokens; ++n) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (const auto* b : {&ex.bias0, &ex.bias1}) {
-        if (b->empty()) continue;
+        if (b->empty() || (*b)[s].empty()) continue;  // (none given, or none by rank s)
         const uint16_t* row = (*b)[s].data() + static_cast<size_t>(n) * hidden;
         for (size_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(row[h]);
       }
-      for (int r = 0; r < world; ++r) {  // rank order, so every backend gives the same bits
+      // Rank order, or each rank at its highest top-k slot of the token (slots ascending): the
+      // same bits on every backend either way.
+      if (highest_slot) ranks_in_highest_slot_order(inputs[s].routing, n, cfg.num_local_experts(),
+                                                    world, order);
+      for (int i = 0; i < world; ++i) {
+        const int r = order[i];
         const int j = row_of[r][offset[s] + n];
         if (j < 0) continue;
         if (weights) {

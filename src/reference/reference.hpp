@@ -153,14 +153,22 @@ using CombineFormat = epx::CombineFormat;
 // vector is "not given":
 //   topk_weights[r]: [M_r][K] f32 row-aligned with recv[r]; y_topk_weights[s] [N_s][K] (an
 //     output) = per token the sum over ranks r ascending that received it of its row, from +0.0f;
-//   bias0[s], bias1[s]: [N_s][H] bf16 bits; y's f32 sum starts from ((+0.0f + b0) + b1).
+//   bias0[s], bias1[s]: [N_s][H] bf16 bits, or empty where rank s gives none; y's f32 sum starts
+//     from ((+0.0f + b0) + b1).
 struct CombineExtrasRef {
   std::vector<std::vector<float>> topk_weights;
   std::vector<std::vector<uint16_t>> bias0, bias1;
   std::vector<std::vector<float>> y_topk_weights;  // filled by combine_token_major
 };
 
+// order = the ranks 0..world-1 in the order CombineOrder::kHighestSlot adds them for token n of
+// `routing`: ascending by the highest top-k slot k whose expert (ids[n][k] / experts_per_rank) is
+// on the rank; ranks that hold none of its experts first, in rank order.
+void ranks_in_highest_slot_order(const Routing& routing, int n, int experts_per_rank, int world,
+                                 std::vector<int>& order);
+
 // partials[r]: [M_r][H] bf16 bits, row-aligned with recv[r]. Returns y[s]: [N_s][H] bf16 bits.
+// The sums follow cfg.combine_order (by the ids of inputs[s].routing for kHighestSlot).
 std::vector<std::vector<uint16_t>> combine_token_major(
     const EpConfig& cfg, const std::vector<RankInput>& inputs,
     const std::vector<TokenMajorRecv>& recv, const std::vector<std::vector<uint16_t>>& partials,

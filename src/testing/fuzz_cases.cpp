@@ -190,6 +190,10 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   // A quarter of low_latency's cases whose rows are whole LogFMT blocks combine in LogFMT (last).
   if (takes_logfmt_combine(o.backend) && cfg.hidden % kFp8BlockSize == 0 && d.odds(1, 4))
     cfg.combine_format = CombineFormat::kLogFMT;
+  // A quarter of high_throughput's cases sum in the highest-slot order (last).
+  if (takes_highest_slot_order(o.backend) && cfg.layout == OutputLayout::kTokenMajor &&
+      d.odds(1, 4))
+    cfg.combine_order = CombineOrder::kHighestSlot;
 
   const std::string tokens = fmt::format("{}", fmt::join(o.tokens, ","));
   const std::string calls =
@@ -205,8 +209,9 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
       : cfg.worst_case_output ? " worst-case-output"
                               : "",
       o.ids_int64 ? " ids64" : "",
-      fmt::format("{}{}", cfg.combine == CombineMode::kPush ? " push" : "",
-                  cfg.combine_format == CombineFormat::kLogFMT ? " logfmt" : ""),
+      fmt::format("{}{}{}", cfg.combine == CombineMode::kPush ? " push" : "",
+                  cfg.combine_format == CombineFormat::kLogFMT ? " logfmt" : "",
+                  cfg.combine_order == CombineOrder::kHighestSlot ? " highest-slot" : ""),
       cfg.rounds_in_flight, to_string(c.mode), calls);
 
   std::string cmd = fmt::format(
@@ -220,6 +225,7 @@ FuzzCase make_fuzz_case(uint64_t seed, int64_t index) {
   if (cfg.combine == CombineMode::kPush) cmd += " --combine push";
   if (cfg.round_scale) cmd += " --round-scale";
   if (cfg.combine_format == CombineFormat::kLogFMT) cmd += " --combine-format logfmt";
+  if (cfg.combine_order == CombineOrder::kHighestSlot) cmd += " --combine-order highest_slot";
   for (const auto& [on, flag] : {std::pair{cfg.deterministic, " --deterministic"},
                                  std::pair{o.ids_int64, " --ids64"}, std::pair{o.mixed, " --mixed"},
                                  std::pair{o.one_launch, " --one-launch"},

@@ -199,6 +199,24 @@ TEST(ConfigValidate, EnumsOutOfRange) {
                       {"layout = -1", "token, expert"}));
   EXPECT_TRUE(invalid([](EpConfig& c) { c.combine_format = static_cast<CombineFormat>(2); },
                       {"combine_format = 2", "bf16, logfmt"}));
+  EXPECT_TRUE(invalid([](EpConfig& c) { c.combine_order = static_cast<CombineOrder>(3); },
+                      {"combine_order = 3", "rank, highest_slot"}));
+}
+
+// The highest-slot order follows each token's top-k row: token-major rows only.
+TEST(ConfigValidate, HighestSlotOrderIsTokenMajor) {
+  EXPECT_TRUE(invalid(
+      [](EpConfig& c) {
+        c.layout = OutputLayout::kExpertMajor;
+        c.combine_order = CombineOrder::kHighestSlot;
+      },
+      {"combine_order = highest_slot", "rank with layout expert"}));
+  EpConfig c = valid_config();
+  c.combine_order = CombineOrder::kHighestSlot;
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(parse_combine_order("highest_slot"), CombineOrder::kHighestSlot);
+  EXPECT_STREQ(to_string(CombineOrder::kRank), "rank");
+  EXPECT_EQ(EpConfig{}.combine_order, CombineOrder::kRank);
 }
 
 TEST(ConfigValidate, MessageCarriesLocation) {

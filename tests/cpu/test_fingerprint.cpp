@@ -25,7 +25,7 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
                             "dtype=bf16-to-fp8\n", "scale_layout=row\n", "round_scale=false\n",
                             "layout=token\n",
                             "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n", "combine=auto\n",
-                            "combine_format=bf16\n", "timeout_ms=10000\n"}) {
+                            "combine_format=bf16\n", "combine_order=rank\n", "timeout_ms=10000\n"}) {
     EXPECT_NE(text.find(field), std::string::npos) << field << " in\n" << text;
   }
   EXPECT_EQ(text.find("\nrank="), std::string::npos);
@@ -41,6 +41,10 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
   d.combine_format = CombineFormat::kLogFMT;
   EXPECT_NE(fingerprint(d, Backend::kLowLatency), text);
   EXPECT_NE(fingerprint(d, Backend::kLowLatency).find("combine_format=logfmt\n"), std::string::npos);
+  d = a;
+  d.combine_order = CombineOrder::kHighestSlot;
+  EXPECT_NE(fingerprint(d, Backend::kHighThroughput).find("combine_order=highest_slot\n"),
+            std::string::npos);
   EXPECT_NE(fingerprint(a, Backend::kNaive), text);
   EXPECT_STREQ(library_version(), "0.1.0");
 }

@@ -69,6 +69,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   shape.round_scale = has("--round-scale");
   if (f.count("--combine") != 0) shape.combine = take("--combine");
   if (f.count("--combine-format") != 0) shape.combine_format = take("--combine-format");
+  if (f.count("--combine-order") != 0) shape.combine_order = take("--combine-order");
   const EpConfig cfg = shape.config(1);  // as `epx check` builds it (--max-tokens given)
   EXPECT_EQ(cfg.world_size, o.cfg.world_size) << c.command;
   EXPECT_EQ(cfg.hidden, o.cfg.hidden) << c.command;
@@ -84,6 +85,7 @@ void expect_command_reproduces(const FuzzCase& c) {
   EXPECT_EQ(cfg.combine, o.cfg.combine) << c.command;
   EXPECT_EQ(cfg.round_scale, o.cfg.round_scale) << c.command;
   EXPECT_EQ(cfg.combine_format, o.cfg.combine_format) << c.command;
+  EXPECT_EQ(cfg.combine_order, o.cfg.combine_order) << c.command;
   const std::string tokens = take("--tokens");
   EXPECT_EQ(cli::tokens_per_rank(cli::parse_token_counts(tokens, "--tokens"), cfg.world_size,
                                  "--tokens", tokens),
@@ -188,6 +190,7 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
   bool push_expert = false, push_replayed = false, push_agrs = false;
   bool round_scale_ht = false, round_scale_ll = false;
   bool logfmt_expert = false, logfmt_push = false, logfmt_replayed = false;
+  bool highest_slot_eager = false, highest_slot_replayed = false;
   for (int i = 0; i < kCases; ++i) {
     const FuzzCase c = make_fuzz_case(1, i);
     const CheckOptions& o = c.options;
@@ -230,7 +233,12 @@ TEST(FuzzCases, EveryChoiceIsDrawn) {
     logfmt_expert |= logfmt && o.cfg.layout == OutputLayout::kExpertMajor;
     logfmt_push |= logfmt && push;
     logfmt_replayed |= logfmt && o.graph_replays > 0;
+    const bool highest_slot = o.cfg.combine_order == CombineOrder::kHighestSlot;
+    EXPECT_TRUE(!highest_slot || ht) << c.description;
+    highest_slot_eager |= highest_slot && o.graph_replays == 0;
+    highest_slot_replayed |= highest_slot && o.graph_replays > 0;
   }
+  EXPECT_TRUE(highest_slot_eager && highest_slot_replayed);
   EXPECT_TRUE(logfmt_expert && logfmt_push && logfmt_replayed);
   EXPECT_TRUE(push_expert && push_replayed && push_agrs);
   EXPECT_TRUE(round_scale_ht && round_scale_ll);

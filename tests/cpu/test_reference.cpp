@@ -536,6 +536,14 @@ TEST(HandCombine, TokenMajorExtras) {
   EXPECT_EQ(y[0][24], 0x0000);
   EXPECT_EQ(y[1][0], bf(2.75f));   // 0.5 + 0.25 + partials of ranks 0 and 1
   EXPECT_EQ(y[1][8], bf(0.75f));   // invalid token: the bias alone
+  // A rank may give no bias row where another gives one.
+  ex.bias1[1].clear();
+  const auto y1 = combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex);
+  EXPECT_EQ(y1[0], y[0]);
+  EXPECT_EQ(y1[1][0], bf(2.5f));
+  ex.bias1[1].assign(2 * 8, 0);
+  EXPECT_INPUT_ERROR(combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex),
+                     "extras.bias1[1].size() = 16, expected empty or num_tokens * hidden = 24");
   // The sizes are checked, naming the field.
   ex.topk_weights[1].pop_back();
   EXPECT_INPUT_ERROR(combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex),
@@ -564,6 +572,109 @@ TEST(HandCombine, TokenMajorRoundsOnce) {
   const auto y = combine_token_major(cfg, inputs, recv, partials);
   for (int h = 0; h < 8; ++h) EXPECT_EQ(y[0][h], h < 4 ? 0x3F81 : bf(0x1p-20f)) << h;
   EXPECT_TRUE(y[1].empty());
+}
+
+// CombineOrder::kHighestSlot: token (ids 2, 0, 1 on three ranks of one expert each) sums rank 2
+// (slot 0), then rank 0 (slot 1), then rank 1 (slot 2). Partials 256, -256, 2^-20 in that order
+// keep the 2^-20; in rank order (-256 + 2^-20 rounds to -256 in f32) they give 0.
+TEST(HandCombine, HighestSlotOrder) {
+  EpConfig cfg = make_config(3, 3, 3, 8, 1, DispatchDtype::kBF16);
+  std::vector<RankInput> inputs(3);
+  inputs[0].num_tokens = 1;
+  inputs[0].routing = {1, 3, {2, 0, 1}, {0.25f, 0.25f, 0.5f}};
+  inputs[0].x_bf16.assign(8, bf(1.0f));
+  for (int s = 1; s < 3; ++s) inputs[s].routing.topk = 3;
+  const auto recv = dispatch_token_major(cfg, inputs);
+  std::vector<std::vector<uint16_t>> partials = {std::vector<uint16_t>(8, bf(-256.0f)),
+                                                 std::vector<uint16_t>(8, bf(0x1p-20f)),
+                                                 std::vector<uint16_t>(8, bf(256.0f))};
+  EXPECT_EQ(combine_token_major(cfg, inputs, recv, partials)[0][0], 0x0000);
+  cfg.combine_order = CombineOrder::kHighestSlot;
+  EXPECT_EQ(combine_token_major(cfg, inputs, recv, partials)[0][0], bf(0x1p-20f));
+  // A rank's place is its highest slot: with ids (0, 2, 1) rank 0 (slot 0) adds first.
+  std::vector<int> order;
+  Routing r6{1, 3, {0, 4, 1}, {}};  // six experts, two a rank: rank 0 holds slots 0 and 2
+  ranks_in_highest_slot_order(r6, 0, 2, 3, order);
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 0}));  // rank 1 holds none: first, and skipped
+  // The order follows the ids: a round routed by a rank mask has none.
+  inputs[0].rank_mask = {1, 1, 1};
+  inputs[0].expert_counts = {1, 1, 1};
+  const auto by_mask = dispatch_token_major(cfg, inputs);
+  EXPECT_INPUT_ERROR(combine_token_major(cfg, inputs, by_mask, partials),
+                     "inputs[0].rank_mask = set, expected empty with combine_order highest_slot");
+}
+
+// DeepEP V2's combine (deep_ep/utils/refs.py, non-expand: each rank reduces its own slots of a
+// token in slot order, rounds to bf16, and the token's rank adds those at each rank's highest
+// slot, +0 at every other slot, in slot order from the f32 sum of the bias rows), restated
+// here: the reference's kHighestSlot gives its bits on random rounds, and rank order does not.
+TEST(HandCombine, HighestSlotIsDeepEPV2Order) {
+  EpConfig cfg = make_config(4, 16, 8, 128, 64, DispatchDtype::kBF16);
+  cfg.combine_order = CombineOrder::kHighestSlot;
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < 4; ++r)
+    inputs.push_back(make_rank_input(
+        cfg, 64, make_routing(RoutingKind::kMasked, 64, 16, 8, 17 + r), 100 + r));
+  const auto recv = dispatch_token_major(cfg, inputs);
+  // y[s][n][k]: the expert output of token n of rank s at slot k, 0 where the id is -1: half
+  // of them +-2^20, the others small (under f32's ulp at 2^20), so that the order of the sum
+  // shows in its bits ((2^20 - 2^20) + small keeps what (2^20 + small) - 2^20 loses).
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto small = [&] { return bf16_to_float(bf(std::ldexp(normal(gen), -8))); };
+  auto draw = [&] { return gen() % 2 == 0 ? (gen() % 2 == 0 ? 0x1p20f : -0x1p20f) : small(); };
+  const size_t H = 128, K = 8;
+  std::vector<std::vector<float>> y(4), b0(4), b1(4);
+  for (int s = 0; s < 4; ++s) {
+    y[s].resize(64 * K * H);
+    for (size_t i = 0; i < y[s].size(); ++i)
+      y[s][i] = inputs[s].routing.ids[i / H] < 0 ? 0.0f : draw();
+    for (auto* b : {&b0[s], &b1[s]}) {
+      b->resize(64 * H);
+      for (float& v : *b) v = small();
+    }
+  }
+  // What each rank passes to combine: its slots of the token summed in slot order, rounded.
+  auto rank_partial = [&](int s, int n, int r, size_t h) {
+    float acc = 0.0f;
+    for (size_t k = 0; k < K; ++k) {
+      const int e = inputs[s].routing.ids[n * K + k];
+      if (e >= 0 && cfg.expert_rank(e) == r) acc += y[s][(n * K + k) * H + h];
+    }
+    return bf(acc);
+  };
+  std::vector<std::vector<uint16_t>> partials(4);
+  CombineExtrasRef ex;
+  for (int r = 0; r < 4; ++r) {
+    for (int j = 0; j < recv[r].count; ++j)
+      for (size_t h = 0; h < H; ++h)
+        partials[r].push_back(rank_partial(recv[r].src_rank[j], recv[r].src_idx[j], r, h));
+    std::vector<uint16_t> c0, c1;
+    for (size_t i = 0; i < b0[r].size(); ++i) c0.push_back(bf(b0[r][i])), c1.push_back(bf(b1[r][i]));
+    ex.bias0.push_back(c0);
+    ex.bias1.push_back(c1);
+  }
+  const auto ours = combine_token_major(cfg, inputs, recv, partials, CombineFormat::kBF16, &ex);
+  cfg.combine_order = CombineOrder::kRank;
+  const auto by_rank = combine_token_major(cfg, inputs, recv, partials, CombineFormat::kBF16, &ex);
+  size_t differ = 0;
+  for (int s = 0; s < 4; ++s)
+    for (int n = 0; n < 64; ++n)
+      for (size_t h = 0; h < H; ++h) {
+        float acc = b0[s][n * H + h] + b1[s][n * H + h];
+        for (size_t k = 0; k < K; ++k) {
+          const int e = inputs[s].routing.ids[n * K + k];
+          bool highest = e >= 0;
+          for (size_t k2 = k + 1; highest && k2 < K; ++k2) {
+            const int e2 = inputs[s].routing.ids[n * K + k2];
+            if (e2 >= 0 && cfg.expert_rank(e2) == cfg.expert_rank(e)) highest = false;
+          }
+          acc += highest ? bf16_to_float(rank_partial(s, n, cfg.expert_rank(e), h)) : 0.0f;
+        }
+        ASSERT_EQ(ours[s][n * H + h], bf(acc)) << s << " " << n << " " << h;
+        differ += by_rank[s][n * H + h] != ours[s][n * H + h];
+      }
+  EXPECT_GT(differ, 0u);  // the order matters on these rounds
 }
 
 // p = fmaf(w_1, v_1, fmaf(w_0, v_0, 0)) with w_0 = 1 + 2^-7 + 2^-23, v_0 = -1,

@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -377,6 +379,74 @@ TEST(HighThroughput, RankMaskAndCombineExtrasMatchReference) {
       EXPECT_EQ(down(res[r].expert_counts, size_t(E / W)), w.expert_counts) << at;
       EXPECT_EQ(down(static_cast<const uint16_t*>(y[r]), size_t(tokens[r]) * H), want_y[r]) << at;
       EXPECT_EQ(down(y_w[r], size_t(tokens[r]) * K), ex.y_topk_weights[r]) << at;
+    }
+  }
+}
+
+// CombineOrder::kHighestSlot (DeepEP V2's order): each token's partials added at each rank's
+// highest top-k slot, bit for bit with the reference, directly and through rings, with ids of
+// -1 among them. The partials are such that rank order gives other bits (checked: the test
+// would see a kernel that kept rank order).
+TEST(HighThroughput, HighestSlotOrderMatchesReference) {
+  REQUIRE_GPU();
+  EpConfig c;
+  c.world_size = 4;
+  c.hidden = 256;
+  c.num_experts = 8;
+  c.topk = 4;
+  c.max_tokens_per_rank = 48;
+  c.dtype = DispatchDtype::kBF16;
+  c.combine_order = CombineOrder::kHighestSlot;
+  c.timeout_ms = 20000;
+  const int W = c.world_size, K = c.topk, H = c.hidden, cap = c.capacity();
+  const std::vector<int> tokens = {48, 31, 0, 9};
+  std::vector<ref::RankInput> in(static_cast<size_t>(W));
+  for (int s = 0; s < W; ++s) {
+    const auto routing = ref::make_routing(ref::RoutingKind::kMasked, tokens[s], 8, K, 31 + s);
+    in[s] = ref::make_rank_input(c, tokens[s], routing, 90 + s);
+  }
+  const auto want = ref::dispatch_token_major(c, in);
+  // Half the partials +-2^20, the others under f32's ulp there: (2^20 - 2^20) + small keeps
+  // what (2^20 + small) - 2^20 loses.
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<uint16_t>> partials(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r)
+    for (size_t i = 0; i < size_t(want[r].count) * H; ++i)
+      partials[r].push_back(ref::bf16_from_float(
+          gen() % 2 == 0 ? (gen() % 2 == 0 ? 0x1p20f : -0x1p20f) : std::ldexp(normal(gen), -8)));
+  const auto want_y = ref::combine_token_major(c, in, want, partials);
+  EpConfig by_rank = c;
+  by_rank.combine_order = CombineOrder::kRank;
+  EXPECT_NE(ref::combine_token_major(by_rank, in, want, partials), want_y);
+  for (const int ring_rows : {0, 64}) {
+    LaunchConfigs lc;
+    lc.dispatch.ring_rows = lc.combine.ring_rows = ring_rows;
+    gpu_test::Group g(c, W, Backend::kHighThroughput, lc);
+    std::vector<DispatchInput> din(static_cast<size_t>(W));
+    std::vector<void*> out(static_cast<size_t>(W)), y(static_cast<size_t>(W));
+    for (int s = 0; s < W; ++s) {
+      din[s].num_tokens = tokens[s];
+      din[s].x = g.upload(in[s].x_bf16);
+      din[s].topk_ids = g.upload(in[s].routing.ids);
+      din[s].topk_weights = g.upload(in[s].routing.weights);
+      std::vector<uint16_t> p(size_t(cap) * H, 0);
+      std::copy(partials[s].begin(), partials[s].end(), p.begin());
+      out[s] = g.upload(p);
+      y[s] = g.upload(std::vector<uint16_t>(size_t(tokens[s]) * H, 0xFFFF));
+    }
+    testing::run_on_threads(
+        W, [](int) { return 0; },
+        [&](int s) {
+          (void)g.a2a[s]->dispatch(din[s], g.streams[s]);
+          g.a2a[s]->combine(out[s], y[s], g.streams[s]);
+          g.a2a[s]->synchronize(g.streams[s]);
+        });
+    for (int r = 0; r < W; ++r) {
+      std::vector<uint16_t> got(size_t(tokens[r]) * H);
+      if (!got.empty())
+        EPX_CUDA_CHECK(cudaMemcpy(got.data(), y[r], got.size() * 2, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(got, want_y[r]) << "rank " << r << ", ring_rows " << ring_rows;
     }
   }
 }

@@ -342,6 +342,16 @@ TEST(LogFMT, RefusedByTheOtherBackends) {
     expect_refused(b, c, {"combine_format = logfmt"});
 }
 
+// The highest-slot combine order is high_throughput's; the others refuse it by name.
+TEST(CombineOrder, HighestSlotRefusedByTheOtherBackends) {
+  REQUIRE_GPU();
+  EpConfig c = gpu_test::small_config();
+  c.world_size = 2;
+  c.combine_order = CombineOrder::kHighestSlot;
+  for (const Backend b : {Backend::kNaive, Backend::kAllgatherReduceScatter, Backend::kLowLatency})
+    expect_refused(b, c, {"combine_order = highest_slot", "high_throughput's"});
+}
+
 // The baselines on every token-major case: same contract (every token delivered), same bits.
 class BaselineCase : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
 

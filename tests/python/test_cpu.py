@@ -42,6 +42,13 @@ def test_ep_config_by_keyword():
                                               r"hidden = 1000 \(LogFMT rows need hidden a "
                                               r"multiple of 128\)"):
         lf.replace(dtype="bf16", hidden=1000).validate()
+    assert c.combine_order == "rank" and "combine_order='rank'" in repr(c)
+    hs = c.replace(combine_order="highest_slot")
+    hs.validate()
+    assert hs.combine_order == "highest_slot" and hs != c
+    with pytest.raises(epx.ConfigError, match=r"combine_order = highest_slot, expected rank with "
+                                              r"layout expert"):
+        hs.replace(layout="expert").validate()
 
 
 @pytest.mark.parametrize(
@@ -56,6 +63,7 @@ def test_ep_config_by_keyword():
         ({"combine": "sideways"}, 'combine = "sideways", expected one of auto, pull, push'),
         ({"combine_format": "fp8"}, 'combine_format = "fp8", expected one of bf16, logfmt'),
         ({"combine_format": True}, "EpConfig.combine_format = True (bool), expected a str"),
+        ({"combine_order": "slot"}, 'combine_order = "slot", expected one of rank, highest_slot'),
     ],
 )
 def test_ep_config_refuses_bad_keywords(fields, message):

@@ -401,6 +401,10 @@ std::unique_ptr<All2All> make_nccl_rank(Backend backend, const EpConfig& base, N
             to_string(cfg.combine_format),
             std::string("bf16 for backend ") + to_string(backend) +
                 " (LogFMT combine is low_latency's)");
+  EPX_CHECK(cfg.combine_order == CombineOrder::kRank, ConfigError, "combine_order",
+            to_string(cfg.combine_order),
+            std::string("rank for backend ") + to_string(backend) +
+                " (the highest-slot order is high_throughput's)");
   check_fingerprints(world.bootstrap(), cfg, backend);
   {
     const DeviceGuard guard(world.device());

@@ -51,6 +51,9 @@ HtLayout make_ht_layout(const EpConfig& cfg, int channels, int dispatch_ring, in
   L.state = carve(c, sizeof(HtState));
   L.status = carve(c, sizeof(DeviceStatus));
   L.token_mask = carve(c, size_t(cfg.max_tokens_per_rank) * sizeof(uint64_t));
+  L.token_order = carve(c, cfg.combine_order == CombineOrder::kHighestSlot
+                               ? size_t(cfg.max_tokens_per_rank) * size_t(K)
+                               : 0);
   L.seg_offset = carve(c, W * size_t(L.segments) * sizeof(int32_t));
   L.seg_count = carve(c, W * size_t(L.segments) * sizeof(int32_t));
   L.dsent = carve(c, C * W * sizeof(uint64_t));
@@ -285,6 +288,8 @@ class HtAll2All final : public All2All {
                 in.topk_ids != nullptr ? "topk_ids" : "topk_weights", "set",
                 "null with rank_mask (a round routes by top-k ids or by a rank mask)");
       status_.check_ptr(in.expert_counts, "expert_counts", 4);
+      EPX_CHECK(cfg_.combine_order == CombineOrder::kRank, InputError, "rank_mask", "set",
+                "null with combine_order highest_slot (the order follows the top-k ids)");
     } else {
       EPX_CHECK(in.expert_counts == nullptr, InputError, "expert_counts", "set",
                 "null without rank_mask (with top-k ids the experts' rows are counted from them)");
@@ -415,7 +420,8 @@ class HtAll2All final : public All2All {
                          .wire_row_bytes = int32_t(cfg_.wire_row_bytes()),
                          .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
                          .ids_int64 = ids_int64_,
-                         .round_scale = cfg_.round_scale},
+                         .round_scale = cfg_.round_scale,
+                         .highest_slot = cfg_.combine_order == CombineOrder::kHighestSlot},
         .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull,
         .num_ranks = num_ranks,
 #if EPX_MEASUREMENT

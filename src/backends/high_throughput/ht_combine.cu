@@ -5,8 +5,9 @@
 //   form groups; each ring has one group, which never waits on one ring while another of its
 //   rings has room, so a receiver waiting for one ring can always be served.
 // receive (owner s, channel c): tokens in batches of one per warp; once every ring holds the
-//   batch's partials, each token's partials are summed in rank order in f32 and rounded to bf16
-//   once (0 for a token sent nowhere): the bits of every other backend and of the reference.
+//   batch's partials, each token's partials are summed in EpConfig::combine_order (rank order by
+//   default) in f32 and rounded to bf16 once (0 for a token sent nowhere): the bits of every
+//   other backend and of the reference.
 //   Ring positions follow from the dispatch's token_mask: token n's partial from rank r is the
 //   next one in ring (r -> s, c) after those of the earlier tokens of the channel sent to r.
 
@@ -55,12 +56,30 @@ __device__ __forceinline__ BiasRows bias_rows(const HtCombineRank& me, int n, in
   return BiasRows{row(me.bias0), row(me.bias1)};
 }
 
-// Token n's row of y: vector v (8 bf16) of the partials at `at(r, v)` of every rank r in `m`,
-// summed in rank order in f32 (kBatch ranks' loads in flight before their adds) and rounded
+// The ranks whose partials of a token combine adds, in the order it adds them: those of `mask`
+// ascending, or (CombineOrder::kHighestSlot) the popcount(mask) ranks of `order`.
+struct RankSeq {
+  uint64_t mask;
+  const uint8_t* order;  // null: rank order
+  int i = 0;
+  __device__ __forceinline__ bool more() const { return mask != 0; }
+  __device__ __forceinline__ int next() {
+    const int r = order != nullptr ? int(order[i++]) : lowest_rank(mask);
+    mask &= mask - 1;
+    return r;
+  }
+};
+__device__ __forceinline__ RankSeq token_ranks(const HtShape& S, const HtLayout& L,
+                                               const uint8_t* local, uint64_t mask, int n) {
+  return RankSeq{mask, S.highest_slot ? local + L.token_order + size_t(n) * S.topk : nullptr};
+}
+
+// Token n's row of y: vector v (8 bf16) of the partials at `at(r, v)` of the ranks of `seq`,
+// summed in its order in f32 (kBatch ranks' loads in flight before their adds) and rounded
 // once; 0 for a token sent nowhere. The sum starts from +0 plus the bias rows, when given.
 // One lane.
 template <typename At>
-__device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfloat16* y_row,
+__device__ __forceinline__ void sum_vector(RankSeq seq, int v, At at_of, __nv_bfloat16* y_row,
                                            BiasRows bias = {}) {
   constexpr int kBatch = 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -71,15 +90,13 @@ __device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfl
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] += f[e];
   }
-  while (m != 0) {
+  while (seq.more()) {
     int4 raw[kBatch];
     int got = 0;
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      if (m != 0) {
-        const int r = lowest_rank(m);
-        m &= m - 1;
-        raw[i] = ld_ring(at_of(r, v));
+      if (seq.more()) {
+        raw[i] = ld_ring(at_of(seq.next(), v));
         got = i + 1;
       }
     }
@@ -89,7 +106,7 @@ __device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfl
         float f[8];
         dev::bf16x8_to_float(raw[i], f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += f[e];  // rank order
+        for (int e = 0; e < 8; ++e) acc[e] += f[e];  // seq's order
       }
     }
   }
@@ -97,14 +114,14 @@ __device__ __forceinline__ void sum_vector(uint64_t m, int v, At at_of, __nv_bfl
 }
 
 // Token n's top-k weights back: lane k < K sums slot k of the rows at `w_of(r)` (f32 [K]) of
-// every rank r in `m`, in rank order, into y_w (0 for a token sent nowhere). One warp.
+// the ranks of `seq`, in its order, into y_w (0 for a token sent nowhere). One warp.
 template <typename WeightsOf>
-__device__ __forceinline__ void sum_weights(uint64_t m, int K, WeightsOf w_of, float* y_w) {
+__device__ __forceinline__ void sum_weights(RankSeq seq, int K, WeightsOf w_of, float* y_w) {
   const int lane = threadIdx.x % kWarpSize;
   if (lane >= K) return;
   float acc = 0.f;
-  for (; m != 0; m &= m - 1) {
-    const float* w = w_of(lowest_rank(m));
+  while (seq.more()) {
+    const float* w = w_of(seq.next());
     if (w != nullptr) acc += __ldcg(w + lane);  // (null: that rank passed no weights)
   }
   y_w[lane] = acc;
@@ -250,7 +267,7 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
     if (failed) return;
     const int n = t + warp;
     if (n < t_end) {
-      const uint64_t m = mask_of[warp];
+      const RankSeq m = token_ranks(S, L, me.local, mask_of[warp], n);
       auto slot_of = [&](int r) {
         const uint64_t pos = base[r] + __popc(bal[r] & ((1u << warp) - 1));
         return (size_t(c) * W + r) * ring + size_t(pos % uint64_t(ring));
@@ -277,8 +294,8 @@ __device__ __forceinline__ void receive_partials(const HtCombineParams& p, const
 
 // Block b of 2C (direct mode, owner s = this rank): half b % 2 of channel b / 2's tokens. Token
 // n's partial from rank r is row seg_offset_r[s][c] + row_pos[n][r] of r's published partials;
-// they are summed in rank order in f32 and rounded once (0 for a token sent nowhere). The rank's
-// last block then tells every rank that this owner has read its partials.
+// they are summed in combine_order in f32 and rounded once (0 for a token sent nowhere). The
+// rank's last block then tells every rank that this owner has read its partials.
 __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCombineRank& me,
                                             const dev::WaitContext& w, int b, int nb,
                                             uint32_t cepoch) {
@@ -322,10 +339,11 @@ __device__ __forceinline__ void direct_pull(const HtCombineParams& p, const HtCo
     };
     const BiasRows bias = bias_rows(me, n, H);
     for (int v = lane; v < vecs; v += kWarpSize)
-      sum_vector(token_mask[n], v, at_of, y + size_t(n) * H, bias);
+      sum_vector(token_ranks(S, L, me.local, token_mask[n], n), v, at_of, y + size_t(n) * H,
+                 bias);
     if (me.y_topk_w != nullptr) {
       sum_weights(
-          token_mask[n], S.topk,
+          token_ranks(S, L, me.local, token_mask[n], n), S.topk,
           [&](int r) {
             return part_w[r] == nullptr ? nullptr
                                         : part_w[r] + size_t(seg_base[r] + pos[r]) * S.topk;

@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   __syncthreads();
   EPX_PHASE_MARK(cm, CountPhase::kSetUp);
   uint64_t* token_mask = at<uint64_t>(me.local, L.token_mask);
+  uint8_t* token_order = me.local + L.token_order;      // S.highest_slot only
   int32_t* row_pos = at<int32_t>(me.local, L.row_pos);  // direct mode only
   // Each warp walks its chunk [w0, w1) of the channel's tokens in order. Lanes in groups of
   // G >= K: group `sub` reads token first + sub, lane k of the group its k-th id, so a token's ids
@@ -189,6 +190,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (bad) bits = 0;  // a token with a bad id goes nowhere
     if (expert && !bad) pairs.add(int(id), counter);
     if (n < w1 && k == 0) token_mask[n] = bits;
+    if (S.highest_slot) {
+      // Slot k is its rank's place in combine's order when no higher slot of the token holds an
+      // expert of that rank; the places ascend with k.
+      const bool routed = expert && !bad;
+      const unsigned long long rkey = routed ? (uint64_t(uint32_t(sub)) << 32) | uint32_t(dst)
+                                             : (uint64_t(1) << 40) | uint32_t(lane);
+      const uint32_t same = __match_any_sync(kFullWarp, rkey);
+      const bool highest = routed && (same >> lane) == 1u;
+      const uint32_t group = (G == kWarpSize ? kFullWarp : (1u << G) - 1u) << (sub * G);
+      const uint32_t places = __ballot_sync(kFullWarp, highest) & group & lt;
+      if (highest) token_order[size_t(n) * K + __popc(places)] = uint8_t(dst);
+    }
     // The step's tokens in order: lane (sub, k) places token first + sub among the warp's rows
     // for ranks k, k + G, ...: the rows before it are the warp's so far and those of the step's
     // earlier tokens (the lanes of slot k in lower groups). bits == 0 past w1.

@@ -40,6 +40,7 @@ struct HtShape {
   int32_t scale_col_major;  // recv scales [G][rows]
   int32_t ids_int64;
   int32_t round_scale;  // EpConfig::round_scale: power-of-two fp8 scales
+  int32_t highest_slot;  // EpConfig::combine_order kHighestSlot: HtLayout::token_order is kept
 };
 
 // Ranks one launch may serve (an in-process group sharing a GPU).

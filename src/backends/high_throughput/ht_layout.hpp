@@ -71,6 +71,8 @@ struct HtLayout {
   size_t state;          // HtState
   size_t status;         // DeviceStatus
   size_t token_mask;     // uint64 [max_tokens]: destination ranks of each token of the round
+  size_t token_order;    // uint8 [max_tokens][K] (CombineOrder::kHighestSlot, else empty): the
+                         // token's destination ranks in the order combine adds their partials
   size_t seg_offset;     // int32 [W][segments]: first received row of segment (q, c)
   size_t seg_count;      // int32 [W][segments]: rows of segment (q, c)
   size_t dsent;          // uint64 [C][W]: rows this rank has written into ring (this -> r, c)

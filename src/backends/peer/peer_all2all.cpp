@@ -457,6 +457,10 @@ void validate_for(const EpConfig& cfg, const Algorithm& algo) {
             ConfigError, "combine_format", "logfmt",
             std::string("bf16 for backend ") + to_string(algo.backend) +
                 " (LogFMT combine is low_latency's)");
+  EPX_CHECK(cfg.combine_order == CombineOrder::kRank || takes_highest_slot_order(algo.backend),
+            ConfigError, "combine_order", to_string(cfg.combine_order),
+            std::string("rank for backend ") + to_string(algo.backend) +
+                " (the highest-slot order is high_throughput's)");
   // The baselines deliver every token of every rank in the token-major layout only.
   EPX_CHECK(algo.backend == Backend::kLowLatency || cfg.layout == OutputLayout::kTokenMajor,
             ConfigError, "layout", to_string(cfg.layout),
