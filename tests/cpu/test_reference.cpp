@@ -544,6 +544,7 @@ TEST(HandCombine, TokenMajorExtras) {
   ex.bias1[1].assign(2 * 8, 0);
   EXPECT_INPUT_ERROR(combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex),
                      "extras.bias1[1].size() = 16, expected empty or num_tokens * hidden = 24");
+  ex.bias1[1].assign(3 * 8, bf(0.25f));
   // The sizes are checked, naming the field.
   ex.topk_weights[1].pop_back();
   EXPECT_INPUT_ERROR(combine_token_major(t.cfg, t.inputs, recv, partials, CombineFormat::kBF16, &ex),

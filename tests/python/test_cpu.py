@@ -43,7 +43,7 @@ def test_ep_config_by_keyword():
                                               r"multiple of 128\)"):
         lf.replace(dtype="bf16", hidden=1000).validate()
     assert c.combine_order == "rank" and "combine_order='rank'" in repr(c)
-    hs = c.replace(combine_order="highest_slot")
+    hs = c.replace(combine_order="highest_slot", layout="token")
     hs.validate()
     assert hs.combine_order == "highest_slot" and hs != c
     with pytest.raises(epx.ConfigError, match=r"combine_order = highest_slot, expected rank with "
