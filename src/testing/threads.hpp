@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <exception>
 #include <functional>
 #include <future>
@@ -30,9 +31,17 @@ inline void run_on_threads(int n, const std::function<int(int)>& device_of,
     }));
   }
   std::exception_ptr first;
-  for (auto& f : done) {
+  for (int i = 0; i < n; ++i) {
     try {
-      f.get();
+      done[size_t(i)].get();
+    } catch (const std::exception& e) {
+      // The first failure is rethrown; a later rank's own error (often the cause of an earlier
+      // rank's timeout) is printed, not lost.
+      if (!first) {
+        first = std::current_exception();
+      } else {
+        std::fprintf(stderr, "run_on_threads: thread %d failed too: %s\n", i, e.what());
+      }
     } catch (...) {
       if (!first) first = std::current_exception();
     }

@@ -52,4 +52,4 @@ def _rank_main(rank, world, name, kwargs, init_file, results):
 
 @pytest.mark.parametrize("name,world,kwargs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_normal_mode_on_the_gpu(gpu, tmp_path, name, world, kwargs):
-    run_ranks(_rank_main, world, name, kwargs, str(tmp_path / "init"), timeout_s=300)
+    run_ranks(_rank_main, world, world, name, kwargs, str(tmp_path / "init"), timeout_s=300)

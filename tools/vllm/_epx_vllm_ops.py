@@ -15,6 +15,8 @@ order and meaning), not from vLLM's kernels:
   tma_aligned): per group of `group` elements, scale = max(amax, eps) / fp8_max (rounded up to a
   power of two with ue8m0), q = clamp(x / scale) in fp8; `s` is written through its own strides
   (row- or column-major alike).
+And torch.Stream.is_capturing where the installed torch lacks it (see _torch_compat).
+
 - ``cutlass_scaled_mm_supports_fp8``, ``..._block_fp8``, ``..._fp4`` (capability): False, since
   there are no CUTLASS kernels here (vLLM calls the block-fp8 one when it imports its fp8
   utilities on a GPU).
@@ -115,11 +117,28 @@ def _present(name):
         return False
 
 
+def _torch_compat():
+    """What vLLM calls on torch that an older torch lacks: torch.Stream.is_capturing() (vLLM
+    0.34 asks it of torch.accelerator.current_stream(); torch 2.11's Stream has no such method).
+    Added only where missing, answered by torch.cuda for CUDA streams."""
+    stream = getattr(torch, "Stream", None)
+    if stream is None or hasattr(stream, "is_capturing"):
+        return
+
+    def is_capturing(self):
+        if self.device.type != "cuda":
+            return False
+        return torch.cuda.is_current_stream_capturing()
+
+    stream.is_capturing = is_capturing
+
+
 def register():
     """Defines each operator of _OPS that torch.ops._C lacks; returns the names defined."""
     global _lib
     if _lib is not None:
         return []
+    _torch_compat()
     lib = torch.library.Library("_C", "FRAGMENT")
     defined = []
     for name, (schema, fn) in _OPS.items():

@@ -79,6 +79,14 @@ import _epx_vllm_ops
 _epx_vllm_ops.register()
 '''
 
+# The flash-attention extension modules whose presence vLLM 0.33's attention code checks at
+# import on a GPU (the fused-MoE kernel imports that code, never calls it).
+FA_STUBS = ["_vllm_fa2_C"]
+FA_STUB_TEXT = '''"""Stands in for vLLM's compiled flash-attention module vllm.vllm_flash_attn.{name} in a
+bundle made by epx's tools/vllm/bundle.sh, so that vLLM's attention modules import. It defines no
+operator: attention cannot run from the bundle (its fused-MoE kernel does not need it)."""
+'''
+
 KEEP_SUFFIXES = (".py", ".json")
 # Parts of vLLM's tree that its fused-MoE kernel never imports, left out for size: the model
 # implementations, the benchmarks, and the third-party kernels whose compiled parts
@@ -131,6 +139,9 @@ def make_site_zip(wheel: Path, out: Path) -> dict:
                 dropped += 1
         for name in STUBS:
             dst.writestr(f"vllm/{name}.py", STUB_TEXT.format(name=name))
+        if "vllm/vllm_flash_attn/__init__.py" in names:
+            for name in FA_STUBS:
+                dst.writestr(f"vllm/vllm_flash_attn/{name}.py", FA_STUB_TEXT.format(name=name))
         dst.write(HERE / "_epx_vllm_ops.py", "_epx_vllm_ops.py")
     return {"dist_info": dist_info, "metadata": metadata, "kept": kept, "dropped": dropped}
 
