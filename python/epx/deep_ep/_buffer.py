@@ -10,7 +10,7 @@ from typing import List, Optional
 from .. import _epx
 from .. import _torch as T
 from ..all2all import All2All
-from ._common import EventHandle, EventOverlap, _unsupported
+from ._common import EventHandle, EventOverlap, _unsupported, make_world
 from ._low_latency import _LowLatencyMode
 from ._normal import _NormalMode
 from ._shrink import _ShrinkMode
@@ -94,19 +94,7 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
 
     @staticmethod
     def _make_world(group, comm):
-        torch = T.torch()
-        device = torch.cuda.current_device()
-        if group is not None:
-            from ..world import ipc_world_from_torch
-
-            return ipc_world_from_torch(group, device)
-        from ..world import IpcWorld
-
-        def all_gather(data: bytes) -> list:
-            return [bytes(b) for b in comm.allgather(bytes(data))]
-
-        return IpcWorld.from_all_gather(comm.Get_rank(), comm.Get_size(), all_gather, device,
-                                        "auto")
+        return make_world(group, comm)
 
     # ---- DeepEP's static helpers -----------------------------------------------------------------
 
