@@ -1,7 +1,7 @@
 """epx.deep_ep.Buffer: DeepEP's Buffer, made of one mixin per mode (_low_latency.py with
 _shrink.py, _normal.py) and what is common to them here: the constructor and its world,
 DeepEP's statics and the runtime calls besides the two ops (destroy, the stream, the raw
-buffer). ElasticBuffer too, which epx.deep_ep does not provide."""
+buffer). DeepEP V2's ElasticBuffer is _elastic.py's."""
 
 from __future__ import annotations
 
@@ -14,15 +14,6 @@ from ._common import EventHandle, EventOverlap, _unsupported, make_world
 from ._low_latency import _LowLatencyMode
 from ._normal import _NormalMode
 from ._shrink import _ShrinkMode
-
-
-class ElasticBuffer:
-    """DeepEP's elastic (V2) buffer, which epx.deep_ep does not provide."""
-
-    def __init__(self, *args, **kwargs):
-        raise _unsupported("ElasticBuffer (DeepEP's elastic API)",
-                           "epx.deep_ep implements the legacy Buffer (low-latency and normal "
-                           "modes)")
 
 
 class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):

@@ -97,6 +97,15 @@ class _Hook:
 HT_BACKEND = "high_throughput"
 
 
+class RoutedObject:
+    """One epx All2All of a shape, and which routing its last dispatch carried (a number the
+    mode gives each routing it dispatches, the same on every rank)."""
+
+    def __init__(self, a2a):
+        self.a2a = a2a
+        self.layout: Optional[int] = None
+
+
 def make_world(group, comm=None):
     """This process's IpcWorld over a torch.distributed group or an mpi4py communicator
     (collective: the handshake)."""

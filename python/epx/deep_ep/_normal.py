@@ -88,7 +88,7 @@ from typing import NamedTuple, Optional
 from .. import _epx
 from .. import _torch as T
 from ..all2all import All2All
-from ._common import (HT_BACKEND, _unsupported, check_bias, combine_rows, event_after, ht_config,
+from ._common import (HT_BACKEND, RoutedObject as _Object, _unsupported, check_bias, combine_rows, event_after, ht_config,
                       rows_of, rows_per_source_psum, split_x, zero_rows)
 MAX_TOKENS_ENV = "EPX_DEEP_EP_MAX_TOKENS"
 DEFAULT_MAX_TOKENS = 4096
@@ -154,14 +154,6 @@ class _Key(NamedTuple):
     num_experts: int
     topk: int
     fp8: bool
-
-
-class _Object:
-    """One epx All2All of a shape, and which routing its last dispatch carried."""
-
-    def __init__(self, a2a: All2All):
-        self.a2a = a2a
-        self.layout: Optional[int] = None
 
 
 class _Handle(tuple):
