@@ -199,7 +199,8 @@ class FakeAll2All:
             # scales), the token's full top-k row; combine adds each rank's row of a token.
             d.recv_x = torch.randn(cap, H).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
             d.recv_scales = torch.rand(cap, G) if fp8 else None
-            d.recv_topk_ids = garbage(cap, K)
+            # past recv_count: ids as a stale row of an earlier round would hold them
+            d.recv_topk_ids = torch.randint(-1, c.num_experts, (cap, K), dtype=torch.int32)
             self.rows = {}
             for q in sorted(posted):  # senders routing by rank bring their own counts
                 if posted[q][4] is not None:
