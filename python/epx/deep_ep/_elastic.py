@@ -109,6 +109,7 @@ class _Route(NamedTuple):
     obj: _Object
     layout: int  # the routing's number on its buffer
     num_tokens: int
+    rows: int  # the rows of the dispatch's outputs (the count, or the worst case)
     local: object  # [rows, K] bool: the slot's expert is on this rank
 
 
@@ -424,7 +425,7 @@ class ElasticBuffer:
 
         cap = obj.a2a.config.capacity
         if handle is not None:
-            m = handle.num_recv_tokens
+            m = route.rows
         else:
             m = int(out.recv_count.item()) if sync else cap  # the host reads the count once
         valid = torch.arange(m, device=dev) < out.recv_count
@@ -486,7 +487,7 @@ class ElasticBuffer:
             rows_per_source_psum(out.recv_src_rank[:m], valid, W),
             aligned.cumsum(0).to(torch.int32), counts, meta,
             self._dst_slots(topk_idx, key.num_experts, T_))
-        handle._route = _Route(self, key, obj, obj.layout, topk_idx.shape[0], local)
+        handle._route = _Route(self, key, obj, obj.layout, topk_idx.shape[0], m, local)
         return handle
 
     def _dst_slots(self, topk_idx, num_experts: int, max_tokens: int):
@@ -519,7 +520,7 @@ class ElasticBuffer:
         torch = T.torch()
         h = self._handle_of(handle, "combine")
         route = h._route
-        rows, key = h.recv_src_metadata.shape[0], route.key
+        rows, key = route.rows, route.key
         T.check("x", x, dtype=torch.bfloat16, shape=(rows, key.hidden),
                 what="the handle's received rows")
         if topk_weights is not None:
