@@ -4,7 +4,10 @@ threads, where each All2All is a plain torch model of the contract epx's expert-
 token-major dispatch and combine keep (DESIGN §4): expert rows ordered by (source rank, source
 index) when deterministic, token-major rows in any order otherwise, garbage past the counts,
 combine folding the weights carried at dispatch (with combine_format 'logfmt', each rank's
-partial of a token rounded to bf16 and sent through ref.logfmt_round_trip); and of masking (mask_failed_ranks): a peer that
+partial of a token rounded to bf16 and sent through ref.logfmt_round_trip), the token-major
+combine with extras summing in rank order or, with combine_order 'highest_slot', each rank at
+its highest top-k slot of the token, slots ascending (a round routed by a rank mask has no ids
+and is refused then); and of masking (mask_failed_ranks): a peer that
 has not posted a call's data within timeout_ms is masked, later calls neither wait for it nor
 send to it (dropped pairs counted) nor add its partials.
 Needs torch (skipped without it); no GPU."""
@@ -78,6 +81,7 @@ class FakeConfig:
                   "layout", "deterministic", "mask_failed_ranks", "combine_format",
                   "timeout_ms"):
             setattr(self, f, getattr(c, f))
+        self.combine_order = getattr(c, "combine_order", "rank")
         self.world_size, self.rank = world_size, rank
         self.capacity = world_size * c.max_tokens_per_rank
         self.num_local_experts = c.num_experts // world_size
@@ -149,6 +153,9 @@ class FakeAll2All:
         weights 0, each receiver's expert counts summed from the senders' expert_counts."""
         c = self.config
         assert c.layout == "token"
+        if c.combine_order == "highest_slot":  # as the core: the order follows the ids
+            raise epx.InputError("rank_mask = set, expected null with combine_order "
+                                 "highest_slot (the order follows the top-k ids)")
         none = torch.full((x.shape[0], c.topk), -1, dtype=torch.int64)
         return self.dispatch(x, none, torch.zeros(none.shape), x_scales,
                              by_rank=(rank_mask.clone(), expert_counts.clone()))
@@ -192,7 +199,8 @@ class FakeAll2All:
             # scales), the token's full top-k row; combine adds each rank's row of a token.
             d.recv_x = torch.randn(cap, H).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
             d.recv_scales = torch.rand(cap, G) if fp8 else None
-            d.recv_topk_ids = garbage(cap, K)
+            # past recv_count: ids as a stale row of an earlier round would hold them
+            d.recv_topk_ids = torch.randint(-1, c.num_experts, (cap, K), dtype=torch.int32)
             self.rows = {}
             for q in sorted(posted):  # senders routing by rank bring their own counts
                 if posted[q][4] is not None:
@@ -273,8 +281,9 @@ class FakeAll2All:
 
     def combine_with(self, expert_out, out=None, topk_weights=None, bias=None):
         """The core's combine with extras (token layout): (y, y_topk_weights or None); the bias
-        rows start each token's f32 sum, the rows' top-k weights are summed back in rank
-        order."""
+        rows start each token's f32 sum, then the ranks' rows (and top-k weights) are added in
+        rank order, or with combine_order 'highest_slot' in the order of each rank's highest
+        top-k slot of the token whose expert it holds."""
         c = self.config
         assert c.layout == "token"
         biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
@@ -287,12 +296,17 @@ class FakeAll2All:
         posted = self._exchange("out", self.combines, (expert_out.clone(), w, dict(self.rows)))
         y = start
         y_w = None if w is None else torch.zeros(self.num_tokens, c.topk)
+        ids, L = self.inputs[0], c.num_local_experts
         for n in range(self.num_tokens):
-            for q, (partials, wq, rows) in posted.items():
-                if (c.rank, n) in rows:
-                    y[n] += partials[rows[(c.rank, n)]].float()
-                    if y_w is not None:
-                        y_w[n] += wq[rows[(c.rank, n)]]
+            ranks = [q for q in sorted(posted) if (c.rank, n) in posted[q][2]]
+            if c.combine_order == "highest_slot":
+                ranks.sort(key=lambda q: max(k for k in range(c.topk)
+                                             if 0 <= int(ids[n, k]) and int(ids[n, k]) // L == q))
+            for q in ranks:
+                partials, wq, rows = posted[q]
+                y[n] += partials[rows[(c.rank, n)]].float()
+                if y_w is not None:
+                    y_w[n] += wq[rows[(c.rank, n)]]
         y = y.to(torch.bfloat16)
         if out is not None:
             out.copy_(y)
@@ -304,6 +318,31 @@ class FakeAll2All:
 
     def close(self):
         pass
+
+
+def run_threads(fabric, world_size, rank_main, on_failure=None):
+    """rank_main(rank) on every rank, each a thread; a rank that raises aborts the fabric (the
+    others stop waiting), calls on_failure() when given, and the test fails with its
+    traceback."""
+    outcome = {}
+
+    def main(rank):
+        try:
+            rank_main(rank)
+            outcome[rank] = "ok"
+        except BaseException:
+            outcome[rank] = traceback.format_exc()
+            fabric.abort()
+            if on_failure is not None:
+                on_failure()
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(world_size):
+        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
 
 
 class FakeGroup:
@@ -324,31 +363,19 @@ def test_scenario_over_a_fake_core(monkeypatch):
     monkeypatch.setattr(deep_ep._low_latency_shapes, "All2All", FakeAll2All)
     monkeypatch.setattr(deep_ep.Buffer, "_make_world",
                         staticmethod(lambda group, comm: FakeWorld(fabric, group.rank())))
-    outcome = {}
 
     def rank_main(rank):
-        try:
-            buffer = deep_ep.Buffer(FakeGroup(rank, scenario.WORLD), low_latency_mode=True,
-                                    explicitly_destroy=True)
-            scenario.run_scenario(buffer, rank, torch.device("cpu"))
-            # use_logfmt reached objects made with combine_format 'logfmt', and only those
-            objects = buffer._low_latency_objects()
-            assert any(getattr(a, "logfmt_combines", 0) for a in objects)
-            assert all(a.config.combine_format == "logfmt" for a in objects
-                       if getattr(a, "logfmt_combines", 0))
-            buffer.destroy()
-            outcome[rank] = "ok"
-        except BaseException:
-            outcome[rank] = traceback.format_exc()
-            fabric.abort()  # the other rank stops waiting
+        buffer = deep_ep.Buffer(FakeGroup(rank, scenario.WORLD), low_latency_mode=True,
+                                explicitly_destroy=True)
+        scenario.run_scenario(buffer, rank, torch.device("cpu"))
+        # use_logfmt reached objects made with combine_format 'logfmt', and only those
+        objects = buffer._low_latency_objects()
+        assert any(getattr(a, "logfmt_combines", 0) for a in objects)
+        assert all(a.config.combine_format == "logfmt" for a in objects
+                   if getattr(a, "logfmt_combines", 0))
+        buffer.destroy()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(scenario.WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in range(scenario.WORLD):
-        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+    run_threads(fabric, scenario.WORLD, rank_main)
 
 
 def test_shrink_scenario_over_a_fake_core(monkeypatch):
@@ -370,28 +397,17 @@ def test_shrink_scenario_over_a_fake_core(monkeypatch):
         if barrier is not None:
             barrier.wait()
 
-    outcome = {}
-
     def rank_main(rank):
-        try:
-            buffer = deep_ep.Buffer(FakeGroup(rank, W), low_latency_mode=True,
-                                    explicitly_destroy=True, enable_shrink=True)
-            shrink_scenario.run_shrink_scenario(buffer, rank, torch.device("cpu"), align)
-            buffer.destroy()
-            outcome[rank] = "ok"
-        except BaseException:
-            outcome[rank] = traceback.format_exc()
-            fabric.abort()
-            for barrier in aligners.values():
-                barrier.abort()
+        buffer = deep_ep.Buffer(FakeGroup(rank, W), low_latency_mode=True,
+                                explicitly_destroy=True, enable_shrink=True)
+        shrink_scenario.run_shrink_scenario(buffer, rank, torch.device("cpu"), align)
+        buffer.destroy()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in range(W):
-        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+    def on_failure():
+        for barrier in aligners.values():
+            barrier.abort()
+
+    run_threads(fabric, W, rank_main, on_failure)
 
 
 def test_mask_calls_need_shrink_mode(monkeypatch):

@@ -17,8 +17,6 @@ sum from bias rows. What epx's core lacks is refused, naming the argument. Needs
 without it); no GPU."""
 
 import functools
-import threading
-import traceback
 
 import pytest
 
@@ -43,26 +41,14 @@ def run_ranks(monkeypatch, world_size, body, **buffer_kwargs):
     monkeypatch.setattr(deep_ep._normal, "All2All", fake.FakeAll2All)
     monkeypatch.setattr(deep_ep.Buffer, "_make_world",
                         staticmethod(lambda group, comm: fake.FakeWorld(fabric, group.rank())))
-    outcome = {}
 
     def rank_main(rank):
-        try:
-            buffer = deep_ep.Buffer(fake.FakeGroup(rank, world_size), num_nvl_bytes=1 << 30,
-                                    explicitly_destroy=True, **buffer_kwargs)
-            body(buffer, rank)
-            buffer.destroy()
-            outcome[rank] = "ok"
-        except BaseException:
-            outcome[rank] = traceback.format_exc()
-            fabric.abort()
+        buffer = deep_ep.Buffer(fake.FakeGroup(rank, world_size), num_nvl_bytes=1 << 30,
+                                explicitly_destroy=True, **buffer_kwargs)
+        body(buffer, rank)
+        buffer.destroy()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in range(world_size):
-        assert outcome.get(r) == "ok", f"rank {r}:\n{outcome.get(r)}"
+    fake.run_threads(fabric, world_size, rank_main)
 
 
 def inputs(rank, num_experts, seed=0):

@@ -1,5 +1,5 @@
-"""DeepEP's legacy ``Buffer`` over epx (low-latency and normal modes): a DeepEP user changes an
-import.
+"""DeepEP's legacy ``Buffer`` (low-latency and normal modes) and V2's ``ElasticBuffer`` over epx:
+a DeepEP user changes an import.
 
     import epx.deep_ep as deep_ep          # or: epx.deep_ep.install_as_deep_ep(); import deep_ep
 
@@ -17,8 +17,13 @@ import.
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     y, _, event = buffer.combine(expert_out, handle)
 
-The signatures, shapes, dtypes and strides are DeepEP's (deep_ep/buffers/legacy.py, commit
-dd758ca); the group is a torch.distributed process group (gloo is enough: it only carries the
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H)     # V2
+    recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=E)
+    y, y_weights, event = buffer.combine(expert_out, handle, topk_weights=recv_w, bias=b)
+
+The signatures, shapes, dtypes and strides are DeepEP's (deep_ep/buffers/legacy.py and
+elastic.py, commit dd758ca); the group is a torch.distributed process group (gloo is enough: it only carries the
 start-up handshake) or an mpi4py communicator (``comm``).
 
 The modes live in modules of this package, one each, beside what they share:
@@ -31,12 +36,14 @@ The modes live in modules of this package, one each, beside what they share:
   dispatch, cached dispatch, combine) over epx's high_throughput backend; its docstring says how
   the calls map onto epx and which pieces epx's core lacks (refused by name).
 - ``_buffer.py``: Buffer, one mixin per mode and what is common to them; ``_common.py``: events,
-  hooks and how a missing feature is refused.
+  hooks, how a missing feature is refused, and the pieces the normal mode and ElasticBuffer share.
+- ``_elastic.py``: V2's ElasticBuffer and EPHandle: dispatch without expansion (cached or not,
+  with or without the host read) and combine in V2's order, over epx's high_throughput backend;
+  its docstring says how, and what is not served yet (the expand layout, Engram, PP, AGRS).
 
-Not provided (NotImplementedError naming what and why): in the normal mode, combine's
-topk_weights and bias, a dispatch without topk_idx (and no handle), int32 scales, internode_*
-(see _normal.py); ElasticBuffer, the
-per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
+Not provided (NotImplementedError naming what and why): in the normal mode, int32 scales and
+internode_* (see _normal.py); ElasticBuffer's expand mode, Engram, PP and AGRS calls (see
+_elastic.py); the per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
 without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
 than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
 combine; the mask updates above that epx cannot express; in shrink mode, a LogFMT combine of a
@@ -61,13 +68,15 @@ from __future__ import annotations
 import sys
 
 from .. import _torch as T
-from ._buffer import Buffer, ElasticBuffer
+from ._buffer import Buffer
 from ._common import EventHandle, EventOverlap
+from ._elastic import ElasticBuffer, EPHandle
 from ._normal import Config
 
 # Also an attribute: topk_idx_t (torch.int64, read when asked for: importing needs no torch).
 __all__ = [
-    "Buffer", "Config", "ElasticBuffer", "EventHandle", "EventOverlap", "install_as_deep_ep",
+    "Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
+    "install_as_deep_ep",
 ]
 
 

@@ -1,7 +1,7 @@
 """epx.deep_ep.Buffer: DeepEP's Buffer, made of one mixin per mode (_low_latency.py with
 _shrink.py, _normal.py) and what is common to them here: the constructor and its world,
 DeepEP's statics and the runtime calls besides the two ops (destroy, the stream, the raw
-buffer). ElasticBuffer too, which epx.deep_ep does not provide."""
+buffer). DeepEP V2's ElasticBuffer is _elastic.py's."""
 
 from __future__ import annotations
 
@@ -10,19 +10,10 @@ from typing import List, Optional
 from .. import _epx
 from .. import _torch as T
 from ..all2all import All2All
-from ._common import EventHandle, EventOverlap, _unsupported
+from ._common import EventHandle, EventOverlap, _unsupported, make_world
 from ._low_latency import _LowLatencyMode
 from ._normal import _NormalMode
 from ._shrink import _ShrinkMode
-
-
-class ElasticBuffer:
-    """DeepEP's elastic (V2) buffer, which epx.deep_ep does not provide."""
-
-    def __init__(self, *args, **kwargs):
-        raise _unsupported("ElasticBuffer (DeepEP's elastic API)",
-                           "epx.deep_ep implements the legacy Buffer (low-latency and normal "
-                           "modes)")
 
 
 class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
@@ -94,19 +85,7 @@ class Buffer(_LowLatencyMode, _ShrinkMode, _NormalMode):
 
     @staticmethod
     def _make_world(group, comm):
-        torch = T.torch()
-        device = torch.cuda.current_device()
-        if group is not None:
-            from ..world import ipc_world_from_torch
-
-            return ipc_world_from_torch(group, device)
-        from ..world import IpcWorld
-
-        def all_gather(data: bytes) -> list:
-            return [bytes(b) for b in comm.allgather(bytes(data))]
-
-        return IpcWorld.from_all_gather(comm.Get_rank(), comm.Get_size(), all_gather, device,
-                                        "auto")
+        return make_world(group, comm)
 
     # ---- DeepEP's static helpers -----------------------------------------------------------------
 

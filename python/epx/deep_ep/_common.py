@@ -1,5 +1,7 @@
 """What the modes of epx.deep_ep share: how a missing feature is refused, DeepEP's event
-wrappers, and the hook that runs a call's receive half."""
+wrappers, the hook that runs a call's receive half, and the pieces of the two modes over
+``high_throughput`` (the normal mode of Buffer, ElasticBuffer): their world, objects, inputs and
+combine."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from .. import _torch as T
 
 def _unsupported(what: str, why: str):
     return NotImplementedError(f"epx.deep_ep: {what} is not provided: {why}")
-
 
 
 # ---- events -------------------------------------------------------------------------------------
@@ -89,3 +90,139 @@ class _Hook:
         recv, self._recv = self._recv, None
         if recv is not None:
             recv()
+
+
+# ---- the modes over high_throughput -------------------------------------------------------------
+
+HT_BACKEND = "high_throughput"
+
+
+class RoutedObject:
+    """One epx All2All of a shape, and which routing its last dispatch carried (a number the
+    mode gives each routing it dispatches, the same on every rank)."""
+
+    def __init__(self, a2a):
+        self.a2a = a2a
+        self.layout: Optional[int] = None
+
+
+def make_world(group, comm=None):
+    """This process's IpcWorld over a torch.distributed group or an mpi4py communicator
+    (collective: the handshake)."""
+    torch = T.torch()
+    device = torch.cuda.current_device()
+    if group is not None:
+        from ..world import ipc_world_from_torch
+
+        return ipc_world_from_torch(group, device)
+    from ..world import IpcWorld
+
+    def all_gather(data: bytes) -> list:
+        return [bytes(b) for b in comm.allgather(bytes(data))]
+
+    return IpcWorld.from_all_gather(comm.Get_rank(), comm.Get_size(), all_gather, device, "auto")
+
+
+def ht_config(*, world_size: int, rank: int, hidden: int, num_experts: int, topk: int,
+              fp8: bool, max_tokens_per_rank: int, **fields):
+    """The EpConfig of one high_throughput object of the modes: token-major rows ordered by
+    (source rank, source index), receive areas for the worst case, one round in flight; `fields`
+    adds to it (combine_order, timeout_ms). EPX_TIMEOUT_MS wins over a timeout given here."""
+    from ..config import ep_config, with_env_timeout
+
+    cfg = ep_config(world_size=world_size, rank=rank, hidden=hidden, num_experts=num_experts,
+                    topk=topk, max_tokens_per_rank=max_tokens_per_rank,
+                    dtype="fp8" if fp8 else "bf16", layout="token", deterministic=True,
+                    worst_case_output=True, rounds_in_flight=1, **fields)
+    return with_env_timeout(cfg)
+
+
+def split_x(x):
+    """(rows, row-major f32 scales or None) of DeepEP's x: bf16 [N, H], or a tuple
+    (float8_e4m3fn [N, H], float32 [N, H/128] of any strides)."""
+    torch = T.torch()
+    if not isinstance(x, tuple):
+        T.check("x", x, dtype=torch.bfloat16, shape=(None, None))
+        return x, None
+    if len(x) != 2:
+        raise _epx.InputError(f"x = a tuple of {len(x)}, expected (fp8 rows, scales)")
+    rows, scales = x
+    T.check("x[0]", rows, dtype=T.fp8_dtype(), shape=(None, None))
+    n, hidden = rows.shape
+    if isinstance(scales, torch.Tensor) and scales.dtype == torch.int32:
+        raise _unsupported("dispatch of int32 (UE8M0) scales",
+                           "epx's fp8 wire carries float32 1x128 block scales")
+    G = hidden // _epx.FP8_BLOCK_SIZE
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+            tuple(scales.shape) != (n, G) or hidden % _epx.FP8_BLOCK_SIZE != 0:
+        got = (f"{scales.dtype} {list(scales.shape)}" if isinstance(scales, torch.Tensor)
+               else type(scales).__name__)
+        raise _epx.InputError(f"x[1] = {got}, expected float32 [{n}, {hidden} / "
+                              f"{_epx.FP8_BLOCK_SIZE}] (1x128 block scales)")
+    return rows, scales.contiguous()
+
+
+def rows_of(t, rows: int, fill=None):
+    """A new tensor of `rows` rows holding t's first min(rows, len(t)) rows; the rest `fill`
+    (uninitialised when None)."""
+    torch = T.torch()
+    take = min(rows, t.shape[0])
+    shape = (rows,) + tuple(t.shape[1:])
+    out = (torch.empty(shape, dtype=t.dtype, device=t.device) if fill is None
+           else torch.full(shape, fill, dtype=t.dtype, device=t.device))
+    out[:take].copy_(t[:take])
+    return out
+
+
+def zero_rows(n: int, hidden: int, fp8: bool, device):
+    """(rows, scales or None): n zero rows of a wire (fp8: unit scales), to send a routing
+    again without its data."""
+    torch = T.torch()
+    if not fp8:
+        return torch.zeros((n, hidden), dtype=torch.bfloat16, device=device), None
+    return (torch.zeros((n, hidden), dtype=T.fp8_dtype(), device=device),
+            torch.ones((n, hidden // _epx.FP8_BLOCK_SIZE), dtype=torch.float32, device=device))
+
+
+def rows_per_source_psum(src_rank, valid, world_size: int):
+    """[W] int32: entry i = the valid rows that came from ranks 0..i (no host read)."""
+    torch = T.torch()
+    ranks = torch.arange(world_size, device=src_rank.device)
+    per_rank = ((src_rank[:, None] == ranks) & valid[:, None]).sum(0)
+    return per_rank.cumsum(0).to(torch.int32)
+
+
+def check_bias(bias, num_tokens: int, hidden: int) -> None:
+    """DeepEP's combine bias: None, one [N, H] bf16 tensor or a pair (either may be None)."""
+    torch = T.torch()
+    biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
+    if len(biases) > 2:
+        raise _epx.InputError(f"combine: bias = {len(biases)} tensors, expected at most 2")
+    for i, b in enumerate(biases):
+        if b is not None:
+            T.check(f"bias[{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, hidden),
+                    what="the handle's tokens")
+
+
+def combine_rows(a2a, x, topk_weights=None, bias=None):
+    """epx's combine of `a2a`'s last round from x [rows, H] bf16 (row-aligned with its
+    received rows, rows <= capacity), with topk_weights [rows, K] float32 summed back per token
+    and bias rows starting the sum: (combined [N, H] bf16, weights [N, K] float32 or None)."""
+    torch = T.torch()
+    buf = a2a.combine_buffer()
+    take = min(x.shape[0], buf.shape[0])
+    buf[:take].copy_(x[:take])
+    weights = None
+    if topk_weights is not None:  # row-aligned with the whole receive area
+        weights = torch.zeros((buf.shape[0], topk_weights.shape[1]), dtype=torch.float32,
+                              device=buf.device)
+        weights[:take].copy_(topk_weights[:take])
+    return a2a.combine_with(buf, topk_weights=weights, bias=bias)
+
+
+def event_after(async_finish: bool, tensors) -> EventOverlap:
+    """An EventOverlap of an event recorded now, keeping `tensors` alive, when async_finish;
+    otherwise one without an event."""
+    if not async_finish:
+        return EventOverlap()
+    return EventOverlap(EventHandle(), tuple(t for t in tensors if t is not None))

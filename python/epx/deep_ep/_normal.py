@@ -88,10 +88,8 @@ from typing import NamedTuple, Optional
 from .. import _epx
 from .. import _torch as T
 from ..all2all import All2All
-from ..config import ep_config, with_env_timeout
-from ._common import EventHandle, EventOverlap, _unsupported
-
-_BACKEND = "high_throughput"
+from ._common import (HT_BACKEND, RoutedObject as _Object, _unsupported, check_bias, combine_rows, event_after, ht_config,
+                      rows_of, rows_per_source_psum, split_x, zero_rows)
 MAX_TOKENS_ENV = "EPX_DEEP_EP_MAX_TOKENS"
 DEFAULT_MAX_TOKENS = 4096
 
@@ -158,14 +156,6 @@ class _Key(NamedTuple):
     fp8: bool
 
 
-class _Object:
-    """One epx All2All of a shape, and which routing its last dispatch carried."""
-
-    def __init__(self, a2a: All2All):
-        self.a2a = a2a
-        self.layout: Optional[int] = None
-
-
 class _Handle(tuple):
     """DeepEP's handle (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
     recv_src_idx, is_token_in_rank, send_head), which also keeps what epx needs to send the same
@@ -177,18 +167,6 @@ class _Handle(tuple):
         h._owner, h._key, h._object, h._layout = owner, key, obj, layout
         h._ids, h._num_tokens, h._expert_counts = ids, num_tokens, expert_counts
         return h
-
-
-def _rows_of(t, rows: int, fill=None):
-    """A new tensor of `rows` rows holding t's first min(rows, len(t)) rows; the rest `fill`
-    (uninitialised when None)."""
-    torch = T.torch()
-    take = min(rows, t.shape[0])
-    shape = (rows,) + tuple(t.shape[1:])
-    out = (torch.empty(shape, dtype=t.dtype, device=t.device) if fill is None
-           else torch.full(shape, fill, dtype=t.dtype, device=t.device))
-    out[:take].copy_(t[:take])
-    return out
 
 
 def dispatch_layout(topk_idx, num_experts: int, num_ranks: int):
@@ -276,11 +254,7 @@ class _NormalMode:
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.current_stream_wait()
 
-    @staticmethod
-    def _end(async_finish: bool, tensors) -> EventOverlap:
-        if not async_finish:
-            return EventOverlap()
-        return EventOverlap(EventHandle(), tuple(t for t in tensors if t is not None))
+    _end = staticmethod(event_after)
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -304,38 +278,12 @@ class _NormalMode:
         """The epx object of `key`, made on first use (collective over the group)."""
         obj = self._normal.get(key)
         if obj is None:
-            cfg = ep_config(world_size=self.group_size, rank=self.rank, hidden=key.hidden,
-                            num_experts=key.num_experts, topk=key.topk,
-                            max_tokens_per_rank=self.max_tokens_per_rank,
-                            dtype="fp8" if key.fp8 else "bf16", layout="token",
-                            deterministic=True, worst_case_output=True, rounds_in_flight=1)
-            obj = _Object(All2All.create(with_env_timeout(cfg), self._world, backend=_BACKEND))
+            cfg = ht_config(world_size=self.group_size, rank=self.rank, hidden=key.hidden,
+                            num_experts=key.num_experts, topk=key.topk, fp8=key.fp8,
+                            max_tokens_per_rank=self.max_tokens_per_rank)
+            obj = _Object(All2All.create(cfg, self._world, backend=HT_BACKEND))
             self._normal[key] = obj
         return obj
-
-    def _split_x(self, x):
-        """(rows, row-major f32 scales or None) of DeepEP's x: bf16 [N, H], or a tuple
-        (float8_e4m3fn [N, H], float32 [N, H/128] of any strides)."""
-        torch = T.torch()
-        if not isinstance(x, tuple):
-            T.check("x", x, dtype=torch.bfloat16, shape=(None, None))
-            return x, None
-        if len(x) != 2:
-            raise _epx.InputError(f"x = a tuple of {len(x)}, expected (fp8 rows, scales)")
-        rows, scales = x
-        T.check("x[0]", rows, dtype=T.fp8_dtype(), shape=(None, None))
-        n, hidden = rows.shape
-        if isinstance(scales, torch.Tensor) and scales.dtype == torch.int32:
-            raise _unsupported("dispatch of int32 (UE8M0) scales",
-                               "epx's fp8 wire carries float32 1x128 block scales")
-        G = hidden // _epx.FP8_BLOCK_SIZE
-        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
-                tuple(scales.shape) != (n, G) or hidden % _epx.FP8_BLOCK_SIZE != 0:
-            got = (f"{scales.dtype} {list(scales.shape)}" if isinstance(scales, torch.Tensor)
-                   else type(scales).__name__)
-            raise _epx.InputError(f"x[1] = {got}, expected float32 [{n}, {hidden} / "
-                                  f"{_epx.FP8_BLOCK_SIZE}] (1x128 block scales)")
-        return rows, scales.contiguous()
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -348,7 +296,7 @@ class _NormalMode:
         None, None, event)). Collective: every rank calls it."""
         self._check_normal("dispatch")
         torch = T.torch()
-        rows, scales = self._split_x(x)
+        rows, scales = split_x(x)
         n, hidden = rows.shape
         if n > self.max_tokens_per_rank:
             raise _epx.InputError(
@@ -432,23 +380,21 @@ class _NormalMode:
             expert_list = [-(-c // a) * a for c in out.expert_counts.tolist()]
             total = count
         valid = torch.arange(cap, device=dev) < out.recv_count  # rows [0, M), no host read
-        recv_x = _rows_of(out.recv_x, total)
+        recv_x = rows_of(out.recv_x, total)
         if scales is not None:
-            recv_x = (recv_x, _rows_of(out.recv_scales, total))
+            recv_x = (recv_x, rows_of(out.recv_scales, total))
         L, r = E // W, self.rank
         recv_topk_idx = recv_topk_weights = None
         if by_ids:
             ids = out.recv_topk_ids.long()
             local = (ids >= r * L) & (ids < (r + 1) * L) & valid[:, None]
-            recv_topk_idx = _rows_of(torch.where(local, ids - r * L, -1).to(topk_idx.dtype),
+            recv_topk_idx = rows_of(torch.where(local, ids - r * L, -1).to(topk_idx.dtype),
                                      total, fill=-1)
-            recv_topk_weights = _rows_of(torch.where(local, out.recv_topk_weights, 0.0), total,
+            recv_topk_weights = rows_of(torch.where(local, out.recv_topk_weights, 0.0), total,
                                          fill=0.0)
-        recv_src_idx = _rows_of(out.recv_src_idx, total)
-        src = out.recv_src_rank
-        from_rank = ((src[:, None] == torch.arange(W, device=dev)) & valid[:, None]).sum(0)
+        recv_src_idx = rows_of(out.recv_src_idx, total)
         rank_prefix_matrix = torch.full((W, W), -1, dtype=torch.int32, device=dev)
-        rank_prefix_matrix[:, r] = from_rank.cumsum(0).to(torch.int32)
+        rank_prefix_matrix[:, r] = rows_per_source_psum(out.recv_src_rank, valid, W)
         handle = _Handle((rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None),
                          self, key, obj, obj.layout, topk_idx, n,
                          None if by_ids else num_tokens_per_expert.clone())
@@ -484,9 +430,9 @@ class _NormalMode:
         obj = self._object(h._key._replace(fp8=scales is not None))
         out = self._send_again(obj, h, rows, scales)
         total = h[3].shape[0]  # DeepEP: the handle's recv_src_idx rows
-        recv_x = _rows_of(out.recv_x, total)
+        recv_x = rows_of(out.recv_x, total)
         if scales is not None:
-            recv_x = (recv_x, _rows_of(out.recv_scales, total))
+            recv_x = (recv_x, rows_of(out.recv_scales, total))
         parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
         event = self._end(async_finish, (rows, scales) + parts)
         return recv_x, None, None, None, None, event
@@ -512,38 +458,19 @@ class _NormalMode:
             if h._ids is None:
                 raise _epx.InputError("combine: topk_weights = a tensor, expected None for a "
                                       "handle of a dispatch without top-k")
-        biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
-        if len(biases) > 2:
-            raise _epx.InputError(f"combine: bias = {len(biases)} tensors, expected at most 2")
-        for i, b in enumerate(biases):
-            if b is not None:
-                T.check(f"bias[{i}]", b, dtype=torch.bfloat16,
-                        shape=(h._num_tokens, h._key.hidden), what="the handle's tokens")
+        check_bias(bias, h._num_tokens, h._key.hidden)
         self._begin(previous_event, async_finish, allocate_on_comm_stream, config)
         obj: _Object = h._object
         if obj.layout != h._layout:  # the object has dispatched another routing since
             self._send_again(obj, h, *self._zero_rows(h))
-        buf = obj.a2a.combine_buffer()
-        take = min(rows, buf.shape[0])
-        buf[:take].copy_(x[:take])
-        weights = None
-        if topk_weights is not None:  # row-aligned with the whole receive area
-            weights = torch.zeros((buf.shape[0], h._key.topk), dtype=torch.float32,
-                                  device=buf.device)
-            weights[:take].copy_(topk_weights[:take])
-        combined, combined_w = obj.a2a.combine_with(buf, topk_weights=weights, bias=bias)
+        combined, combined_w = combine_rows(obj.a2a, x, topk_weights, bias)
         event = self._end(async_finish, (x, topk_weights, combined, combined_w))
         return combined, combined_w, event
 
     @staticmethod
     def _zero_rows(h: _Handle):
         """Zero rows (and unit scales) of h's tokens in h's wire."""
-        torch = T.torch()
-        n, H, dev = h._num_tokens, h._key.hidden, h[4].device
-        if not h._key.fp8:
-            return torch.zeros((n, H), dtype=torch.bfloat16, device=dev), None
-        return (torch.zeros((n, H), dtype=T.fp8_dtype(), device=dev),
-                torch.ones((n, H // _epx.FP8_BLOCK_SIZE), dtype=torch.float32, device=dev))
+        return zero_rows(h._num_tokens, h._key.hidden, h._key.fp8, h[4].device)
 
     def internode_dispatch(self, *args, **kwargs):
         raise _unsupported("Buffer.internode_dispatch",
