@@ -2,6 +2,7 @@
 expert -> finalize, on two in-process ranks, against a dense torch reference. Both activation
 formats (Standard = token-major, BatchedExperts = expert-major), bf16 and block-scaled fp8."""
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -43,12 +44,28 @@ def test_prepare_expert_finalize(gpu, layout, dtype):
 
     def run(group, pfs, inputs):
         streams = [torch.cuda.Stream() for _ in group]
-        prepared, outs, fused = [], [], []
-        for r in range(len(group)):
-            streams[r].wait_stream(torch.cuda.current_stream())
-            x, ids, w, _ = inputs[r]
-            with torch.cuda.stream(streams[r]):
-                prepared.append(pfs[r].prepare(x, w, ids, E, None, False, qc))
+        outs, fused = [], []
+        prepared, errors = [None] * len(group), []
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+
+        # Each rank's prepare on a thread of its own, as each rank of vLLM calls it: Standard
+        # rows are exact, so prepare reads its row count back, which needs every rank's dispatch.
+        def prepare(r):
+            try:
+                x, ids, w, _ = inputs[r]
+                with torch.cuda.stream(streams[r]):
+                    prepared[r] = pfs[r].prepare(x, w, ids, E, None, False, qc)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=prepare, args=(r,)) for r in range(len(group))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         for r in range(len(group)):
             with torch.cuda.stream(streams[r]):
                 fused.append(expert(r, prepared[r]))

@@ -15,7 +15,7 @@ order and meaning), not from vLLM's kernels:
   tma_aligned): per group of `group` elements, scale = max(amax, eps) / fp8_max (rounded up to a
   power of two with ue8m0), q = clamp(x / scale) in fp8; `s` is written through its own strides
   (row- or column-major alike).
-And torch.Stream.is_capturing where the installed torch lacks it (see _torch_compat).
+And Stream.is_capturing where the installed torch lacks it (see _torch_compat).
 
 - ``cutlass_scaled_mm_supports_fp8``, ``..._block_fp8``, ``..._fp4`` (capability): False, since
   there are no CUTLASS kernels here (vLLM calls the block-fp8 one when it imports its fp8
@@ -118,19 +118,25 @@ def _present(name):
 
 
 def _torch_compat():
-    """What vLLM calls on torch that an older torch lacks: torch.Stream.is_capturing() (vLLM
-    0.34 asks it of torch.accelerator.current_stream(); torch 2.11's Stream has no such method).
-    Added only where missing, answered by torch.cuda for CUDA streams."""
+    """What vLLM calls on torch that an older torch lacks: Stream.is_capturing() (vLLM 0.34 asks
+    it of torch.accelerator.current_stream(); torch 2.11's streams have no such method, and its
+    torch.Stream is a built-in type that takes no new attribute). Where it is missing, CUDA
+    streams (torch.cuda.Stream, a Python class) get it, answered by
+    torch.cuda.is_current_stream_capturing() (vLLM asks it of the current stream), and
+    torch.accelerator.current_stream() returns torch.cuda's stream object for CUDA devices."""
+    accelerator = getattr(torch, "accelerator", None)
     stream = getattr(torch, "Stream", None)
-    if stream is None or hasattr(stream, "is_capturing"):
+    if accelerator is None or stream is None or hasattr(stream, "is_capturing"):
         return
+    if not hasattr(torch.cuda.Stream, "is_capturing"):
+        torch.cuda.Stream.is_capturing = lambda self: torch.cuda.is_current_stream_capturing()
+    current = accelerator.current_stream
 
-    def is_capturing(self):
-        if self.device.type != "cuda":
-            return False
-        return torch.cuda.is_current_stream_capturing()
+    def current_stream(device=None):
+        s = current(device)
+        return torch.cuda.current_stream(s.device) if s.device.type == "cuda" else s
 
-    stream.is_capturing = is_capturing
+    accelerator.current_stream = current_stream
 
 
 def register():
