@@ -35,6 +35,16 @@ __device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n
   return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
 }
 
+// The ranks holding one of a packed token's experts (its ids are checked: -1 or in [0, E)).
+__device__ __forceinline__ uint64_t token_ranks(const CollShape& S, const Slot& s) {
+  uint64_t m = 0;
+  for (int k = 0; k < S.topk; ++k) {
+    const int32_t id = s.ids()[k];
+    if (id >= 0) m |= uint64_t(1) << (id / S.num_local);
+  }
+  return m;
+}
+
 __device__ __forceinline__ int64_t load_id(const CollShape& S, const void* ids, int n, int k) {
   const size_t i = size_t(n) * S.topk + k;
   return S.ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
@@ -107,7 +117,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block per source rank q: each of its tokens' place among its valid tokens, and their count.
+// One block per source rank q: each of its tokens' place among its valid tokens (S.routed: those
+// routed to this rank), and their count.
 __global__ void __launch_bounds__(kThreads)
     coll_place_kernel(const CollShape S, const uint8_t* __restrict__ gathered, size_t pack_bytes,
                       CollRows rows) {
@@ -119,7 +130,8 @@ __global__ void __launch_bounds__(kThreads)
   int32_t run = 0;
   for (int n0 = 0; n0 < N; n0 += kThreads) {
     const int n = n0 + threadIdx.x;
-    const int32_t valid = n < N ? *slot_of(S, pack, n).valid() : 0;
+    int32_t valid = n < N ? *slot_of(S, pack, n).valid() : 0;
+    if (valid && S.routed) valid = int32_t((token_ranks(S, slot_of(S, pack, n)) >> S.rank) & 1);
     int32_t before = 0, total = 0;
     Scan(tmp).ExclusiveSum(valid, before, total);
     if (n < N) rows.pos[size_t(q) * S.max_tokens + n] = valid ? run + before : -1;
@@ -195,7 +207,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One thread per 8 values of a token: the ranks' rows in rank order, f32, rounded once.
+// One thread per 8 values of a token: the rows of the ranks that got it in rank order, f32,
+// rounded once.
 __global__ void __launch_bounds__(kThreads)
     coll_fold_kernel(const CollShape S, int N, const uint8_t* __restrict__ own_pack,
                      const __nv_bfloat16* __restrict__ from, size_t stride_rows,
@@ -205,8 +218,11 @@ __global__ void __launch_bounds__(kThreads)
        i += size_t(gridDim.x) * blockDim.x) {
     const int n = int(i / vecs), v = int(i % vecs);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (*slot_of(S, const_cast<uint8_t*>(own_pack), n).valid() != 0) {
-      for (int r = 0; r < S.world; ++r) {
+    const Slot own = slot_of(S, const_cast<uint8_t*>(own_pack), n);
+    if (*own.valid() != 0) {
+      const uint64_t all = S.world == 64 ? ~uint64_t(0) : (uint64_t(1) << S.world) - 1;
+      for (uint64_t m = S.routed ? token_ranks(S, own) : all; m != 0; m &= m - 1) {
+        const int r = __ffsll(static_cast<long long>(m)) - 1;
         float f[8];
         dev::load_bf16x8(from + (size_t(r) * stride_rows + n) * S.hidden + size_t(v) * 8, f);
 #pragma unroll

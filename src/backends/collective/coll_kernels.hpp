@@ -1,13 +1,16 @@
 #pragma once
-// The collective engine's kernels (src/backends/collective): the baselines naive and
-// allgather_reducescatter over NCCL's host collectives, for worlds that span several nodes.
+// The collective engine's kernels (src/backends/collective): every backend's token-major contract
+// over NCCL's host collectives, for worlds that span several nodes.
 //
 // Dispatch: each rank packs its tokens into fixed-size slots (one per possible token) behind a
-// header holding its token count, NCCL all-gathers the packs, and every rank lays the valid tokens
-// of every rank out as token-major rows ordered by (source rank, source index).
+// header holding its token count, NCCL all-gathers the packs, and every rank lays tokens of every
+// rank out as token-major rows ordered by (source rank, source index): every valid token for the
+// baselines (naive, allgather_reducescatter), only those routed to it for the routed backends
+// (low_latency, high_throughput: a token goes to each rank holding one of its experts, once).
 // Combine: each rank scatters its rows' partials into one block of max_tokens rows per source
-// rank; allgather_reducescatter sends each block to its rank (grouped send/recv), naive all-gathers
-// every block to every rank; the token's rank adds its rows in rank order in f32 and rounds once.
+// rank; naive all-gathers every block to every rank, the others send each block to its rank
+// (grouped send/recv); the token's rank adds the rows of the ranks that got the token in rank
+// order in f32 and rounds once.
 // Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph.
 
 #include <cuda_runtime_api.h>
@@ -35,6 +38,8 @@ struct CollShape {
   int32_t ids_int64;
   int32_t round_scale;
   int32_t slot_bytes;      // one packed token, 16-byte multiple
+  int32_t routed;          // 1: rows only where the token has an expert (low_latency,
+                           // high_throughput); 0: every valid token everywhere (the baselines)
   uint64_t timeout_ns;
 };
 
@@ -76,15 +81,15 @@ void load_coll_kernels();
 void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
                       const void* ids, const float* weights, uint8_t* pack, CollStatus st,
                       cudaStream_t stream);
-// The gathered packs [W][pack_bytes] -> the token-major rows.
+// The gathered packs [W][pack_bytes] -> the token-major rows (S.routed: those routed here).
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream);
 // Row j's partial [H] bf16 -> blocks[src_rank][src_idx] ([W][T][H]), for j < *recv_count.
 void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
                          void* blocks, cudaStream_t stream);
-// y[n] for n < N: the rows of this rank's tokens from every rank, `from` + (r * stride + n) * H
-// bf16, summed in rank order in f32 and rounded once; 0 for a token this rank's pack marked
-// invalid (sent nowhere).
+// y[n] for n < N: the rows of this rank's tokens from every rank (S.routed: from the ranks holding
+// one of its experts), `from` + (r * stride + n) * H bf16, summed in rank order in f32 and rounded
+// once; 0 for a token this rank's pack marked invalid (sent nowhere).
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
                       const void* from, size_t stride_rows, void* y, cudaStream_t stream);
 
