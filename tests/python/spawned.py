@@ -8,6 +8,27 @@ timeout_s, and asserts that every rank put (rank, "ok") on `results`; a rank tha
 
 import multiprocessing as mp
 import queue
+import traceback
+
+
+def in_gloo_group(rank, world, init_file, results, body):
+    """body() as rank `rank` of a gloo group of `world` processes (rendezvous through the file
+    init_file), every process on GPU 0; puts (rank, "ok") on `results`, or (rank, the
+    traceback) if anything failed, and destroys the group whatever happened."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        torch.cuda.set_device(0)
+        body()
+        results.put((rank, "ok"))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_ranks(target, world, *args, timeout_s):

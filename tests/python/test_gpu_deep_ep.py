@@ -7,11 +7,9 @@ rounds in flight, and the refusals.
 Each process makes every rank's inputs from the same seeds, so it knows what it must receive
 without asking its peer."""
 
-import traceback
-
 import epx
 import ref
-from spawned import run_ranks
+from spawned import in_gloo_group, run_ranks
 
 WORLD = 2
 H, E, K, T = 1024, 8, 4, 32
@@ -339,15 +337,12 @@ def run_scenario(buffer, rank, dev):
 
 
 def _rank_main(rank, init_file, results):
-    import torch
-    import torch.distributed as dist
+    def body():
+        import torch
+        import torch.distributed as dist
 
-    import epx.deep_ep as deep_ep
+        import epx.deep_ep as deep_ep
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=WORLD)
-        torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
         group = dist.new_group(list(range(WORLD)))
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, WORLD, E)
@@ -357,12 +352,8 @@ def _rank_main(rank, init_file, results):
         assert deep_ep.topk_idx_t == torch.int64
         run_scenario(buffer, rank, dev)
         buffer.destroy()
-        results.put((rank, "ok"))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    in_gloo_group(rank, WORLD, init_file, results, body)
 
 
 def test_deep_ep_buffer_two_processes_one_gpu(gpu, tmp_path):

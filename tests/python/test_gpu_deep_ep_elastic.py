@@ -4,11 +4,9 @@ V2's order with bias and weights, fp8 rows, the refusals) on real epx objects â€
 high_throughput over an IpcWorld made from a gloo group, one process per rank, every process on
 GPU 0 â€” instead of the torch model of the core. Each scenario gets a buffer of its own."""
 
-import traceback
-
 import pytest
 
-from spawned import run_ranks
+from spawned import in_gloo_group, run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -23,28 +21,21 @@ SCENARIOS = [  # (name, world size, scenario keywords)
 
 
 def _rank_main(rank, world, name, kwargs, init_file, results):
-    import torch.distributed as dist
+    def body():
+        import torch.distributed as dist
 
-    import epx.deep_ep as deep_ep
-    import test_cpu_deep_ep_elastic as elastic
-    import test_cpu_deep_ep_normal as normal
+        import epx.deep_ep as deep_ep
+        import test_cpu_deep_ep_elastic as elastic
+        import test_cpu_deep_ep_normal as normal
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
-        torch.cuda.set_device(0)
         elastic.DEVICE = normal.DEVICE = torch.device("cuda", 0)
         buffer = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=elastic.T_MAX,
                                        hidden=elastic.H, explicitly_destroy=True)
         getattr(elastic, name)(buffer, rank, **kwargs)
         torch.cuda.synchronize()
         buffer.destroy()
-        results.put((rank, "ok"))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    in_gloo_group(rank, world, init_file, results, body)
 
 
 @pytest.mark.parametrize("name,world,kwargs", SCENARIOS,

@@ -5,11 +5,9 @@ top-k weights and bias, the refusals) on real epx objects — high_throughput ov
 from a gloo group, one process per rank, every process on GPU 0 — instead of the torch model of
 the core. Each scenario gets a Buffer of its own (its objects are counted)."""
 
-import traceback
-
 import pytest
 
-from spawned import run_ranks
+from spawned import in_gloo_group, run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -23,15 +21,12 @@ SCENARIOS = [  # (name, world size, Buffer keywords)
 
 
 def _rank_main(rank, world, name, kwargs, init_file, results):
-    import torch.distributed as dist
+    def body():
+        import torch.distributed as dist
 
-    import epx.deep_ep as deep_ep
-    import test_cpu_deep_ep_normal as normal
+        import epx.deep_ep as deep_ep
+        import test_cpu_deep_ep_normal as normal
 
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
-        torch.cuda.set_device(0)
         normal.DEVICE = torch.device("cuda", 0)
         scenario = getattr(normal, name)
         buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 30,
@@ -42,12 +37,8 @@ def _rank_main(rank, world, name, kwargs, init_file, results):
             scenario(buffer, rank)
         torch.cuda.synchronize()
         buffer.destroy()
-        results.put((rank, "ok"))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    in_gloo_group(rank, world, init_file, results, body)
 
 
 @pytest.mark.parametrize("name,world,kwargs", SCENARIOS, ids=[s[0] for s in SCENARIOS])
