@@ -292,7 +292,8 @@ CommandResult emulated_nodes_check(int nodes, int local, const std::string& back
 // Across emulated nodes the NcclWorld serves every backend's token-major contract through the
 // collective engine (NCCL's all-gather and grouped send/recv, folded in rank order): every rank's
 // check against the reference passes, bit for bit, at 2 x 1, 2 x 2 and 4 x 1, eagerly, and for
-// the routed backends at 2 x 2 also in graph replays.
+// the routed backends at 2 x 2 also in graph replays; low_latency's expert-major rows too (fp8
+// with column-major scales, and bf16 in graph replays).
 TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
   REQUIRE_GPU();
   struct Run {
@@ -305,6 +306,9 @@ TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
     for (const char* b : {"naive", "allgather_reducescatter", "low_latency", "high_throughput"})
       runs.push_back({nodes, local, b, ""});
   runs.push_back({2, 2, "low_latency", "--dtype bf16 --graph 20"});
+  runs.push_back({2, 1, "low_latency", "--layout expert --dtype fp8 --scale-layout column"});
+  runs.push_back({2, 2, "low_latency", "--layout expert"});
+  runs.push_back({4, 1, "low_latency", "--layout expert --dtype bf16 --graph 20"});
   runs.push_back({2, 2, "high_throughput", "--dtype bf16 --graph 20 --worst-case-output"});
   for (const auto& [nodes, local, backend, extra] : runs) {
     const auto r = emulated_nodes_check(nodes, local, backend, extra);
@@ -337,13 +341,14 @@ TEST(NcclNodes, AKilledRankEndsTheSurvivorWithATimeoutError) {
   EXPECT_LT(r.seconds, 120.0) << r.out << r.err;  // (start-up of NCCL included)
 }
 
-// Expert-major rows across nodes are not built yet: refused by name on every rank, no hang.
-TEST(NcclNodes, ExpertMajorAcrossNodesIsRefusedByName) {
+// Expert-major rows are low_latency's across nodes too: a baseline asking for them is refused by
+// name on every rank, no hang.
+TEST(NcclNodes, ExpertMajorOfABaselineIsRefusedByName) {
   REQUIRE_GPU();
-  const auto r = emulated_nodes_check(2, 1, "low_latency", "--layout expert");
+  const auto r = emulated_nodes_check(2, 1, "allgather_reducescatter", "--layout expert");
   REQUIRE_NCCL(r);
   EXPECT_NE(exit_code(r), 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("token across nodes"), std::string::npos) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find("expected token"), std::string::npos) << r.out << r.err;
 }
 
 // ---- several GPUs -----------------------------------------------------------------------------

@@ -35,6 +35,8 @@ namespace {
 struct Areas {
   size_t pack, gathered, status, pos, counts, offsets, recv_count, expert_counts;
   size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
+  size_t row_slot, expert_x, expert_scales, expert_src_rank, expert_src_idx, expert_topk_slot,
+      expert_weight;
   size_t partials, blocks, received, total;
 };
 
@@ -42,6 +44,10 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   const size_t W = cfg.world_size, T = cfg.max_tokens_per_rank, cap = cfg.capacity();
   const size_t H = cfg.hidden, K = cfg.topk;
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
+  // Expert-major: rows per local expert, and f32 partials in the blocks (each rank's fmaf sum).
+  const bool em = cfg.layout == OutputLayout::kExpertMajor;
+  const size_t ecap = em ? size_t(cfg.num_local_experts()) * cap : 0;
+  const size_t block_value = em ? sizeof(float) : 2;
   size_t c = 0;
   Areas a{};
   a.pack = carve(c, pack_bytes(cfg));
@@ -58,11 +64,18 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.recv_src_idx = carve(c, cap * sizeof(int32_t));
   a.recv_topk_ids = carve(c, cap * K * sizeof(int32_t));
   a.recv_topk_w = carve(c, cap * K * sizeof(float));
-  a.partials = carve(c, cap * H * 2);
-  a.blocks = carve(c, W * T * H * 2);  // [W][T][H]: this rank's partials, by source rank
-  // allgather_reducescatter: every rank's block of this rank's tokens [W][T][H]; naive: every
+  a.row_slot = carve(c, em ? cap * K * sizeof(int32_t) : 0);
+  a.expert_x = carve(c, ecap * size_t(cfg.wire_row_bytes()));
+  a.expert_scales = carve(c, ecap * G * sizeof(float));
+  a.expert_src_rank = carve(c, ecap * sizeof(int32_t));
+  a.expert_src_idx = carve(c, ecap * sizeof(int32_t));
+  a.expert_topk_slot = carve(c, ecap * sizeof(int32_t));
+  a.expert_weight = carve(c, ecap * sizeof(float));
+  a.partials = carve(c, (em ? ecap : cap) * H * 2);  // the combine buffer
+  a.blocks = carve(c, W * T * H * block_value);  // [W][T][H]: this rank's partials, by source
+  // every other backend: every rank's block of this rank's tokens [W][T][H]; naive: every
   // rank's blocks [W][W][T][H].
-  a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * 2);
+  a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * block_value);
   a.total = c;
   return a;
 }
@@ -258,6 +271,7 @@ class CollAll2All final : public All2All {
     const DeviceGuard guard(world_.device());
     EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, dispatch_sent_, 0));
     launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
+    if (expert_major()) launch_coll_expert_rows(shape(), rows(), stream);
     pending_ = Pending::kNone;
     return result();
   }
@@ -275,9 +289,12 @@ class CollAll2All final : public All2All {
               "after the receive half of the last send half");
     status_.check_ptr(expert_out, "expert_out", 16);
     const DeviceGuard guard(world_.device());
-    launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
+    if (expert_major())
+      launch_coll_scatter_experts(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
+    else
+      launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
     const size_t W = cfg_.world_size;
-    const size_t block = size_t(cfg_.max_tokens_per_rank) * cfg_.hidden * 2;
+    const size_t block = size_t(cfg_.max_tokens_per_rank) * cfg_.hidden * block_value();
     watchdog_.run_watched(stream, Phase::kCombineReady, [&] {
       if (backend_ == Backend::kNaive) {  // every rank's blocks to every rank
         world_.all_gather(mem_ + areas_.blocks, mem_ + areas_.received, W * block, stream);
@@ -303,8 +320,9 @@ class CollAll2All final : public All2All {
     const size_t T = cfg_.max_tokens_per_rank, W = cfg_.world_size;
     const bool naive = backend_ == Backend::kNaive;
     const uint8_t* from = mem_ + areas_.received +
-                          (naive ? size_t(cfg_.rank) * T * cfg_.hidden * 2 : 0);
-    launch_coll_fold(shape(), tokens_, mem_ + areas_.pack, from, naive ? W * T : T, y, stream);
+                          (naive ? size_t(cfg_.rank) * T * cfg_.hidden * block_value() : 0);
+    launch_coll_fold(shape(), tokens_, mem_ + areas_.pack, from, naive ? W * T : T,
+                     expert_major(), y, stream);
     pending_ = Pending::kNone;
   }
 
@@ -317,6 +335,10 @@ class CollAll2All final : public All2All {
 
  private:
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
+
+  bool expert_major() const { return cfg_.layout == OutputLayout::kExpertMajor; }
+  // Bytes of one value of combine's blocks: bf16 partials, or expert-major's f32 sums.
+  size_t block_value() const { return expert_major() ? sizeof(float) : 2; }
 
   CollShape shape() const {
     return CollShape{.world = cfg_.world_size,
@@ -348,7 +370,14 @@ class CollAll2All final : public All2All {
                     .recv_count = reinterpret_cast<int32_t*>(p(areas_.recv_count)),
                     .pos = reinterpret_cast<int32_t*>(p(areas_.pos)),
                     .counts = reinterpret_cast<int32_t*>(p(areas_.counts)),
-                    .offsets = reinterpret_cast<int32_t*>(p(areas_.offsets))};
+                    .offsets = reinterpret_cast<int32_t*>(p(areas_.offsets)),
+                    .row_slot = reinterpret_cast<int32_t*>(p(areas_.row_slot)),
+                    .expert_x = p(areas_.expert_x),
+                    .expert_scales = reinterpret_cast<float*>(p(areas_.expert_scales)),
+                    .expert_src_rank = reinterpret_cast<int32_t*>(p(areas_.expert_src_rank)),
+                    .expert_src_idx = reinterpret_cast<int32_t*>(p(areas_.expert_src_idx)),
+                    .expert_topk_slot = reinterpret_cast<int32_t*>(p(areas_.expert_topk_slot)),
+                    .expert_weight = reinterpret_cast<float*>(p(areas_.expert_weight))};
   }
   DispatchResult result() const {
     const CollRows r = rows();
@@ -363,6 +392,14 @@ class CollAll2All final : public All2All {
     d.recv_topk_ids = r.recv_topk_ids;
     d.recv_topk_weights = r.recv_topk_w;
     d.expert_counts = r.expert_counts;
+    if (expert_major()) {
+      d.expert_x = r.expert_x;
+      d.expert_scales = cfg_.wire_fp8() ? r.expert_scales : nullptr;
+      d.expert_src_rank = r.expert_src_rank;
+      d.expert_src_idx = r.expert_src_idx;
+      d.expert_topk_slot = r.expert_topk_slot;
+      d.expert_weight = r.expert_weight;
+    }
     return d;
   }
 
@@ -387,10 +424,10 @@ std::unique_ptr<All2All> make_nccl_rank(Backend backend, const EpConfig& base, N
   cfg.world_size = world.size();
   cfg.rank = world.rank();
   cfg.validate();
-  EPX_CHECK(cfg.layout == OutputLayout::kTokenMajor, ConfigError, "layout", to_string(cfg.layout),
-            fmt::format("token across nodes ({} nodes here; expert-major rows across nodes are "
-                        "not built yet: docs/scale-out.md)",
-                        world.num_nodes()));
+  EPX_CHECK(cfg.layout == OutputLayout::kTokenMajor || backend == Backend::kLowLatency,
+            ConfigError, "layout", to_string(cfg.layout),
+            std::string("token for backend ") + to_string(backend) +
+                " (expert-major rows are low_latency's)");
   EPX_CHECK(cfg.rounds_in_flight == 1, ConfigError, "rounds_in_flight", cfg.rounds_in_flight,
             "1 across nodes");
   EPX_CHECK(!cfg.mask_failed_ranks, ConfigError, "mask_failed_ranks", "true",

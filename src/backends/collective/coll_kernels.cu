@@ -191,6 +191,100 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One block per local expert e: row j's slot k (ids[k] = e's global id) gets its place among the
+// rows using e, in row order; expert_counts[e] = their number.
+__global__ void __launch_bounds__(kThreads) coll_expert_place_kernel(const CollShape S, CollRows rows) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int e = blockIdx.x, id = S.rank * S.num_local + e, K = S.topk;
+  const int M = *rows.recv_count;
+  int32_t run = 0;
+  for (int j0 = 0; j0 < M; j0 += kThreads) {
+    const int j = j0 + threadIdx.x;
+    int k_here = -1;
+    for (int k = 0; j < M && k < K; ++k)
+      if (rows.recv_topk_ids[size_t(j) * K + k] == id) k_here = k;
+    int32_t before = 0, total = 0;
+    Scan(tmp).ExclusiveSum(int32_t(k_here >= 0), before, total);
+    if (k_here >= 0) rows.row_slot[size_t(j) * K + k_here] = run + before;
+    run += total;
+    __syncthreads();  // tmp is reused
+  }
+  if (threadIdx.x == 0) rows.expert_counts[e] = run;
+}
+
+// Every row's slots -1 (the place kernel then fills those of local experts).
+__global__ void __launch_bounds__(kThreads) coll_expert_clear_kernel(const CollShape S, CollRows rows) {
+  const int M = *rows.recv_count, K = S.topk;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(M) * K;
+       i += size_t(gridDim.x) * blockDim.x)
+    rows.row_slot[i] = -1;
+}
+
+// One warp per row j: the row, its scales and metadata at each of its local experts' places.
+__global__ void __launch_bounds__(kThreads) coll_expert_rows_kernel(const CollShape S, CollRows rows) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int M = *rows.recv_count, K = S.topk, cap = S.world * S.max_tokens;
+  const int e0 = S.rank * S.num_local;
+  for (int j = warp; j < M; j += warps) {
+    for (int k = 0; k < K; ++k) {
+      const int slot = rows.row_slot[size_t(j) * K + k];
+      if (slot < 0) continue;
+      const int e = rows.recv_topk_ids[size_t(j) * K + k] - e0;
+      const size_t erow = size_t(e) * cap + slot;
+      const int4* src = reinterpret_cast<const int4*>(rows.recv_x + size_t(j) * S.wire_row_bytes);
+      int4* dst = reinterpret_cast<int4*>(rows.expert_x + erow * S.wire_row_bytes);
+      for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
+      float* esc = rows.expert_scales + size_t(e) * cap * S.groups;
+      for (int g = lane; g < S.groups; g += kWarpSize) {
+        const size_t from = S.scale_col_major ? size_t(g) * cap + j : size_t(j) * S.groups + g;
+        const size_t to = S.scale_col_major ? size_t(g) * cap + slot : size_t(slot) * S.groups + g;
+        esc[to] = rows.recv_scales[from];
+      }
+      if (lane == 0) {
+        rows.expert_src_rank[erow] = rows.recv_src_rank[j];
+        rows.expert_src_idx[erow] = rows.recv_src_idx[j];
+        rows.expert_topk_slot[erow] = k;
+        rows.expert_weight[erow] = rows.recv_topk_w[size_t(j) * K + k];
+      }
+    }
+  }
+}
+
+// One warp per row j: fmaf in slot order of its weights and its local experts' outputs, f32,
+// into its source's block.
+__global__ void __launch_bounds__(kThreads)
+    coll_scatter_experts_kernel(const CollShape S, const __nv_bfloat16* __restrict__ out,
+                                CollRows rows, float* __restrict__ blocks) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int M = *rows.recv_count, K = S.topk, cap = S.world * S.max_tokens, H = S.hidden;
+  const int e0 = S.rank * S.num_local;
+  for (int j = warp; j < M; j += warps) {
+    const int q = rows.recv_src_rank[j], n = rows.recv_src_idx[j];
+    float* dst = blocks + (size_t(q) * S.max_tokens + n) * H;
+    for (int v = lane; v < H / 8; v += kWarpSize) {
+      float p[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < K; ++k) {
+        const int slot = rows.row_slot[size_t(j) * K + k];
+        if (slot < 0) continue;
+        const int e = rows.recv_topk_ids[size_t(j) * K + k] - e0;
+        const float w = rows.recv_topk_w[size_t(j) * K + k];
+        float o[8];
+        dev::load_bf16x8(out + (size_t(e) * cap + slot) * H + size_t(v) * 8, o);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) p[i] = __fmaf_rn(w, o[i], p[i]);
+      }
+      float4* d = reinterpret_cast<float4*>(dst + size_t(v) * 8);
+      d[0] = make_float4(p[0], p[1], p[2], p[3]);
+      d[1] = make_float4(p[4], p[5], p[6], p[7]);
+    }
+  }
+}
+
 // One warp per received row: its partial to its source's block.
 __global__ void __launch_bounds__(kThreads)
     coll_scatter_kernel(const CollShape S, const int4* __restrict__ partials, CollRows rows,
@@ -211,7 +305,7 @@ __global__ void __launch_bounds__(kThreads)
 // rounded once.
 __global__ void __launch_bounds__(kThreads)
     coll_fold_kernel(const CollShape S, int N, const uint8_t* __restrict__ own_pack,
-                     const __nv_bfloat16* __restrict__ from, size_t stride_rows,
+                     const void* __restrict__ from, size_t stride_rows, bool f32,
                      __nv_bfloat16* __restrict__ y) {
   const int vecs = S.hidden / 8;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
@@ -224,7 +318,15 @@ __global__ void __launch_bounds__(kThreads)
       for (uint64_t m = S.routed ? token_ranks(S, own) : all; m != 0; m &= m - 1) {
         const int r = __ffsll(static_cast<long long>(m)) - 1;
         float f[8];
-        dev::load_bf16x8(from + (size_t(r) * stride_rows + n) * S.hidden + size_t(v) * 8, f);
+        const size_t at = (size_t(r) * stride_rows + n) * S.hidden + size_t(v) * 8;
+        if (f32) {
+          const float4* p4 = reinterpret_cast<const float4*>(static_cast<const float*>(from) + at);
+          const float4 a = p4[0], b = p4[1];
+          f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z,
+          f[7] = b.w;
+        } else {
+          dev::load_bf16x8(static_cast<const __nv_bfloat16*>(from) + at, f);
+        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] += f[e];
       }
@@ -243,6 +345,10 @@ void load_coll_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_rows_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_fold_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_expert_clear_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_expert_place_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_expert_rows_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_experts_kernel));
 }
 
 void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
@@ -261,6 +367,20 @@ void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
+void launch_coll_expert_rows(const CollShape& S, const CollRows& rows, cudaStream_t stream) {
+  coll_expert_clear_kernel<<<kBlocks, kThreads, 0, stream>>>(S, rows);
+  coll_expert_place_kernel<<<S.num_local, kThreads, 0, stream>>>(S, rows);
+  coll_expert_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(S, rows);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, const CollRows& rows,
+                                 void* blocks, cudaStream_t stream) {
+  coll_scatter_experts_kernel<<<kBlocks, kThreads, 0, stream>>>(
+      S, static_cast<const __nv_bfloat16*>(expert_out), rows, static_cast<float*>(blocks));
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
                          void* blocks, cudaStream_t stream) {
   coll_scatter_kernel<<<kBlocks, kThreads, 0, stream>>>(S, static_cast<const int4*>(partials),
@@ -269,11 +389,11 @@ void launch_coll_scatter(const CollShape& S, const void* partials, const CollRow
 }
 
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
-                      const void* from, size_t stride_rows, void* y, cudaStream_t stream) {
+                      const void* from, size_t stride_rows, bool f32, void* y,
+                      cudaStream_t stream) {
   if (num_tokens == 0) return;
-  coll_fold_kernel<<<kBlocks, kThreads, 0, stream>>>(
-      S, num_tokens, own_pack, static_cast<const __nv_bfloat16*>(from), stride_rows,
-      static_cast<__nv_bfloat16*>(y));
+  coll_fold_kernel<<<kBlocks, kThreads, 0, stream>>>(S, num_tokens, own_pack, from, stride_rows,
+                                                     f32, static_cast<__nv_bfloat16*>(y));
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

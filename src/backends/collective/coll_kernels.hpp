@@ -11,6 +11,9 @@
 // rank; naive all-gathers every block to every rank, the others send each block to its rank
 // (grouped send/recv); the token's rank adds the rows of the ranks that got the token in rank
 // order in f32 and rounds once.
+// Expert-major (low_latency): the token-major rows are also laid out per local expert, in their
+// order; combine's block rows are then f32: each rank's sum over its slots of the token, fmaf in
+// slot order with the token's weights, which the token's rank adds in rank order.
 // Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph.
 
 #include <cuda_runtime_api.h>
@@ -68,6 +71,14 @@ struct CollRows {
   int32_t* pos;             // [W][T]: row of (source q, token n) among q's valid tokens, or -1
   int32_t* counts;          // [W]: valid tokens of each source
   int32_t* offsets;         // [W]: first row of each source
+  // expert-major only (null otherwise)
+  int32_t* row_slot;          // [cap][K]: row j's slot k in its local expert's list, or -1
+  uint8_t* expert_x;          // [E/W][cap][wire_row_bytes]
+  float* expert_scales;       // [E/W][cap][G] or [E/W][G][cap]
+  int32_t* expert_src_rank;   // [E/W][cap]
+  int32_t* expert_src_idx;    // [E/W][cap]
+  int32_t* expert_topk_slot;  // [E/W][cap]
+  float* expert_weight;       // [E/W][cap]
 };
 
 struct CollStatus {
@@ -84,13 +95,22 @@ void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const f
 // The gathered packs [W][pack_bytes] -> the token-major rows (S.routed: those routed here).
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream);
+// The token-major rows (after launch_coll_unpack) laid out per local expert, in their order:
+// rows.row_slot, the expert_* areas and expert_counts.
+void launch_coll_expert_rows(const CollShape& S, const CollRows& rows, cudaStream_t stream);
 // Row j's partial [H] bf16 -> blocks[src_rank][src_idx] ([W][T][H]), for j < *recv_count.
 void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
                          void* blocks, cudaStream_t stream);
+// Expert-major: row j's f32 partial, the fmaf in slot order of its weights and local experts'
+// outputs (expert_out [E/W][cap][H] bf16) -> blocks[src_rank][src_idx] ([W][T][H] f32).
+void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, const CollRows& rows,
+                                 void* blocks, cudaStream_t stream);
 // y[n] for n < N: the rows of this rank's tokens from every rank (S.routed: from the ranks holding
 // one of its experts), `from` + (r * stride + n) * H bf16, summed in rank order in f32 and rounded
 // once; 0 for a token this rank's pack marked invalid (sent nowhere).
+// `f32`: the rows are f32 (expert-major), else bf16.
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
-                      const void* from, size_t stride_rows, void* y, cudaStream_t stream);
+                      const void* from, size_t stride_rows, bool f32, void* y,
+                      cudaStream_t stream);
 
 }  // namespace epx::coll
