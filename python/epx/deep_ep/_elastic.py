@@ -470,9 +470,9 @@ class ElasticBuffer:
             recv_topk_idx = local_ids.to(topk_idx.dtype)
         else:  # one row per (token, local slot), gathered from epx's rows
             recv_x = gather_rows(out.recv_x, expand, K, do_zero_padding)
-            if scales is not None:
-                recv_x = (recv_x, self._scales_out(
-                    gather_rows(out.recv_scales, expand, K, do_zero_padding), tma))
+            if scales is not None:  # a gathered copy already: column-major takes another
+                gathered = gather_rows(out.recv_scales, expand, K, do_zero_padding)
+                recv_x = (recv_x, self._scales_out(gathered, True) if tma else gathered)
             recv_topk_idx = None
             if recv_topk_weights is not None:
                 recv_topk_weights = gather_weights(recv_topk_weights, expand)
