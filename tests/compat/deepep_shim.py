@@ -10,7 +10,8 @@ are in this project):
   process the test spawns) lets N processes share GPU 0: DeepEP's ``init_dist`` is replaced by one
   that makes a gloo group (NCCL refuses two ranks on one GPU) and selects GPU 0, and the CUDA
   collectives gloo lacks are staged through the CPU (``all_gather_into_tensor``, and
-  ``all_gather`` and ``all_reduce`` of CUDA tensors). Only torch.distributed functions of the test's processes are
+  ``all_gather``, ``all_reduce`` and ``all_to_all_single`` of CUDA tensors; the last as bytes,
+  for the fp8 rows of V2's reference dispatch). Only torch.distributed functions of the test's processes are
   replaced; the epx side is unchanged (its bootstrap only needs the group's object all-gather).
 - ``preparing_buffer(Buffer, spec)`` (used by that package when EPX_DEEP_EP_SHAPES="T,H,E,K" is
   set, for DeepEP's --shrink-test): a Buffer whose constructor also makes the low-latency shapes
@@ -135,6 +136,16 @@ def preparing_buffer(base, spec: str):
     return Buffer
 
 
+def as_bytes(t):
+    """A contiguous tensor of one or more dimensions as a [rows, bytes of a row] uint8 view (its
+    first dimension kept: the collectives' splits count rows)."""
+    import math
+
+    import torch
+
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
 class _Done:
     """The work object of a collective that already finished (async_op=True callers wait)."""
 
@@ -178,6 +189,7 @@ def install_one_gpu() -> None:
     gather_into = dist.all_gather_into_tensor
     gather = dist.all_gather
     reduce = dist.all_reduce
+    to_all = dist.all_to_all_single
 
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
         if not (output_tensor.is_cuda or input_tensor.is_cuda):
@@ -206,7 +218,21 @@ def install_one_gpu() -> None:
         tensor.copy_(staged)
         return _Done() if async_op else None
 
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        if not (output.is_cuda or input.is_cuda):
+            return to_all(output, input, output_split_sizes, input_split_sizes, group=group,
+                          async_op=async_op)
+        # as bytes: gloo knows no fp8 (the splits count rows of dim 0, unchanged)
+        staged = torch.empty(output.shape, dtype=output.dtype, device="cpu")
+        mine = input.detach().to("cpu").contiguous()
+        to_all(as_bytes(staged), as_bytes(mine), output_split_sizes, input_split_sizes,
+               group=group)
+        output.copy_(staged)
+        return _Done() if async_op else None
+
     envs.init_dist = init_dist
+    dist.all_to_all_single = all_to_all_single
     dist.all_gather_into_tensor = all_gather_into_tensor
     dist.all_gather = all_gather
     dist.all_reduce = all_reduce

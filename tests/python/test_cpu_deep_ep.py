@@ -317,6 +317,37 @@ def test_runner_runs_any_test_file(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "deepep_fake: 1 passed, 0 failed"
 
 
+def test_runner_defaults_for_the_elastic_test(tmp_path):
+    """V2's tests/elastic/test_ep.py: 2 processes, 256 tokens, its performance part skipped (it
+    times DeepEP's kernels by name)."""
+    checkout = fake_checkout(tmp_path / "DeepEP")
+    (checkout / "tests" / "elastic").mkdir()
+    (checkout / "tests" / "elastic" / "test_ep.py").write_text("")
+    out = subprocess.run([sys.executable, str(COMPAT / "run_deepep_low_latency.py"),
+                          str(checkout), "--test", "tests/elastic/test_ep.py", "--assemble-only",
+                          str(tmp_path / "pkg")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "test_ep.py --num-processes 2 --num-tokens 256 --skip-perf-test\n" in out.stdout, \
+        out.stdout
+    code = ("import deep_ep, epx.deep_ep;"
+            "assert deep_ep.ElasticBuffer is epx.deep_ep.ElasticBuffer;"
+            "print('ok')")
+    env = {"PYTHONPATH": f"{tmp_path / 'pkg'}:{':'.join(sys.path)}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_staged_collectives_keep_rows(tmp_path):
+    """all_to_all_single of the one-GPU mode sends bytes: rows of any dtype keep their split."""
+    torch = pytest.importorskip("torch")
+    out = torch.arange(3, dtype=torch.int32)
+    view = deepep_shim.as_bytes(out)
+    assert view.shape == (3, 4) and view.dtype == torch.uint8
+    view[1] = torch.tensor([9, 0, 0, 0], dtype=torch.uint8)
+    assert out.tolist() == [0, 9, 2]
+    assert deepep_shim.as_bytes(torch.zeros(0, 5, dtype=torch.bfloat16)).shape == (0, 10)
+
+
 def test_runner_shrink_flag(tmp_path):
     checkout = fake_checkout(tmp_path / "DeepEP")
     runner = str(COMPAT / "run_deepep_low_latency.py")

@@ -13,8 +13,11 @@ read: without it every output has the worst-case W x T rows, those past the coun
 0); a cached dispatch returns the same rows and the same handle; combine adds, per token, the f32
 sum of the bias rows, then each rank's row at that rank's highest slot of the token, slots
 ascending, rounded once; the weights come back as the owner's copy of each slot. What is not
-served is refused by name. The scenarios are module-level functions (buffer, rank, ...) so that
-a GPU test can run them on real epx objects. Needs torch (skipped without it); no GPU."""
+served is refused by name. The expand mode (one row per (token, local slot), experts
+contiguous and aligned) and the combines of an expand handle are checked bit for bit against
+restatements of DeepEP's arithmetic (expected_expand, expand_combine_reference). The scenarios
+are module-level functions (buffer, rank, ...) so that a GPU test can run them on real epx
+objects. Needs torch (skipped without it); no GPU."""
 
 import functools
 
@@ -278,6 +281,201 @@ def test_fp8_rows_and_tma_aligned_scales(monkeypatch):
     run_ranks(monkeypatch, 2, scenario_fp8)
 
 
+# ---- expand mode --------------------------------------------------------------------------------
+
+
+def expected_expand(rank, W, E, alignment, seed=0):
+    """The expand layout of `rank`'s rows, in our words: the (row, slot) pairs whose expert is
+    here, grouped by local expert (rows in received order, slots ascending within a row); expert
+    e's group starts where the groups before it end, each group's length rounded up to the
+    alignment. Returns (rows, {(row, slot): expanded row}, [first row of each expert], [pairs of
+    each expert], total expanded rows)."""
+    rows = normal.expected_rows(rank, W, E, seed)
+    L = E // W
+    groups = [[] for _ in range(L)]
+    for j, (q, n) in enumerate(rows):
+        for k, e in enumerate(inputs(q, E, seed)[1][n].tolist()):
+            if rank * L <= e < (rank + 1) * L:
+                groups[e - rank * L].append((j, k))
+    where, starts, at = {}, [], 0
+    for group in groups:
+        starts.append(at)
+        where.update({pair: at + i for i, pair in enumerate(group)})
+        at += -(-len(group) // alignment) * alignment
+    return rows, where, starts, [len(g) for g in groups], at
+
+
+def check_expand(rank, W, E, out, alignment, synced=True, zeroed=False):
+    """An expand dispatch's rows, weights and handle (with the host read unless not `synced`:
+    then every output has the worst-case size and only the rows' pairs are compared)."""
+    recv_x, recv_idx, recv_w, h, _ = out
+    rows, where, starts, counts, total = expected_expand(rank, W, E, alignment)
+    L, K = E // W, TOPK
+    size = total if synced else h.num_expanded_tokens
+    assert recv_idx is None and h.do_expand
+    assert recv_x.shape == (size, H) and recv_w.shape == (size,) and recv_w.dtype == torch.float32
+    assert h.num_expanded_tokens == (total if synced else
+                                     -(-(W * T_MAX * min(K, L) + (alignment - 1) * L)
+                                       // alignment) * alignment)
+    for (j, k), p in where.items():
+        q, n = rows[j]
+        xq, _, wq = inputs(q, E)
+        assert torch.equal(recv_x[p], xq[n]) and recv_w[p] == wq[n, k]
+    padding = torch.ones(size, dtype=torch.bool)
+    padding[list(where.values())] = False
+    if zeroed:
+        assert (recv_x[padding.to(DEVICE)] == 0).all() and (recv_w[padding.to(DEVICE)] == 0).all()
+    assert h.psum_num_recv_tokens_per_expert.dtype == torch.int32
+    assert h.psum_num_recv_tokens_per_expert.tolist() == [s + c for s, c in zip(starts, counts)]
+    assert h.num_unaligned_recv_tokens_per_expert.tolist() == counts
+    assert h.num_recv_tokens_per_expert_list == \
+        ([-(-c // alignment) * alignment for c in counts] if synced else [])
+    assert h.psum_num_recv_tokens_per_scaleup_rank.tolist() == \
+        [sum(1 for q, _ in rows if q <= i) for i in range(W)]
+    meta = h.recv_src_metadata
+    assert meta.shape == (len(rows) if synced else W * T_MAX, K + 2)
+    for j, (q, n) in enumerate(rows):
+        top = highest_slots(inputs(q, E)[1][n], W, E)[rank]
+        assert meta[j].tolist() == [q * T_MAX + n, q * K + top] + \
+            [where.get((j, k), -1) for k in range(K)]
+    assert (meta[len(rows):] == -1).all()
+    return where
+
+
+def scenario_expand_dispatch(buffer, rank, W=3, E=9):
+    x, idx, w = inputs(rank, E)
+    L = E // W
+    for alignment in (1, 4):
+        stats = torch.zeros(L, dtype=torch.int32, device=DEVICE)
+        out = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True,
+                              expert_alignment=alignment,
+                              cumulative_local_expert_recv_stats=stats)
+        where = check_expand(rank, W, E, out, alignment)
+        recv_x, _, recv_w, handle, _ = out
+        assert stats.tolist() == handle.num_unaligned_recv_tokens_per_expert.tolist()
+        plain = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                expert_alignment=alignment)[3]
+        for name in ("psum_num_recv_tokens_per_scaleup_rank", "dst_buffer_slot_idx"):
+            assert torch.equal(getattr(handle, name), getattr(plain, name)), name
+        assert torch.equal(handle.recv_src_metadata[:, :2], plain.recv_src_metadata[:, :2])
+        # cached: the same rows bit for bit (padding too), the same handle; zeroed padding
+        again = buffer.dispatch(x, handle=handle, topk_weights=w, do_expand=True)
+        assert again[3] is handle and again[1] is None
+        assert torch.equal(again[0], recv_x) and torch.equal(again[2], recv_w)
+        assert buffer.dispatch(x, handle=handle, do_expand=True)[2] is None
+        zeroed = buffer.dispatch(x, handle=handle, topk_weights=w, do_expand=True,
+                                 do_zero_padding=True)
+        check_expand(rank, W, E, zeroed, alignment, zeroed=True)
+        valid = list(where.values())
+        assert torch.equal(zeroed[0][valid], recv_x[valid])
+    # no host read: worst-case sizes, the same pairs
+    out = buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True,
+                          expert_alignment=4, do_cpu_sync=False, do_zero_padding=True)
+    check_expand(rank, W, E, out, 4, synced=False, zeroed=True)
+    # fp8 rows with TMA-aligned column-major scales
+    (rx, rs), _, _, handle, _ = buffer.dispatch(
+        normal.fp8_of(x), topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True,
+        expert_alignment=4, use_tma_aligned_col_major_sf=True)
+    rows, where, _, _, total = expected_expand(rank, W, E, 4)
+    assert rx.shape == (total, H) and rs.shape == (total, H // 128)
+    assert rs.stride() == (1, -(-total // 4) * 4)
+    for (j, k), p in where.items():
+        qx, qs = normal.fp8_of(inputs(rows[j][0], E)[0])
+        assert torch.equal(rx[p].view(torch.uint8), qx[rows[j][1]].view(torch.uint8))
+        assert torch.equal(rs[p], qs[rows[j][1]])
+
+
+def test_expand_dispatch_and_cached(monkeypatch):
+    run_ranks(monkeypatch, 3, scenario_expand_dispatch)
+
+
+def give_slot(k, n, row):
+    """What the owner of slot k of token n gives back for it: slot 0 the row times 2^30, slot 1
+    times -2^30 (they cancel exactly when added in slot order), slot 2 the row plus (n + 1)/4,
+    which survives only when added after both: the order of the f32 sum shows, and so does a
+    rank's bf16 partial of slots 0 and 2 (the reduction within a rank)."""
+    scale = (2.0 ** 30, -(2.0 ** 30), 1.0)[k % 3]
+    return (row.float() * scale + (0 if k % 3 < 2 else (n + 1) / 4)).to(torch.bfloat16)
+
+
+def expand_combine_reference(rank, W, E, give, biases=(), within_rank=True, order="slot",
+                             seed=0):
+    """`rank`'s tokens as V2's combine of an expand handle makes them, in our words: a f32 sum
+    starts at zero and takes each bias row; with the reduction within ranks, each rank first sums
+    the rows it gives back for the token, in slot order, in f32 from zero, rounds that to bf16,
+    and the token's sum takes it at the rank's last slot of the token; without it, the sum takes
+    every slot's row at its slot. Slots ascending; the result is rounded to bf16 once.
+    order='reversed' walks the token's slots descending, order='reversed_within' a rank's
+    (what the checks must tell apart)."""
+    x, idx, _ = inputs(rank, E, seed)
+    out = torch.zeros(x.shape[0], H)
+    for n in range(x.shape[0]):
+        acc = torch.zeros(H)
+        for b in biases:
+            acc += b[n].float().cpu()
+        owners = owner_ranks(idx[n], W, E)
+        last = highest_slots(idx[n], W, E)
+        for k in (reversed(range(TOPK)) if order == "reversed" else range(TOPK)):
+            q = owners[k]
+            if q is None:
+                continue
+            if not within_rank:
+                acc += give(k, n, x[n]).float().cpu()
+            elif last[q] == k:
+                part = torch.zeros(H)
+                for k2 in (reversed(range(TOPK)) if order == "reversed_within" else range(TOPK)):
+                    if owners[k2] == q:
+                        part += give(k2, n, x[n]).float().cpu()
+                acc += part.to(torch.bfloat16).float()
+        out[n] = acc
+    return out.to(torch.bfloat16).to(DEVICE)
+
+
+def scenario_expand_combine(buffer, rank, W=3, E=9):
+    # seed 10: token 3 of rank 0 has all its experts on one rank (a rank's sum of three rows
+    # shows its order; of two it cannot)
+    seed = 10
+    x, idx, w = inputs(rank, E, seed)
+    g = torch.Generator().manual_seed(90 + rank)
+    b0, b1 = (torch.randn(x.shape[0], H, generator=g).to(torch.bfloat16).to(DEVICE)
+              for _ in range(2))
+    # the data tells the orders and the two reductions apart (on some rank's tokens), so the
+    # checks below can fail
+    refs = [expand_combine_reference(q, W, E, give_slot, seed=seed) for q in range(W)]
+    for other in ({"order": "reversed"}, {"order": "reversed_within"}, {"within_rank": False},
+                  {"within_rank": False, "order": "reversed"}):
+        assert any(not torch.equal(refs[q], expand_combine_reference(q, W, E, give_slot,
+                                                                     seed=seed, **other))
+                   for q in range(W)), other
+    for alignment, synced in ((4, True), (1, False)):
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True,
+            expert_alignment=alignment, do_cpu_sync=synced)
+        rows, where, _, _, _ = expected_expand(rank, W, E, alignment, seed)
+        # padding rows are never read: NaN there would show
+        given = torch.full((handle.num_expanded_tokens, H), float("nan"), dtype=torch.bfloat16,
+                           device=DEVICE)
+        for (j, k), p in where.items():
+            given[p] = give_slot(k, rows[j][1], recv_x[p])
+        for within_rank in (True, False):
+            buffer.allow_multiple_reduction = within_rank
+            for bias, biases in ((None, ()), ((b0, b1), (b0, b1))):
+                combined, weights, _ = buffer.combine(given, handle, topk_weights=recv_w,
+                                                      bias=bias)
+                assert torch.equal(combined, expand_combine_reference(
+                    rank, W, E, give_slot, biases, within_rank, seed=seed)), (within_rank, biases)
+                # each slot's weight from the rank holding its expert, 0 where the id is -1
+                assert torch.equal(weights, torch.where(idx >= 0, w, 0.0))
+            combined, weights, _ = buffer.combine(given, handle, bias=b0)
+            assert weights is None and torch.equal(combined, expand_combine_reference(
+                rank, W, E, give_slot, (b0,), within_rank, seed=seed))
+    buffer.allow_multiple_reduction = True
+
+
+def test_expand_combine_with_and_without_reduction_within_ranks(monkeypatch):
+    run_ranks(monkeypatch, 3, scenario_expand_combine)
+
+
 # ---- refusals and checks -----------------------------------------------------------------------
 
 
@@ -285,10 +483,9 @@ def scenario_refusals(buffer, rank, W=2, E=6):
     import epx.deep_ep as deep_ep
 
     x, idx, w = inputs(rank, E)
-    for kwargs, name in (({"do_expand": True}, "do_expand=True"),
-                         ({"do_zero_padding": True}, "do_zero_padding=True")):
-        with pytest.raises(NotImplementedError, match=name):
-            buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, **kwargs)
+    with pytest.raises(epx.InputError, match="do_zero_padding = True, expected False without "
+                                             "do_expand"):
+        buffer.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_zero_padding=True)
     for name in ("engram_write", "engram_fetch", "pp_send", "pp_recv", "all_gather",
                  "create_agrs_session", "get_pp_buffer_size_hint"):
         with pytest.raises(NotImplementedError, match=f"ElasticBuffer.{name} is not provided"):
@@ -331,6 +528,20 @@ def scenario_refusals(buffer, rank, W=2, E=6):
         buffer.dispatch(x, handle=handle, expert_alignment=2)
     with pytest.raises(epx.InputError, match=r"x.shape\[0\] = 1, expected the handle's"):
         buffer.dispatch(x[:1], handle=handle)
+    with pytest.raises(epx.InputError, match="do_expand = True, expected the handle's False"):
+        buffer.dispatch(x, handle=handle, do_expand=True)
+    _, _, expanded_w, expanded, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                    num_experts=E, do_expand=True)
+    with pytest.raises(epx.InputError, match="do_expand = False, expected the handle's True"):
+        buffer.dispatch(x, handle=expanded)
+    with pytest.raises(epx.InputError, match=r"topk_weights.shape = .*expanded rows"):
+        buffer.combine(torch.zeros(expanded.num_expanded_tokens, H, dtype=torch.bfloat16,
+                                   device=DEVICE), expanded, topk_weights=recv_w)
+    with pytest.raises(epx.InputError, match=r"x.shape = .*expanded rows"):
+        buffer.combine(recv_x, expanded, topk_weights=expanded_w)
+    # the expand handle's combine, then the handle's round again
+    buffer.combine(torch.zeros(expanded.num_expanded_tokens, H, dtype=torch.bfloat16,
+                               device=DEVICE), expanded)
     with pytest.raises(epx.InputError, match="expected an EPHandle this buffer's dispatch"):
         buffer.combine(recv_x, deep_ep.EPHandle(False, E, 1, T_MAX, 0, idx, 0, 0, [], *[None] * 5))
     with pytest.raises(epx.InputError, match=r"x.shape = "):

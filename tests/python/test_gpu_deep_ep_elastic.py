@@ -1,6 +1,7 @@
 """DeepEP V2's ElasticBuffer of epx.deep_ep on the GPU: the scenarios of
 test_cpu_deep_ep_elastic.py (dispatch with its handle, cached dispatch, no host read, combine in
-V2's order with bias and weights, fp8 rows, the refusals) on real epx objects —
+V2's order with bias and weights, fp8 rows, the refusals, the expand mode's dispatch and its
+reduced combines) on real epx objects —
 high_throughput over an IpcWorld made from a gloo group, one process per rank, every process on
 GPU 0 — instead of the torch model of the core. Each scenario gets a buffer of its own."""
 
@@ -17,6 +18,8 @@ SCENARIOS = [  # (name, world size, scenario keywords)
     ("scenario_combine", 3, {}),
     ("scenario_fp8", 2, {}),
     ("scenario_refusals", 2, {}),
+    ("scenario_expand_dispatch", 3, {}),
+    ("scenario_expand_combine", 3, {}),
 ]
 
 

@@ -37,13 +37,13 @@ The modes live in modules of this package, one each, beside what they share:
   the calls map onto epx and which pieces epx's core lacks (refused by name).
 - ``_buffer.py``: Buffer, one mixin per mode and what is common to them; ``_common.py``: events,
   hooks, how a missing feature is refused, and the pieces the normal mode and ElasticBuffer share.
-- ``_elastic.py``: V2's ElasticBuffer and EPHandle: dispatch without expansion (cached or not,
-  with or without the host read) and combine in V2's order, over epx's high_throughput backend;
-  its docstring says how, and what is not served yet (the expand layout, Engram, PP, AGRS).
+- ``_elastic.py``: V2's ElasticBuffer and EPHandle: dispatch with or without expansion (cached
+  or not, with or without the host read) and combine in V2's order, over epx's high_throughput
+  backend, with the expand mode in ``_elastic_expand.py``; its docstring says how, and what is
+  not served (Engram, PP, AGRS).
 
 Not provided (NotImplementedError naming what and why): in the normal mode, int32 scales and
-internode_* (see _normal.py); ElasticBuffer's expand mode, Engram, PP and AGRS calls (see
-_elastic.py); the per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
+internode_* (see _normal.py); ElasticBuffer's Engram, PP and AGRS calls (see _elastic.py); the per-rank wait-time statistics, the raw buffer (get_local_buffer_tensor), low-latency traffic
 without NVLink (allow_nvlink_for_low_latency_mode=False); a combine of an earlier round of a shape
 than the last ``rounds_in_flight`` ones; router weights given at dispatch and different ones at
 combine; the mask updates above that epx cannot express; in shrink mode, a LogFMT combine of a

@@ -1,8 +1,8 @@
 """DeepEP V2's ElasticBuffer and EPHandle (deep_ep/buffers/elastic.py, commit dd758ca) over epx's
-``high_throughput`` backend: construction, the size hint and the runtime's queries, dispatch
-without expansion (cached with ``handle=`` or not, with or without a host read of the counts)
+``high_throughput`` backend: construction, the size hint and the runtime's queries, dispatch with
+or without expansion (cached with ``handle=`` or not, with or without a host read of the counts)
 and its combine, with DeepEP's names, arguments, shapes and dtypes. docs/deepep-v2.md maps the
-class onto epx's core and lists what is left.
+class onto epx's core and lists what is left; _elastic_expand.py holds the expand mode.
 
 How the calls map onto epx:
 
@@ -38,15 +38,27 @@ How the calls map onto epx:
   in source order), -1 elsewhere; ``num_recv_tokens``, ``num_expanded_tokens`` (the rounded
   counts' sum; without the host read, DeepEP's worst case); ``topk_idx`` (a copy with
   ``do_handle_copy``, else the caller's tensor, which must then stay unchanged).
-- dispatch(handle=...): the handle's routing again (its ids, no count read), the same rows; the
-  same handle object comes back, and recv_topk_idx again; topk_weights may be given.
+- dispatch(do_expand=True): one row per (received token, slot whose expert is here), local
+  experts' rows together, each expert's padded to ``expert_alignment``, gathered on the device
+  from epx's rows (_elastic_expand.py says how); recv_topk_idx is None, recv_topk_weights one
+  float per expanded row; the handle's ``recv_src_metadata[:, 2:]`` holds each slot's expanded
+  row (-1 where the expert is elsewhere), ``psum_num_recv_tokens_per_expert[i]`` expert i's first
+  row plus its count, ``num_expanded_tokens`` the rows (without the host read, DeepEP's worst
+  case). ``do_zero_padding`` zeroes the padding rows (and their scales); otherwise they hold a
+  copy of some received row, and their weights are 0.
+- dispatch(handle=...): the handle's routing again (its ids, no count read), the same rows bit
+  for bit (expand: the same gather); the same handle object comes back, and recv_topk_idx again;
+  topk_weights may be given; ``do_expand`` must be the handle's.
 - combine: epx's token-major combine of the handle's round with extras: per token, the bias rows
   start the f32 sum, then each rank's row is added at that rank's highest top-k slot of the
   token, slots ascending, rounded once (the core's ``highest_slot`` order: V2's sum bit for
   bit). topk_weights come back as, per slot, the copy of the rank that holds the slot's expert
   (the other ranks' copies are zeroed before the core sums them; slots of id -1 give 0). When
   the handle's object has dispatched another routing since, combine first dispatches the
-  handle's routing again with zero rows (one dispatch more, the exact result).
+  handle's routing again with zero rows (one dispatch more, the exact result). An expand
+  handle's combine takes [expanded rows, H] and weights [expanded rows]: with
+  ``allow_multiple_reduction`` each rank sums its rows of a token first (one combine), without
+  it every row is added at the token's rank in slot order (K combines; _elastic_expand.py).
 - Events: ``previous_event`` (and ``previous_event_before_epilogue``): torch's current stream
   waits for it; DeepEP's rule holds (a previous_event needs allocate_on_comm_stream).
   ``async_with_compute_stream``: the event returned is recorded after the call (epx runs on
@@ -61,9 +73,6 @@ How the calls map onto epx:
   recorded, not read. ``deterministic``: recorded; the rows are always in that order.
 
 Not served yet (NotImplementedError naming the argument or call):
-- ``dispatch(do_expand=True)`` and ``do_zero_padding``: the expand layout (a row per (token,
-  local expert), each expert's rows compact and aligned) needs the core's compact expert-major
-  layout; ``allow_multiple_reduction`` matters only to its combine and is recorded.
 - ``num_cpu_bytes > 0`` and the Engram, pipeline (PP) and all-gather/reduce-scatter (AGRS)
   calls and hints.
 - int32 (UE8M0) scales: epx's fp8 wire carries float32 1x128 block scales.
@@ -80,6 +89,8 @@ from ..all2all import All2All
 from ._common import (HT_BACKEND, RoutedObject as _Object, EventHandle, EventOverlap, _unsupported, check_bias,
                       combine_rows, event_after, ht_config, make_world, rows_per_source_psum,
                       split_x, zero_rows)
+from ._elastic_expand import (ExpandLayout, combine_expanded, expand_layout, expand_psum,
+                              gather_rows, gather_weights)
 from ._normal import dispatch_layout
 
 _BUFFER_ALIGNMENT = 2 << 20  # DeepEP's buffer sizes are multiples of 2 MiB
@@ -89,6 +100,12 @@ _SF_ALIGNMENT = 4  # TMA-aligned column-major scales: each column padded to 16 b
 
 def _align(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
+
+
+def _worst_expanded(W: int, max_tokens: int, K: int, L: int, alignment: int) -> int:
+    """DeepEP's bound on the expanded rows of a dispatch (num_expanded_tokens without the host
+    read): every received row at min(K, L) local slots, every expert padded."""
+    return _align(W * max_tokens * min(K, L) + (alignment - 1) * L, alignment)
 
 
 class _Key(NamedTuple):
@@ -111,6 +128,7 @@ class _Route(NamedTuple):
     num_tokens: int
     rows: int  # the rows of the dispatch's outputs (the count, or the worst case)
     local: object  # [rows, K] bool: the slot's expert is on this rank
+    expand: Optional[ExpandLayout]  # the expand layout of an expand handle, else None
 
 
 class EPHandle:
@@ -348,13 +366,10 @@ class ElasticBuffer:
         recv_topk_weights, handle, event) as DeepEP's dispatch without expansion (the module
         docstring says how). Collective: every rank calls it."""
         self._check_live("dispatch")
-        if do_expand:
-            raise _unsupported("ElasticBuffer.dispatch(do_expand=True)",
-                               "the expand layout needs epx's compact aligned expert-major rows")
-        if do_zero_padding:
-            raise _unsupported("ElasticBuffer.dispatch(do_zero_padding=True)",
-                               "it zeroes the expand layout's padding, and do_expand is not "
-                               "provided")
+        do_expand = bool(do_expand)
+        if do_zero_padding and not do_expand:
+            raise _epx.InputError("dispatch: do_zero_padding = True, expected False without "
+                                  "do_expand (it zeroes the expand layout's padding)")
         torch = T.torch()
         rows, scales = split_x(x)
         n, hidden = rows.shape
@@ -373,6 +388,9 @@ class ElasticBuffer:
                 if given is not None and given != getattr(handle, name):
                     raise _epx.InputError(f"dispatch(handle=...): {name} = {given}, expected "
                                           f"the handle's {getattr(handle, name)}")
+            if do_expand != handle.do_expand:
+                raise _epx.InputError(f"dispatch(handle=...): do_expand = {do_expand}, expected "
+                                      f"the handle's {handle.do_expand}")
             if n != route.num_tokens:
                 raise _epx.InputError(f"dispatch(handle=...): x.shape[0] = {n}, expected the "
                                       f"handle's {route.num_tokens} tokens")
@@ -424,24 +442,43 @@ class ElasticBuffer:
             stats += out.expert_counts
 
         cap = obj.a2a.config.capacity
+        aligned = None  # the aligned counts read on the host (with the host read)
         if handle is not None:
             m = route.rows
+        elif sync:  # the host reads the row count and the counts
+            m = int(out.recv_count.item())
+            aligned = ((out.expert_counts + a - 1) // a * a).tolist()
         else:
-            m = int(out.recv_count.item()) if sync else cap  # the host reads the count once
+            m = cap
         valid = torch.arange(m, device=dev) < out.recv_count
         ids = out.recv_topk_ids[:m].long()
         r = self.rank_idx
         local = (ids >= r * L) & (ids < (r + 1) * L) & valid[:, None]
-        recv_x = out.recv_x[:m].clone()
-        if scales is not None:
-            recv_x = (recv_x, self._scales_out(out.recv_scales[:m], use_tma_aligned_col_major_sf))
-        recv_topk_idx = torch.where(local, ids - r * L, -1).to(topk_idx.dtype)
+        local_ids = torch.where(local, ids - r * L, -1)
+        expand = None if route is None else route.expand
+        if do_expand and expand is None:
+            rows = sum(aligned) if sync else _worst_expanded(W, max_tokens, K, L, a)
+            expand = expand_layout(local_ids, local, L, a, rows)
         recv_topk_weights = None
         if topk_weights is not None:
             recv_topk_weights = torch.where(valid[:, None], out.recv_topk_weights[:m], 0.0)
+        tma = use_tma_aligned_col_major_sf
+        if expand is None:
+            recv_x = out.recv_x[:m].clone()
+            if scales is not None:
+                recv_x = (recv_x, self._scales_out(out.recv_scales[:m], tma))
+            recv_topk_idx = local_ids.to(topk_idx.dtype)
+        else:  # one row per (token, local slot), gathered from epx's rows
+            recv_x = gather_rows(out.recv_x, expand, K, do_zero_padding)
+            if scales is not None:  # a gathered copy already: column-major takes another
+                gathered = gather_rows(out.recv_scales, expand, K, do_zero_padding)
+                recv_x = (recv_x, self._scales_out(gathered, True) if tma else gathered)
+            recv_topk_idx = None
+            if recv_topk_weights is not None:
+                recv_topk_weights = gather_weights(recv_topk_weights, expand)
         if handle is None:
-            handle = self._new_handle(out, key, obj, topk_idx, m, valid, local, a, sync,
-                                      num_sms, do_handle_copy)
+            handle = self._new_handle(out, key, obj, topk_idx, m, valid, local, a, aligned,
+                                      expand, num_sms, do_handle_copy)
         event = event_after(async_with_compute_stream,
                             (rows, scales, topk_idx, topk_weights, recv_topk_idx,
                              recv_topk_weights))
@@ -462,7 +499,8 @@ class ElasticBuffer:
         return out
 
     def _new_handle(self, out, key: _Key, obj: _Object, topk_idx, m: int, valid, local,
-                    alignment: int, sync: bool, num_sms: int, do_handle_copy: bool) -> EPHandle:
+                    alignment: int, aligned: Optional[list], expand: Optional[ExpandLayout],
+                    num_sms: int, do_handle_copy: bool) -> EPHandle:
         torch = T.torch()
         W, K, T_ = self.num_ranks, key.topk, key.max_tokens_per_rank
         L, dev = key.num_experts // W, valid.device
@@ -473,21 +511,21 @@ class ElasticBuffer:
         highest = torch.where(local, slots, -1).amax(dim=1)
         meta[:, 1] = torch.where(valid, src_rank * K + highest, -1)
         counts = out.expert_counts.clone()
-        aligned = (counts + alignment - 1) // alignment * alignment
-        if sync:
-            per_expert_list = aligned.tolist()
-            expanded = sum(per_expert_list)
-        else:  # DeepEP's worst case
-            per_expert_list = []
-            expanded = _align(W * T_ * min(K, L) + (alignment - 1) * L, alignment)
+        if expand is None:
+            psum = ((counts + alignment - 1) // alignment * alignment).cumsum(0)
+            expanded = sum(aligned) if aligned is not None else \
+                _worst_expanded(W, T_, K, L, alignment)
+        else:
+            meta[:, 2:] = expand.dest
+            psum, expanded = expand_psum(expand), expand.rows
         handle = EPHandle(
-            False, key.num_experts, alignment, T_,
+            expand is not None, key.num_experts, alignment, T_,
             num_sms or self.get_theoretical_num_sms(key.num_experts, K),
-            topk_idx.clone() if do_handle_copy else topk_idx, m, expanded, per_expert_list,
-            rows_per_source_psum(out.recv_src_rank[:m], valid, W),
-            aligned.cumsum(0).to(torch.int32), counts, meta,
-            self._dst_slots(topk_idx, key.num_experts, T_))
-        handle._route = _Route(self, key, obj, obj.layout, topk_idx.shape[0], m, local)
+            topk_idx.clone() if do_handle_copy else topk_idx, m, expanded,
+            [] if aligned is None else aligned,
+            rows_per_source_psum(out.recv_src_rank[:m], valid, W), psum.to(torch.int32),
+            counts, meta, self._dst_slots(topk_idx, key.num_experts, T_))
+        handle._route = _Route(self, key, obj, obj.layout, topk_idx.shape[0], m, local, expand)
         return handle
 
     def _dst_slots(self, topk_idx, num_experts: int, max_tokens: int):
@@ -520,12 +558,13 @@ class ElasticBuffer:
         torch = T.torch()
         h = self._handle_of(handle, "combine")
         route = h._route
-        rows, key = route.rows, route.key
-        T.check("x", x, dtype=torch.bfloat16, shape=(rows, key.hidden),
-                what="the handle's received rows")
+        key, expand = route.key, route.expand
+        rows = route.rows if expand is None else expand.rows
+        what = "the handle's received rows" if expand is None else "the handle's expanded rows"
+        T.check("x", x, dtype=torch.bfloat16, shape=(rows, key.hidden), what=what)
         if topk_weights is not None:
-            T.check("topk_weights", topk_weights, dtype=torch.float32, shape=(rows, key.topk),
-                    what="the handle's received rows")
+            T.check("topk_weights", topk_weights, dtype=torch.float32,
+                    shape=(rows,) if expand is not None else (rows, key.topk), what=what)
         check_bias(bias, route.num_tokens, key.hidden)
         _check_count("num_sms", num_sms, 0)
         _check_count("num_qps", num_qps, 0)
@@ -536,9 +575,12 @@ class ElasticBuffer:
             weights = torch.zeros(h.topk_idx.shape, dtype=torch.float32, device=x.device)
             obj.a2a.dispatch(zeros, h.topk_idx, weights, scales)
             obj.layout = route.layout
-        # Each slot's weight comes back from the rank that holds its expert alone.
-        owned = None if topk_weights is None else torch.where(route.local, topk_weights, 0.0)
-        combined, combined_w = combine_rows(obj.a2a, x, owned, bias)
+        if expand is not None:
+            combined, combined_w = combine_expanded(obj.a2a, x, expand, topk_weights, bias,
+                                                    self.allow_multiple_reduction)
+        else:  # each slot's weight comes back from the rank that holds its expert alone
+            owned = None if topk_weights is None else torch.where(route.local, topk_weights, 0.0)
+            combined, combined_w = combine_rows(obj.a2a, x, owned, bias)
         event = event_after(async_with_compute_stream, (x, topk_weights, combined, combined_w))
         return combined, combined_w, event
 
