@@ -13,6 +13,9 @@ are in this project):
   ``all_gather``, ``all_reduce`` and ``all_to_all_single`` of CUDA tensors; the last as bytes,
   for the fp8 rows of V2's reference dispatch). Only torch.distributed functions of the test's processes are
   replaced; the epx side is unchanged (its bootstrap only needs the group's object all-gather).
+- ``emulate_node(rank, world_size)`` (called by that init_dist when EPX_DEEP_EP_EMULATED_NODES=N,
+  the runner's --emulated-nodes): each process one of N emulated nodes (LOCAL_WORLD_SIZE, and an
+  NCCL_HOSTID of its own), so that epx.deep_ep's Buffer builds an NcclWorld across them.
 - ``preparing_buffer(Buffer, spec)`` (used by that package when EPX_DEEP_EP_SHAPES="T,H,E,K" is
   set, for DeepEP's --shrink-test): a Buffer whose constructor also makes the low-latency shapes
   of T tokens, hidden H, E experts and top-K, on each wire (DeepEP's test dispatches with
@@ -28,6 +31,7 @@ from pathlib import Path
 
 ONE_GPU_ENV = "EPX_DEEP_EP_ONE_GPU"
 SHAPES_ENV = "EPX_DEEP_EP_SHAPES"
+NODES_ENV = "EPX_DEEP_EP_EMULATED_NODES"  # the runner's --emulated-nodes: see emulate_node
 
 _INIT = '''\
 """deep_ep as DeepEP's tests import it, assembled by epx's {runner}: epx.deep_ep under DeepEP's
@@ -159,6 +163,21 @@ class _Done:
 _installed = False
 
 
+def emulate_node(rank: int, world_size: int) -> None:
+    """With NODES_ENV = N set (the runner's --emulated-nodes): this process as one of N nodes of
+    world_size / N ranks each: LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them, and an
+    NCCL_HOSTID of its own, so that NCCL, which refuses two ranks of one host on one GPU, sees
+    every process as a host (epx groups the nodes by LOCAL_WORLD_SIZE, not by NCCL's hosts)."""
+    nodes = int(os.environ.get(NODES_ENV, "0") or 0)
+    if nodes <= 0:
+        return
+    local = world_size // nodes
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    os.environ["LOCAL_RANK"] = str(rank % local)
+    os.environ["NCCL_HOSTID"] = f"epx-emulated-{rank}"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
 def install_one_gpu() -> None:
     """N ranks on GPU 0 over gloo (see the module docstring). Idempotent."""
     global _installed
@@ -174,6 +193,7 @@ def install_one_gpu() -> None:
         # defaults and seeds as DeepEP's.
         address = os.getenv("MASTER_ADDR", "127.0.0.1")
         port = int(os.getenv("MASTER_PORT", "8361"))
+        emulate_node(local_rank, num_local_ranks)
         dist.init_process_group(backend="gloo", init_method=f"tcp://{address}:{port}",
                                 world_size=num_local_ranks, rank=local_rank)
         torch.cuda.set_device(0)

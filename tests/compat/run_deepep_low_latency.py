@@ -24,6 +24,12 @@ through a gloo group; ``gpu-per-rank`` leaves DeepEP's init_dist alone (NCCL, GP
 ``--assemble-only DIR`` writes the package into DIR and prints how to run DeepEP's test with no
 runner at all (``PYTHONPATH=DIR:...`` python3 tests/legacy/test_low_latency.py ...).
 
+Emulated nodes (``--emulated-nodes N``, one-gpu mode): the processes as N nodes of a block of
+ranks each (LOCAL_WORLD_SIZE, an NCCL_HOSTID per process: deepep_shim.emulate_node), so that
+epx.deep_ep builds an NcclWorld across them and its low-latency mode runs on NCCL's collectives,
+e.g. ``... -- --num-processes 4 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 32``
+with ``--emulated-nodes 2`` (LogFMT and shrink mode are one node's).
+
 Shrink mode (DeepEP's ``--shrink-test``: ranks 1, 3 and 5 stop calling, at their first dispatch,
 combine and clean, and the others must mask them): ``--shrink`` adds ``--shrink-test`` to the
 test's arguments, whose defaults become 8 processes (the test needs at least 6). With
@@ -168,6 +174,10 @@ def main(argv=None) -> int:
                         help="write the deep_ep package into DIR and exit")
     parser.add_argument("--shrink", action="store_true",
                         help="run the test's --shrink-test (rank masking; 8 processes by default)")
+    parser.add_argument("--emulated-nodes", type=int, default=0, metavar="N",
+                        help="one-gpu mode: the processes as N nodes (a block of ranks each, "
+                             "LOCAL_WORLD_SIZE; every process its own NCCL_HOSTID), so that "
+                             "epx.deep_ep builds an NcclWorld across them")
     args = parser.parse_args(argv)
     checkout = args.checkout.resolve()
     test = _test_path(checkout, args.test)
@@ -210,6 +220,11 @@ def main(argv=None) -> int:
     if mode == "one-gpu":
         os.environ[deepep_shim.ONE_GPU_ENV] = "1"
         os.environ.setdefault("EPX_TIMEOUT_MS", ONE_GPU_TIMEOUT_MS)
+    if args.emulated_nodes:
+        if mode != "one-gpu" or processes % args.emulated_nodes != 0:
+            parser.error(f"--emulated-nodes = {args.emulated_nodes}, expected a divisor of the "
+                         f"{processes} processes in mode one-gpu (mode here: {mode})")
+        os.environ[deepep_shim.NODES_ENV] = str(args.emulated_nodes)
     # The test multiplies 8192 x 8192 matrices on the CPU between its hooks, in every process at
     # once: each gets its share of the cores instead of all of them.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))

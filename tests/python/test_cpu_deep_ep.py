@@ -403,3 +403,26 @@ def test_preparing_buffer_makes_the_shapes_in_its_constructor(tmp_path):
            deepep_shim.SHAPES_ENV: "128,7168,32,8"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_ranks_of_several_nodes_make_an_nccl_world(monkeypatch):
+    """epx.deep_ep's world: an NcclWorld when the launcher's LOCAL_WORLD_SIZE puts the group's
+    ranks on several nodes, else an IpcWorld; and the runner's emulated nodes set what NCCL and
+    epx read in each process."""
+    from epx.deep_ep._common import nodes_of
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert nodes_of(4) == 0
+    for env, size, want in [("2", 4, 2), ("4", 4, 0), ("8", 4, 0), ("3", 4, 0), ("x", 4, 0),
+                            ("1", 2, 1)]:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", env)
+        assert nodes_of(size) == want, (env, size)
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "NCCL_HOSTID", "NCCL_NVLS_ENABLE",
+                 deepep_shim.NODES_ENV):
+        monkeypatch.delenv(name, raising=False)
+    deepep_shim.emulate_node(3, 4)  # no emulated nodes asked for: nothing set
+    assert "NCCL_HOSTID" not in os.environ
+    monkeypatch.setenv(deepep_shim.NODES_ENV, "2")
+    deepep_shim.emulate_node(3, 4)
+    assert (os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("2", "1")
+    assert os.environ["NCCL_HOSTID"] == "epx-emulated-3"

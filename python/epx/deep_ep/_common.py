@@ -106,14 +106,31 @@ class RoutedObject:
         self.layout: Optional[int] = None
 
 
+def nodes_of(group_size: int) -> int:
+    """The ranks of each node for a group of `group_size` ranks spread over several nodes, from
+    the launcher's LOCAL_WORLD_SIZE (torchrun's; ranks on the nodes in blocks), else 0: one
+    node."""
+    import os
+
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(env) if env.isdigit() else 0
+    if 0 < local < group_size and group_size % local == 0:
+        return local
+    return 0
+
+
 def make_world(group, comm=None):
-    """This process's IpcWorld over a torch.distributed group or an mpi4py communicator
-    (collective: the handshake)."""
+    """This process's world over a torch.distributed group or an mpi4py communicator
+    (collective: the handshake): an IpcWorld on one node; across nodes (LOCAL_WORLD_SIZE
+    smaller than the group) an NcclWorld, whose backends run on NCCL's collectives."""
     torch = T.torch()
     device = torch.cuda.current_device()
     if group is not None:
-        from ..world import ipc_world_from_torch
+        from ..world import ipc_world_from_torch, nccl_world_from_torch
 
+        local = nodes_of(group.size())
+        if local:
+            return nccl_world_from_torch(group, device, local_world_size=local)
         return ipc_world_from_torch(group, device)
     from ..world import IpcWorld
 
