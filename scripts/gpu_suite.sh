@@ -10,7 +10,8 @@
 # high_throughput checks; one process per rank, its faults, serve-bench and several GPUs; each part
 # fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
 # deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
-# processes on GPU 0, also with --use-logfmt, its tests/legacy/test_intranode.py with 2 and 4, and
+# processes on GPU 0, also with --use-logfmt and across 2 emulated nodes of 2, its
+# tests/legacy/test_intranode.py and V2's tests/elastic/test_ep.py with 2 and 4, and
 # its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR,
 # a DeepEP checkout with deep_ep/utils and tests, and the python part), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
@@ -34,6 +35,12 @@ parts=${EPX_SUITE_PARTS:-core,python}
 [[ ",$parts," == *",core,"* ]] && parts="$parts,gtest,cli"
 [[ ",$parts," == *",cli,"* ]] && parts="$parts,checks,ht,procs"
 want() { [[ ",$parts," == *",$1,"* ]]; }
+# NcclWorld (one rank, emulated nodes, several GPUs): never NVLink multicast, and the wheel's
+# libnccl when the system has none.
+export NCCL_NVLS_ENABLE=0
+if [ -z "${EPX_NCCL_LIBRARY:-}" ]; then
+  EPX_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) && export EPX_NCCL_LIBRARY
+fi
 if { want gtest || want checks || want ht || want procs; } && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_gpu_tests" ]; }; then
   scripts/setup.sh --tests "$build" || exit 1
 elif want fault && { [ ! -x "$build/epx" ] || [ ! -x "$build/tests/epx_fault_rank" ]; }; then
@@ -315,10 +322,6 @@ run serve_small_graph_world $build/epx serve-bench --world 8 --experts 64 --hidd
 # Several GPUs: in-process ranks spread over them, and one process per GPU over NcclWorld.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 w=1; while [ $((w * 2)) -le "$gpus" ]; do w=$((w * 2)); done; gpus=$w  # 256 experts divide evenly
-export NCCL_NVLS_ENABLE=0  # never NVLink multicast
-if [ -z "${EPX_NCCL_LIBRARY:-}" ]; then  # the wheel's libnccl when the system has none
-  EPX_NCCL_LIBRARY=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null) && export EPX_NCCL_LIBRARY
-fi
 if [ "$gpus" -ge 2 ]; then
   echo "NcclWorld runs with EPX_NCCL_LIBRARY=${EPX_NCCL_LIBRARY:-libnccl.so.2}"
   run multi_inproc_t128 $E --world 8 --gpus "$gpus" --tokens 128 --iters 2
@@ -377,7 +380,13 @@ if want deepep; then
     run "deepep_intranode_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
         "$EPX_DEEPEP_DIR" --test tests/legacy/test_intranode.py -- --num-processes $n \
         --num-tokens ${EPX_DEEPEP_INTRANODE_TOKENS:-256} --hidden 7168 --num-topk 8 --num-experts 64
+    run "deepep_ep_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+        "$EPX_DEEPEP_DIR" --test tests/elastic/test_ep.py -- --num-processes $n --num-tokens 256 \
+        --skip-perf-test
   done
+  # Across 2 emulated nodes of 2 processes (an NcclWorld; every process its own NCCL host id).
+  run deepep_nodes_2x2 env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+      "$EPX_DEEPEP_DIR" --emulated-nodes 2 -- --num-processes 4 $DS --num-experts 32
   # Shrink mode (the test's --shrink-test: 8 processes, ranks 1, 3 and 5 stop calling): every
   # survivor's object waits EPX_TIMEOUT_MS (10 s in the runner) once per stopped rank it meets,
   # about a dozen times, on a time-sliced GPU: 168 s measured on an H200.
