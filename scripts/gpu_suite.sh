@@ -12,8 +12,8 @@
 # deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
 # processes on GPU 0, also with --use-logfmt and across 2 emulated nodes of 2, its
 # tests/legacy/test_intranode.py and V2's tests/elastic/test_ep.py with 2 and 4, and
-# its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR,
-# a DeepEP checkout with deep_ep/utils and tests, and the python part), sanitize (compute-sanitizer
+# its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP checkout
+# with deep_ep/utils and tests; it installs the package itself), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
 # scripts/fault_matrix.sh, on GPU 0: 4-5 minutes expected; its rows count one each, its table goes
 # to $logs/fault_matrix.md), multi (a node of several GPUs: in-process, IpcWorld and NcclWorld
@@ -342,14 +342,17 @@ fi
 
 fi  # procs
 
-if want python; then
+if want python || want deepep; then
 # The Python package as users get it (`pip install --no-build-isolation .` into a scratch target:
 # torch, nanobind, scikit-build-core and pytest must be installed), its tests (each counts) and
-# its example of two processes on one GPU under `epx launch`.
+# its example of two processes on one GPU under `epx launch` (the python part; the deepep part
+# alone installs the package and runs DeepEP's tests on it).
 py=$build/python-target
 echo "=== python: pip install --no-build-isolation --target $py ."
-if CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
+if ! CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps \
      --upgrade -q --target "$py" . >"$logs/python_install.log" 2>&1; then
+  failed=$((failed+1)); echo "    FAILED: pip install"; tail -n 15 "$logs/python_install.log" | sed 's/^/      /'
+elif want python; then
   PYTHONPATH=$py timeout "${EPX_PYTHON_TIMEOUT_S:-1800}" python3 -m pytest -q -rs \
     -p no:cacheprovider tests/python >"$logs/python_tests.log" 2>&1
   line=$(grep -E "^[=]* ?[0-9]+ (passed|failed|skipped|error)" "$logs/python_tests.log" | tail -n 1)
@@ -360,8 +363,6 @@ if CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolati
   echo "    python: $p passed, $f failed, $s skipped"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$logs/python_tests.log" | head -20 | sed 's/^/      /'
   run python_example_n2 $L -n 2 -- env PYTHONPATH="$py" python3 examples/python/two_ranks_one_gpu.py
-else
-  failed=$((failed+1)); echo "    FAILED: pip install"; tail -n 15 "$logs/python_install.log" | sed 's/^/      /'
 fi
 
 if want deepep; then
