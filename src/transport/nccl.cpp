@@ -46,6 +46,7 @@ struct Nccl {
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&ncclCommInitRankConfig) comm_init_rank_config = nullptr;
   decltype(&ncclCommGetAsyncError) async_error = nullptr;
+  decltype(&ncclCommFinalize) comm_finalize = nullptr;
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
   decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclMemAlloc) mem_alloc = nullptr;
@@ -89,6 +90,7 @@ const Nccl& nccl() {
     sym(lib.get_unique_id, "ncclGetUniqueId");
     sym(lib.comm_init_rank_config, "ncclCommInitRankConfig");
     sym(lib.async_error, "ncclCommGetAsyncError");
+    sym(lib.comm_finalize, "ncclCommFinalize");
     sym(lib.comm_destroy, "ncclCommDestroy");
     sym(lib.comm_abort, "ncclCommAbort");
     sym(lib.mem_alloc, "ncclMemAlloc");
@@ -241,6 +243,25 @@ NcclWorld::NcclWorld(std::unique_ptr<Bootstrap> bootstrap, int device, int local
   }
 }
 
+namespace {
+// The end of a communicator, bounded. Orderly: a finalize (non-blocking: it completes with the
+// peers' own), polled for EPX_TIMEOUT_MS, then the destroy, which then frees local resources only.
+// Unwinding from an error (a peer may be dead), or a finalize that fails or outlives the bound:
+// an abort, which does not talk to the peers. A teardown never waits without a bound.
+void end_communicator(void* comm, bool orderly) {
+  auto* c = static_cast<ncclComm_t>(comm);
+  if (orderly) {
+    try {
+      EPX_NCCL_FINISH(c, nccl().comm_finalize(c));
+      (void)nccl().comm_destroy(c);
+      return;
+    } catch (const Error&) {  // (TimeoutError, CudaError: the abort below)
+    }
+  }
+  (void)nccl().comm_abort(c);
+}
+}  // namespace
+
 NcclWorld NcclWorld::from_env(int device) {
   const BootstrapOptions options = BootstrapOptions::from_env();
   return NcclWorld(std::make_unique<SocketBootstrap>(options), device, options.local_world_size);
@@ -250,7 +271,7 @@ NcclWorld::NcclWorld(NcclWorld&& o) noexcept { *this = std::move(o); }
 
 NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
   if (this != &o) {
-    if (comm_ != nullptr) (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
+    if (comm_ != nullptr && !aborted_.load()) end_communicator(comm_, /*orderly=*/true);
     bootstrap_ = std::move(o.bootstrap_);
     comm_ = std::exchange(o.comm_, nullptr);
     rank_ = o.rank_;
@@ -264,14 +285,8 @@ NcclWorld& NcclWorld::operator=(NcclWorld&& o) noexcept {
 }
 
 NcclWorld::~NcclWorld() {
-  if (comm_ == nullptr || aborted_.load()) return;
-  // Unwinding from an error (a peer may be dead): abort, which does not talk to the peers;
-  // otherwise the orderly destroy.
-  if (std::uncaught_exceptions() > 0) {
-    (void)nccl().comm_abort(static_cast<ncclComm_t>(comm_));
-  } else {
-    (void)nccl().comm_destroy(static_cast<ncclComm_t>(comm_));
-  }
+  if (comm_ != nullptr && !aborted_.load())
+    end_communicator(comm_, /*orderly=*/std::uncaught_exceptions() == 0);
 }
 
 void NcclWorld::abort() {
