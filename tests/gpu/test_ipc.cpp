@@ -264,9 +264,9 @@ int free_master_port() {
 // `nodes` x `local` processes, each started with torchrun's variables (RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the node layout epx reads) and a host id
 // of its own (NCCL_HOSTID: NCCL then takes every process for a host, and refuses none of them for
-// sharing the GPU), each running `epx check --world-kind nccl` of `backend` on a small shape.
-CommandResult emulated_nodes_check(int nodes, int local, const std::string& backend,
-                                   const std::string& extra = "", int timeout_ms = 30000) {
+// sharing the GPU), each running `epx <args>`.
+CommandResult emulated_nodes_run(int nodes, int local, const std::string& args,
+                                 int timeout_ms = 30000) {
   const int W = nodes * local;
   const int port = free_master_port();
   // Each rank's output (stdout and stderr) goes to a file of its own, printed afterwards with a
@@ -277,16 +277,24 @@ CommandResult emulated_nodes_check(int nodes, int local, const std::string& back
               " LOCAL_RANK=" + std::to_string(r % local) +
               " LOCAL_WORLD_SIZE=" + std::to_string(local) +
               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-              " NCCL_HOSTID=epx-emulated-" + std::to_string(r) + " '" + epx_cli() +
-              "' check --world-kind nccl --backend " + backend +
-              " --hidden 2048 --experts 16 --topk 4 --tokens 7 --iters 2 " + extra + " >$d/" +
-              std::to_string(r) + " 2>&1 & pids=\"$pids $!\"; ";
+              " NCCL_HOSTID=epx-emulated-" + std::to_string(r) + " '" + epx_cli() + "' " + args +
+              " >$d/" + std::to_string(r) + " 2>&1 & pids=\"$pids $!\"; ";
   }
   script += "for p in $pids; do wait $p || rc=1; done; for f in $(ls $d | sort -n); do "
             "sed \"s/^/[rank $f] /\" $d/$f; done; rm -rf $d; exit $rc";
   return run_command({"/bin/sh", "-c", script},
                      {{"NCCL_NVLS_ENABLE", "0"}, {"EPX_TIMEOUT_MS", std::to_string(timeout_ms)}},
                      240);
+}
+
+// `epx check --world-kind nccl` of `backend` on a small shape across emulated nodes.
+CommandResult emulated_nodes_check(int nodes, int local, const std::string& backend,
+                                   const std::string& extra = "", int timeout_ms = 30000) {
+  return emulated_nodes_run(nodes, local,
+                            "check --world-kind nccl --backend " + backend +
+                                " --hidden 2048 --experts 16 --topk 4 --tokens 7 --iters 2 " +
+                                extra,
+                            timeout_ms);
 }
 
 // Across emulated nodes the NcclWorld serves every backend's token-major contract through the
@@ -328,6 +336,23 @@ TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
           << what;
     }
   }
+}
+
+// `epx bench` runs across emulated nodes too: every backend checked against the reference and
+// timed, NCCL's own collectives beside them (figures of sockets on one GPU: the path, not the
+// speed).
+TEST(NcclNodes, BenchRunsAcrossEmulatedNodes) {
+  REQUIRE_GPU();
+  const auto r = emulated_nodes_run(
+      2, 2,
+      "bench --world-kind nccl --backends naive,allgather_reducescatter,low_latency,"
+      "high_throughput --hidden 2048 --experts 16 --topk 4 --tokens 32 --iters 50 --warmup 2");
+  REQUIRE_NCCL(r);
+  EXPECT_EQ(exit_code(r), 0) << r.out << r.err;
+  for (const char* b : {"naive", "allgather_reducescatter", "low_latency", "high_throughput"})
+    EXPECT_NE(r.out.find(b), std::string::npos) << b << "\n" << r.out << r.err;
+  EXPECT_EQ(r.out.find("unavailable"), std::string::npos) << r.out << r.err;
+  EXPECT_LT(r.seconds, 180.0) << r.out << r.err;
 }
 
 // A rank that dies after its world and object exist: the survivor's first collective never
