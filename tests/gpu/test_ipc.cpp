@@ -338,6 +338,22 @@ TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
   }
 }
 
+// 4 emulated nodes of 2 ranks at the DeepSeek-R1 shape: low_latency at 128 tokens (both layouts)
+// and high_throughput at 4096, each against the reference.
+TEST(NcclNodes, FourNodesOfTwoAtTheR1Shape) {
+  REQUIRE_GPU();
+  const std::string r1 = " --hidden 7168 --experts 256 --topk 8 --dtype bf16-to-fp8";
+  for (const std::string& args :
+       {"--backend low_latency --tokens 128 --iters 2" + r1,
+        "--backend low_latency --layout expert --tokens 128 --iters 2" + r1,
+        "--backend high_throughput --tokens 4096 --iters 1" + r1}) {
+    const auto r = emulated_nodes_run(4, 2, "check --world-kind nccl " + args, 60000);
+    REQUIRE_NCCL(r);
+    EXPECT_EQ(exit_code(r), 0) << args << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("on each of 8 ranks"), std::string::npos) << args << "\n" << r.out;
+  }
+}
+
 // `epx bench` runs across emulated nodes too: every backend checked against the reference and
 // timed, NCCL's own collectives beside them (figures of sockets on one GPU: the path, not the
 // speed).
