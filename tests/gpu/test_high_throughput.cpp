@@ -264,6 +264,19 @@ TEST(HighThroughput, AMissingRankTimesOutNamingIt) {
   EXPECT_THROW(g.a2a[0]->dispatch(in, g.streams[0]), StateError);
 }
 
+// A bf16 configuration of the hand-made cases below (20 s waits: ranks share one GPU).
+EpConfig bf16_config(int world, int hidden, int experts, int topk, int max_tokens) {
+  EpConfig c;
+  c.world_size = world;
+  c.hidden = hidden;
+  c.num_experts = experts;
+  c.topk = topk;
+  c.max_tokens_per_rank = max_tokens;
+  c.dtype = DispatchDtype::kBF16;
+  c.timeout_ms = 20000;
+  return c;
+}
+
 // DeepEP's normal mode on the core: rank 1 routes by a rank mask with its own per-expert counts
 // (DispatchInput::rank_mask) while ranks 0 and 2 route by ids, and combine brings each row's
 // top-k weights back and starts its sum from bias rows (CombineExtras). Every output against the
@@ -272,15 +285,8 @@ TEST(HighThroughput, AMissingRankTimesOutNamingIt) {
 // its own, as processes call.
 TEST(HighThroughput, RankMaskAndCombineExtrasMatchReference) {
   REQUIRE_GPU();
-  EpConfig c;
-  c.world_size = 3;
-  c.hidden = 1024;
-  c.num_experts = 12;
-  c.topk = 3;
-  c.max_tokens_per_rank = 40;
-  c.dtype = DispatchDtype::kBF16;
+  EpConfig c = bf16_config(3, 1024, 12, 3, 40);
   c.worst_case_output = true;
-  c.timeout_ms = 20000;
   const int W = c.world_size, K = c.topk, H = c.hidden, E = c.num_experts, cap = c.capacity();
   const std::vector<int> tokens = {40, 17, 0};
   std::vector<ref::RankInput> in(static_cast<size_t>(W));
@@ -389,15 +395,8 @@ TEST(HighThroughput, RankMaskAndCombineExtrasMatchReference) {
 // would see a kernel that kept rank order).
 TEST(HighThroughput, HighestSlotOrderMatchesReference) {
   REQUIRE_GPU();
-  EpConfig c;
-  c.world_size = 4;
-  c.hidden = 256;
-  c.num_experts = 8;
-  c.topk = 4;
-  c.max_tokens_per_rank = 48;
-  c.dtype = DispatchDtype::kBF16;
+  EpConfig c = bf16_config(4, 256, 8, 4, 48);
   c.combine_order = CombineOrder::kHighestSlot;
-  c.timeout_ms = 20000;
   const int W = c.world_size, K = c.topk, H = c.hidden, cap = c.capacity();
   const std::vector<int> tokens = {48, 31, 0, 9};
   std::vector<ref::RankInput> in(static_cast<size_t>(W));
