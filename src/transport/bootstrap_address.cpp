@@ -193,6 +193,17 @@ void tune_connection(const SocketAddress& s, int fd) {
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 }
 
+bool connected_to_itself(const SocketAddress& s, int fd) {
+  if (!s.tcp()) return false;
+  sockaddr_storage here{}, there{};
+  socklen_t here_len = sizeof(here), there_len = sizeof(there);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&here), &here_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&there), &there_len) != 0) {
+    return false;
+  }
+  return here_len == there_len && std::memcmp(&here, &there, here_len) == 0;
+}
+
 bool someone_listens(const SocketAddress& s) {
   UniqueFd probe(::socket(s.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!probe.valid()) return false;

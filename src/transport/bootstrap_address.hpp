@@ -58,6 +58,12 @@ SocketAddress resolve(const std::string& address);
 // must not wait for Nagle's algorithm). Nothing for Unix sockets.
 void tune_connection(const SocketAddress& s, int fd);
 
+// A TCP connection to a port of this host with no listener can land on itself: the kernel may
+// pick the destination port as the ephemeral source port, and the two ends meet (a simultaneous
+// open). It then holds the port that rank 0 is about to listen on. True for such a connection:
+// the caller closes it and tries again.
+bool connected_to_itself(const SocketAddress& s, int fd);
+
 // Whether something accepts connections at `s` (a live listener), probing with a connect.
 bool someone_listens(const SocketAddress& s);
 

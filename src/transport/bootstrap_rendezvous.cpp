@@ -325,8 +325,7 @@ void SocketBootstrap::Impl::start_member() {
     if (!root.valid()) {
       EPX_THROW(PeerError, fmt::format("{}: socket(): {}", where(), errno_text(errno)));
     }
-    if (::connect(root.get(), addr.connect_sa(), addr.len) == 0) break;
-    const int err = errno;
+    int err = ::connect(root.get(), addr.connect_sa(), addr.len) == 0 ? 0 : errno;
     if (err == EINPROGRESS) {
       // TCP's usual answer (and legal for Unix sockets): wait for the connection to complete;
       // refused or unreachable, it is retried below.
@@ -337,8 +336,12 @@ void SocketBootstrap::Impl::start_member() {
       int so_error = 0;
       socklen_t len = sizeof(so_error);
       if (::getsockopt(root.get(), SOL_SOCKET, SO_ERROR, &so_error, &len) == 0 && so_error == 0)
-        break;
-    } else if (err != ENOENT && err != ECONNREFUSED && err != EAGAIN &&
+        err = 0;
+    }
+    if (err == 0) {
+      if (!transport::connected_to_itself(addr, root.get())) break;
+      root.reset();  // frees the port for rank 0; nothing listened yet
+    } else if (err != EINPROGRESS && err != ENOENT && err != ECONNREFUSED && err != EAGAIN &&
                !(addr.tcp() && (err == ETIMEDOUT || err == EHOSTUNREACH ||
                                 err == ENETUNREACH))) {
       EPX_THROW(PeerError, fmt::format("{}: rank {} cannot connect to rank 0: {}", where(),

@@ -11,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "bootstrap_harness.hpp"
 #include "epx/bootstrap.hpp"
 #include "epx/error.hpp"
+#include "transport/bootstrap_address.hpp"
 
 namespace epx {
 namespace {
@@ -113,6 +116,54 @@ TEST(TcpBootstrap, PortInUseIsAConfigError) {
   ASSERT_EQ(::listen(other.get(), 4), 0);
   EXPECT_TRUE(throws_config_error([&] { SocketBootstrap b(options(0, 2, address)); },
                                   {address, "port is already in use"}));
+}
+
+// While rank 0 is late, a member's connect to a port of this host can meet itself (the kernel
+// picks the destination port as the source port: a simultaneous open), and would hold the port
+// rank 0 is about to listen on. The member recognises such a socket and tries again; a
+// connection to a real listener is not mistaken for one.
+TEST(TcpBootstrap, AConnectionToItselfIsRecognised) {
+  const auto loopback = [](int port) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    return a;
+  };
+  const auto port_of = [](int fd) {
+    sockaddr_in a{};
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    return static_cast<int>(ntohs(a.sin_port));
+  };
+  const auto tcp = [](int port) {
+    return transport::resolve("tcp://127.0.0.1:" + std::to_string(port));
+  };
+  const sockaddr_in any = loopback(0);
+  // Bound to a free port, then connected to that same port.
+  const int self = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(self, 0);
+  ASSERT_EQ(::bind(self, reinterpret_cast<const sockaddr*>(&any), sizeof(any)), 0);
+  const int p = port_of(self);
+  const sockaddr_in to_self = loopback(p);
+  ASSERT_EQ(::connect(self, reinterpret_cast<const sockaddr*>(&to_self), sizeof(to_self)), 0)
+      << std::strerror(errno);
+  EXPECT_TRUE(transport::connected_to_itself(tcp(p), self));
+  ::close(self);
+  // A client of a listener.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&any), sizeof(any)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  const int q = port_of(listener);
+  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  const sockaddr_in to_listener = loopback(q);
+  ASSERT_EQ(::connect(client, reinterpret_cast<const sockaddr*>(&to_listener),
+                      sizeof(to_listener)),
+            0);
+  EXPECT_FALSE(transport::connected_to_itself(tcp(q), client));
+  ::close(client);
+  ::close(listener);
 }
 
 TEST(TcpBootstrap, RankThatNeverArrivesIsNamed) {

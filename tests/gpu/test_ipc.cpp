@@ -13,9 +13,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -241,22 +244,34 @@ TEST(NcclOneRank, RefusesWithoutSymmetricMemoryNamingTheVariable) {
 
 // ---- emulated nodes: ranks of one GPU that NCCL takes for separate hosts -------------------------
 
-// A TCP port P such that P + 1 is free too (epx's bootstrap listens on MASTER_PORT + 1).
+// Whether a TCP port of 127.0.0.1 can be listened on now.
+bool port_is_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// A TCP port P such that P + 1 is free too (epx's bootstrap listens on MASTER_PORT + 1), below
+// the kernel's ephemeral range: a port from that range can be taken between this choice and
+// rank 0's listen by any outgoing connection of the host (NCCL's among them).
 int free_master_port() {
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-      if (fd >= 0) ::close(fd);
-      continue;
-    }
-    ::close(fd);
-    const int port = ntohs(a.sin_port);
-    if (port > 1024) return port - 1;
+  int low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &low) != 1) low = 32768;
+    std::fclose(f);
+  }
+  const int first = 10000, last = std::max(first + 100, low - 2);
+  std::mt19937 pick(static_cast<unsigned>(::getpid()) * 2654435761u +
+                    static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int port = first + static_cast<int>(pick() % unsigned(last - first));
+    if (port_is_free(port) && port_is_free(port + 1)) return port;
   }
   return 29499;
 }

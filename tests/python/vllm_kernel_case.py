@@ -21,6 +21,13 @@ import epx
 import epx.vllm
 
 TOLERANCE = 3e-2
+# Experts that round the intermediate through fp8 (1x128 scales) before the second product: where
+# a value sits on an e4m3 rounding boundary, the kernel's bf16 accumulation and the reference's
+# f32 round it to neighbouring steps, and that one step (6 % of the value) reaches the output
+# through a W2 column. Measured on an H200 with vLLM's Triton batched fp8 experts: 1 of 37888
+# outputs at 0.037 from the reference, the rest within 0.03. A misrouted or lost token is off by
+# the order of the output itself.
+TOLERANCE_FP8_INTERMEDIATE = 6e-2
 BATCHED = ("naive_batched", "batched_triton")
 EXPERTS = BATCHED + ("torch_standard",)
 
@@ -331,7 +338,9 @@ def run_rank(kernel, weights: Weights, shape: Shape, world: int, rank: int, toke
             sync()
         y = torch.cat(outs).float()
         want = weights.reference(x, ids, w, intermediate_fp8)
-        torch.testing.assert_close(y, want, rtol=TOLERANCE, atol=TOLERANCE)
+        tol = TOLERANCE_FP8_INTERMEDIATE if weights.dtype == "fp8" and intermediate_fp8 \
+            else TOLERANCE
+        torch.testing.assert_close(y, want, rtol=tol, atol=tol)
         if n:
             worst = max(worst, float(((y - want).abs() / (1 + want.abs())).max()))
     return worst
