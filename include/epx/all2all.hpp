@@ -228,6 +228,18 @@ std::vector<DispatchResult> dispatch_group(std::span<All2All* const> ranks,
 void combine_group(std::span<All2All* const> ranks, std::span<const void* const> expert_out,
                    std::span<void* const> y, cudaStream_t stream);
 
+// The copy epilogue of a dispatch, for callers whose results must outlive the next round (the
+// received rows live in the object's memory until then): row i of dst (rows dst_stride bytes
+// apart) gets row_bytes bytes from row index[i] of src (src_stride apart; row i when index is
+// null), or zeros where zero[i] is set (zero may be null). Enqueued on `stream`; no host
+// synchronisation. The indices must lie in src's rows (they are not checked on the device).
+// InputError, nothing launched, for a negative count, a stride below row_bytes or a null
+// pointer with rows to copy. Its kernel is named dispatch_copy_epilogue_impl, as DeepEP's kernel
+// of the same stage, for profiler-based benchmarks that time the stage by that name.
+void copy_rows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
+               size_t row_bytes, int64_t rows, const int64_t* index, const bool* zero,
+               cudaStream_t stream);
+
 // One object per rank of an in-process world; cfg.rank and cfg.world_size are set per rank.
 // `launch` entries left at 0 are chosen per world and shape; explicit values above a rank's SM
 // budget throw ConfigError (they could not all be resident and would hang).

@@ -369,6 +369,17 @@ void bind_gpu(nb::module_& m) {
       },
       nb::arg("backend"), nb::arg("config"), nb::arg("world"), nb::arg("launch") = LaunchConfigs{},
       nb::keep_alive<0, 3>(), "This process's All2All of an NcclWorld (collective).");
+  m.def(
+      "copy_rows",
+      [](uintptr_t dst, size_t dst_stride, uintptr_t src, size_t src_stride, size_t row_bytes,
+         int64_t rows, uintptr_t index, uintptr_t zero, uintptr_t stream) {
+        copy_rows(as_ptr<void>(dst), dst_stride, as_ptr<const void>(src), src_stride, row_bytes,
+                  rows, as_ptr<const int64_t>(index), as_ptr<const bool>(zero), as_stream(stream));
+      },
+      nb::arg("dst"), nb::arg("dst_stride"), nb::arg("src"), nb::arg("src_stride"),
+      nb::arg("row_bytes"), nb::arg("rows"), nb::arg("index"), nb::arg("zero"), nb::arg("stream"),
+      "Row i of dst from row index[i] of src (index 0: row i), zeros where zero[i] (0: none); "
+      "pointers, strides (bytes) and the stream as integers. Stream-ordered.");
 }
 
 }  // namespace epx::python

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
@@ -205,6 +206,76 @@ TEST(PointerDevice, AnotherGpusMemoryIsRefusedNamingBothGpus) {
         << m;
   }
   (void)cudaFree(other);
+}
+
+
+// The copy epilogue (epx::copy_rows): every row of the result is the row its index names, or
+// zeros where marked, in 16-, 4- and 1-byte words (row sizes and strides that allow each); bad
+// arguments are refused by name before anything is launched.
+TEST(CopyRows, GathersRowsAndZeroesMarkedOnesInEveryWordSize) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  EPX_CUDA_CHECK(cudaSetDevice(0));
+  const int64_t src_rows = 7, rows = 9;
+  const int64_t index[rows] = {6, 0, 3, 3, 1, 5, 2, 4, 0};
+  const bool zero[rows] = {false, true, false, false, false, true, false, false, false};
+  int64_t* d_index = nullptr;
+  bool* d_zero = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&d_index, sizeof(index)));
+  EPX_CUDA_CHECK(cudaMalloc(&d_zero, sizeof(zero)));
+  EPX_CUDA_CHECK(cudaMemcpy(d_index, index, sizeof(index), cudaMemcpyHostToDevice));
+  EPX_CUDA_CHECK(cudaMemcpy(d_zero, zero, sizeof(zero), cudaMemcpyHostToDevice));
+  for (const size_t row_bytes : {size_t(7168), size_t(224), size_t(13)}) {  // 16, 4, 1 bytes
+    const size_t src_stride = row_bytes + (row_bytes % 16 == 0 ? 32 : row_bytes % 4 == 0 ? 4 : 3);
+    const size_t dst_stride = row_bytes;
+    std::vector<uint8_t> src(size_t(src_rows) * src_stride);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = uint8_t(i * 131 + 7);
+    uint8_t *d_src = nullptr, *d_dst = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&d_src, src.size()));
+    EPX_CUDA_CHECK(cudaMalloc(&d_dst, size_t(rows) * dst_stride));
+    EPX_CUDA_CHECK(cudaMemcpy(d_src, src.data(), src.size(), cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemset(d_dst, 0xee, size_t(rows) * dst_stride));
+    copy_rows(d_dst, dst_stride, d_src, src_stride, row_bytes, rows, d_index, d_zero, nullptr);
+    std::vector<uint8_t> got(size_t(rows) * dst_stride);
+    EPX_CUDA_CHECK(cudaMemcpy(got.data(), d_dst, got.size(), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < rows; ++i) {
+      for (size_t b = 0; b < row_bytes; ++b) {
+        const uint8_t want = zero[i] ? 0 : src[size_t(index[i]) * src_stride + b];
+        ASSERT_EQ(got[size_t(i) * dst_stride + b], want)
+            << "row_bytes " << row_bytes << ", row " << i << ", byte " << b;
+      }
+    }
+    // No index and no marks: the first rows as they are.
+    copy_rows(d_dst, dst_stride, d_src, src_stride, row_bytes, src_rows, nullptr, nullptr,
+              nullptr);
+    EPX_CUDA_CHECK(cudaMemcpy(got.data(), d_dst, got.size(), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < src_rows; ++i) {
+      for (size_t b = 0; b < row_bytes; ++b) {
+        ASSERT_EQ(got[size_t(i) * dst_stride + b], src[size_t(i) * src_stride + b])
+            << "row_bytes " << row_bytes << ", row " << i << ", byte " << b;
+      }
+    }
+    const auto refused = [&](auto call, const std::string& name) {
+      try {
+        call();
+        ADD_FAILURE() << name << " was not refused";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      }
+    };
+    refused([&] { copy_rows(d_dst, dst_stride, d_src, src_stride, row_bytes, -1, d_index,
+                            d_zero, nullptr); },
+            "copy_rows rows = -1");
+    refused([&] { copy_rows(d_dst, row_bytes - 1, d_src, src_stride, row_bytes, rows, d_index,
+                            d_zero, nullptr); },
+            "copy_rows dst_stride");
+    refused([&] { copy_rows(d_dst, dst_stride, nullptr, src_stride, row_bytes, rows, d_index,
+                            d_zero, nullptr); },
+            "copy_rows src = null");
+    EPX_CUDA_CHECK(cudaFree(d_src));
+    EPX_CUDA_CHECK(cudaFree(d_dst));
+  }
+  EPX_CUDA_CHECK(cudaFree(d_index));
+  EPX_CUDA_CHECK(cudaFree(d_zero));
 }
 
 }  // namespace

@@ -221,6 +221,32 @@ def check_bias(bias, num_tokens: int, hidden: int) -> None:
                     what="the handle's tokens")
 
 
+def copy_epilogue(src, index=None, zero=None):
+    """A fresh copy of rows of `src` ([R, ...], each row contiguous): all R, or row index[i]
+    (int64 [N]) for row i, with zeros where `zero` ([N] bool) is set. On the GPU it is epx's
+    copy epilogue (one kernel on the current stream, no host synchronisation): the copy that lets
+    a dispatch's results outlive the object's next round, as DeepEP's own epilogue does."""
+    torch = T.torch()
+    rows = src.shape[0] if index is None else index.shape[0]
+    out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    row = src.shape[1:].numel()
+    dense_rows = src.dim() == 1 or src[:1].is_contiguous() or src.shape[0] == 0
+    if src.device.type != "cuda" or not dense_rows:
+        got = src.clone() if index is None else src.index_select(0, index)
+        if zero is not None:
+            got[zero] = 0
+        return out.copy_(got)
+    if rows and row:
+        es = src.element_size()
+        index = None if index is None else index.to(torch.int64).contiguous()
+        zero = None if zero is None else zero.to(torch.bool).contiguous()
+        stream = torch.cuda.current_stream(src.device).cuda_stream
+        _epx.copy_rows(out.data_ptr(), out.stride(0) * es, src.data_ptr(), src.stride(0) * es,
+                       row * es, rows, 0 if index is None else index.data_ptr(),
+                       0 if zero is None else zero.data_ptr(), stream)
+    return out
+
+
 def combine_rows(a2a, x, topk_weights=None, bias=None):
     """epx's combine of `a2a`'s last round from x [rows, H] bf16 (row-aligned with its
     received rows, rows <= capacity), with topk_weights [rows, K] float32 summed back per token

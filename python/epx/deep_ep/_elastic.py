@@ -87,8 +87,8 @@ from .. import _epx
 from .. import _torch as T
 from ..all2all import All2All
 from ._common import (HT_BACKEND, RoutedObject as _Object, EventHandle, EventOverlap, _unsupported, check_bias,
-                      combine_rows, event_after, ht_config, make_world, rows_per_source_psum,
-                      split_x, zero_rows)
+                      combine_rows, copy_epilogue, event_after, ht_config, make_world,
+                      rows_per_source_psum, split_x, zero_rows)
 from ._elastic_expand import (ExpandLayout, combine_expanded, expand_layout, expand_psum,
                               gather_rows, gather_weights)
 from ._normal import dispatch_layout
@@ -464,7 +464,7 @@ class ElasticBuffer:
             recv_topk_weights = torch.where(valid[:, None], out.recv_topk_weights[:m], 0.0)
         tma = use_tma_aligned_col_major_sf
         if expand is None:
-            recv_x = out.recv_x[:m].clone()
+            recv_x = copy_epilogue(out.recv_x[:m])
             if scales is not None:
                 recv_x = (recv_x, self._scales_out(out.recv_scales[:m], tma))
             recv_topk_idx = local_ids.to(topk_idx.dtype)
@@ -489,7 +489,7 @@ class ElasticBuffer:
         """A copy of [M, G] f32 scales: row-major, or column-major with each column padded to 16
         bytes (DeepEP's TMA-aligned layout; strides (1, align(M, 4)))."""
         if not tma_aligned:
-            return scales.clone()
+            return copy_epilogue(scales)
         torch = T.torch()
         m, groups = scales.shape
         columns = torch.empty((groups, _align(m, _SF_ALIGNMENT)), dtype=torch.float32,

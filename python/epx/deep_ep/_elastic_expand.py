@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import _torch as T
-from ._common import combine_rows
+from ._common import combine_rows, copy_epilogue
 
 
 class ExpandLayout(NamedTuple):
@@ -89,11 +89,7 @@ def gather_rows(t, layout: ExpandLayout, topk: int, zero_padding: bool):
     of t, or zeros (every byte) with `zero_padding`."""
     torch = T.torch()
     src = torch.where(layout.padding, 0, layout.pairs // topk)
-    out = t.index_select(0, src)
-    if zero_padding:
-        bytes_ = out.view(torch.uint8) if out.element_size() == 1 else out
-        bytes_.masked_fill_(layout.padding.view(-1, *([1] * (out.dim() - 1))), 0)
-    return out
+    return copy_epilogue(t, src, layout.padding if zero_padding else None)
 
 
 def gather_weights(weights, layout: ExpandLayout):
