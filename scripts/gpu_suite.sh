@@ -11,7 +11,8 @@
 # fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
 # deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
 # processes on GPU 0, also with --use-logfmt and across 2 emulated nodes of 2, its
-# tests/legacy/test_intranode.py and V2's tests/elastic/test_ep.py with 2 and 4, and
+# tests/legacy/test_intranode.py and V2's tests/elastic/test_ep.py with 2 and 4 (its perf part on
+# the first mode; three variants with 2), and
 # its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP checkout
 # with deep_ep/utils and tests; it installs the package itself), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
@@ -384,6 +385,16 @@ if want deepep; then
     run "deepep_ep_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
         "$EPX_DEEPEP_DIR" --test tests/elastic/test_ep.py -- --num-processes $n --num-tokens 256 \
         --skip-perf-test
+    # its perf part (kernels found by DeepEP's names) on the first mode: all 144 outlive a slot
+    run "deepep_ep_perf_n${n}" env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+        "$EPX_DEEPEP_DIR" --test tests/elastic/test_ep.py -- --num-processes $n --num-tokens 256 \
+        --test-first-only
+  done
+  # V2's test in the variants its acceptance names, 2 processes.
+  for v in "--allow-multiple-reduction 0" "--do-cpu-sync 0" "--masked-ratio 0.1"; do
+    run "deepep_ep_n2_$(echo "$v" | tr -dc 'a-z')" env PYTHONPATH="$py" \
+        python3 tests/compat/run_deepep_low_latency.py "$EPX_DEEPEP_DIR" \
+        --test tests/elastic/test_ep.py -- --num-processes 2 --num-tokens 256 --skip-perf-test $v
   done
   # Across 2 emulated nodes of 2 processes (an NcclWorld; every process its own NCCL host id).
   run deepep_nodes_2x2 env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \

@@ -52,11 +52,18 @@ archive dd758ca deep_ep/utils tests | tar -x -C <tree>``):
     $R -- --num-processes 2 --num-tokens 256 --skip-perf-test --do-cpu-sync 0
     $R -- --num-processes 2 --num-tokens 256 --skip-perf-test --masked-ratio 0.1
 
-What epx does not serve of that test: its performance part (run it without --skip-perf-test
-only to see it fail): bench_kineto times kernels named dispatch_impl,
-dispatch_copy_epilogue_impl, combine_impl and combine_reduce_epilogue_impl, epx's kernels have
-other names, the times come back 0 and the bandwidth lines divide by them; the hybrid mode and
-more than one node (--allow-hybrid-mode changes nothing on one node). --deterministic asks for
+The performance part (without --skip-perf-test) times kernels by DeepEP's stage names through
+its profiler (bench_kineto): epx's kernels carry them (dispatch_impl: high_throughput's
+transfer; dispatch_copy_epilogue_impl: the copy of the received rows out of epx's buffer;
+combine_impl and combine_reduce_epilogue_impl: both name high_throughput's one combine kernel,
+whose time is then printed for both). Each of the 144 modes then runs five profiled benchmarks of
+60 calls with a 10 ms sleep before each: about 10 s a mode with 2 processes on one shared GPU,
+so a whole run outlives a 10-minute slot there. ``--test-first-only`` (the test's own option:
+the first mode, checks and perf part) shows the perf lines in a minute:
+
+    $R -- --num-processes 2 --num-tokens 256 --test-first-only
+
+Not served: the hybrid mode and more than one node (--allow-hybrid-mode changes nothing on one node). --deterministic asks for
 what epx always does (rows in source order) and --do-pressure-test repeats the checks with other
 seeds: neither has run yet.
 
