@@ -257,6 +257,7 @@ def main(argv=None) -> int:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        earlier_failed = False  # a rank that fails a case ends its world: the rest do not run
         for name in cases:
             per_rank = [results.get((r, name)) for r in range(world)]
             setup = results.get((0, "setup")) or next(
@@ -268,8 +269,13 @@ def main(argv=None) -> int:
                 note = per_rank[0][1]
             else:
                 bad = next((x for x in per_rank if x is not None and not x[0]), setup)
-                note = (bad[1].strip().splitlines()[-1] if bad else "no result (timed out or "
-                        "a rank died)")
+                if bad:
+                    note = bad[1].strip().splitlines()[-1]
+                elif earlier_failed:
+                    note = "not run: an earlier case failed, which ends the world"
+                else:
+                    note = "no result (timed out or a rank died)"
+                earlier_failed = True
             print(f"vllm_kernel: {name} x{world}: {'PASS' if ok else 'FAIL'} {note}", flush=True)
             for r, x in enumerate(per_rank):
                 if x is not None and not x[0]:
