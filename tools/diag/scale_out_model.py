@@ -91,16 +91,29 @@ def paths(t):
     """The paths of the cost model; the host API path depends on the regime (decode or prefill)."""
     host = "host API, fixed messages" if t <= 1024 else "host API, counts first"
     return [("dispatch", "GIN rail, per-node dedup"), ("dispatch", "GIN direct, per-rank dedup"),
-            ("dispatch", host),
+            ("dispatch", host), ("dispatch", FLAT_DISPATCH),
             ("combine", "GIN rail, rank partials (exact)"), ("combine", "GIN rail, block sums"),
             ("combine", "GIN rail, node sums bf16"),
             ("combine", host + ", rank partials (exact)"),
-            ("combine", host + ", node sums bf16")]
+            ("combine", host + ", node sums bf16"), ("combine", FLAT_COMBINE)]
+
+
+# The collective engine as built (src/backends/collective): NCCL's all-gather of every rank's
+# fixed-size pack (NCCL's rings cross each node boundary once per pack: a node takes in each
+# remote pack once, over its L NICs), and grouped send/recv of fixed blocks of T partial rows
+# from every rank to every rank. RDMA: what a node must take in, per GPU; NVLink: the rest of
+# what each GPU receives.
+FLAT_DISPATCH = "flat engine: NCCL all-gather of fixed packs"
+FLAT_COMBINE = "flat engine: fixed blocks to every rank (exact)"
 
 
 def bytes_of(op, path, s, t, nodes):
     """(RDMA bytes, NVLink bytes, staged?, extra seconds) per GPU per direction for one path."""
     row = DISPATCH_ROW if op == "dispatch" else COMBINE_ROW
+    if path == FLAT_DISPATCH:  # W - 1 packs a GPU: N - 1 through its NIC, the rest NVLink
+        return t * (nodes - 1) * row, t * (nodes * L - nodes) * row, True, 0.0
+    if path == FLAT_COMBINE:  # T rows to each of W - 1 ranks, W - L of them on other nodes
+        return t * (nodes * L - L) * row, t * (L - 1) * row, True, 0.0
     nvl = 0.0 if "direct" in path else t * s["nvl_rows"] * row
     fixed, counts = "fixed" in path, "counts first" in path
     staged = fixed or counts
