@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -314,25 +315,28 @@ CommandResult emulated_nodes_check(int nodes, int local, const std::string& back
 
 // Across emulated nodes the NcclWorld serves every backend's token-major contract through the
 // collective engine (NCCL's all-gather and grouped send/recv, folded in rank order): every rank's
-// check against the reference passes, bit for bit, at 2 x 1, 2 x 2 and 4 x 1, eagerly, and for
-// the routed backends at 2 x 2 also in graph replays; low_latency's expert-major rows too (fp8
-// with column-major scales, and bf16 in graph replays).
+// check against the reference passes, bit for bit, at 2 x 1, 2 x 2 and 4 x 1, eagerly and in 100
+// graph replays, for every backend with bf16-to-fp8 (2 x 1, 4 x 1) and bf16 (2 x 2) rows,
+// low_latency's expert-major rows too (and fp8 in with column-major scales); high_throughput
+// eagerly with its counts read back (the exact combine) and in replays with worst-case output.
 TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
   REQUIRE_GPU();
   struct Run {
     int nodes, local;
-    const char* backend;
-    const char* extra;
+    std::string backend, extra;
   };
   std::vector<Run> runs;
-  for (const auto& [nodes, local] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 1}})
-    for (const char* b : {"naive", "allgather_reducescatter", "low_latency", "high_throughput"})
-      runs.push_back({nodes, local, b, ""});
-  runs.push_back({2, 2, "low_latency", "--dtype bf16 --graph 20"});
+  using Layout = std::tuple<int, int, const char*>;  // nodes, ranks a node, dtype
+  for (const auto& [nodes, local, dtype] :
+       {Layout{2, 1, "bf16-to-fp8"}, Layout{2, 2, "bf16"}, Layout{4, 1, "bf16-to-fp8"}}) {
+    const std::string d = std::string("--dtype ") + dtype;
+    for (const char* b : {"naive", "allgather_reducescatter", "low_latency"})
+      runs.push_back({nodes, local, b, d + " --graph 100"});
+    runs.push_back({nodes, local, "low_latency", d + " --layout expert --graph 100"});
+    runs.push_back({nodes, local, "high_throughput", d});
+    runs.push_back({nodes, local, "high_throughput", d + " --graph 100 --worst-case-output"});
+  }
   runs.push_back({2, 1, "low_latency", "--layout expert --dtype fp8 --scale-layout column"});
-  runs.push_back({2, 2, "low_latency", "--layout expert"});
-  runs.push_back({4, 1, "low_latency", "--layout expert --dtype bf16 --graph 20"});
-  runs.push_back({2, 2, "high_throughput", "--dtype bf16 --graph 20 --worst-case-output"});
   for (const auto& [nodes, local, backend, extra] : runs) {
     const auto r = emulated_nodes_check(nodes, local, backend, extra);
     REQUIRE_NCCL(r);
@@ -353,14 +357,14 @@ TEST(NcclNodes, EveryBackendPassesAcrossEmulatedNodes) {
   }
 }
 
-// 4 emulated nodes of 2 ranks at the DeepSeek-R1 shape: low_latency at 128 tokens (both layouts)
-// and high_throughput at 4096, each against the reference.
+// 4 emulated nodes of 2 ranks at the DeepSeek-R1 shape: low_latency at 128 tokens (both layouts,
+// eagerly and in 100 graph replays) and high_throughput at 4096, each against the reference.
 TEST(NcclNodes, FourNodesOfTwoAtTheR1Shape) {
   REQUIRE_GPU();
   const std::string r1 = " --hidden 7168 --experts 256 --topk 8 --dtype bf16-to-fp8";
   for (const std::string& args :
-       {"--backend low_latency --tokens 128 --iters 2" + r1,
-        "--backend low_latency --layout expert --tokens 128 --iters 2" + r1,
+       {"--backend low_latency --tokens 128 --iters 2 --graph 100" + r1,
+        "--backend low_latency --layout expert --tokens 128 --iters 2 --graph 100" + r1,
         "--backend high_throughput --tokens 4096 --iters 1" + r1}) {
     const auto r = emulated_nodes_run(4, 2, "check --world-kind nccl " + args, 60000);
     REQUIRE_NCCL(r);
