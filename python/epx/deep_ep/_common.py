@@ -227,15 +227,15 @@ def copy_epilogue(src, index=None, zero=None):
     copy epilogue (one kernel on the current stream, no host synchronisation): the copy that lets
     a dispatch's results outlive the object's next round, as DeepEP's own epilogue does."""
     torch = T.torch()
-    rows = src.shape[0] if index is None else index.shape[0]
-    out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
-    row = src.shape[1:].numel()
     dense_rows = src.dim() == 1 or src[:1].is_contiguous() or src.shape[0] == 0
     if src.device.type != "cuda" or not dense_rows:
         got = src.clone() if index is None else src.index_select(0, index)
         if zero is not None:
             got[zero] = 0
-        return out.copy_(got)
+        return got
+    rows = src.shape[0] if index is None else index.shape[0]
+    out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    row = src.shape[1:].numel()
     if rows and row:
         es = src.element_size()
         index = None if index is None else index.to(torch.int64).contiguous()

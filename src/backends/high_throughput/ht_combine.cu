@@ -441,8 +441,8 @@ void launch_ht_copy_partials(const void* src, void* dst, const int32_t* rows, in
 }
 
 void launch_ht_combine(const HtCombineParams& p, int channels, int warps, cudaStream_t stream) {
-  ht_combine_impl_and_combine_reduce_epilogue_impl<<<dim3(2 * channels * p.common.num_ranks), dim3(warps * kWarpSize), 0,
-                      stream>>>(p);
+  ht_combine_impl_and_combine_reduce_epilogue_impl<<<dim3(2 * channels * p.common.num_ranks),
+                                                     dim3(warps * kWarpSize), 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
