@@ -34,11 +34,20 @@ namespace {
 // One device allocation carved into the engine's areas.
 struct Areas {
   size_t pack, gathered, status, pos, counts, offsets, recv_count, expert_counts;
+  size_t back_pos, back_counts, back_offsets;
   size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
   size_t row_slot, expert_x, expert_scales, expert_src_rank, expert_src_idx, expert_topk_slot,
       expert_weight;
   size_t partials, blocks, received, total;
 };
+
+// high_throughput without worst-case output reads the round's counts on the host once per
+// dispatch (its contract in every world): combine then moves each rank's rows of each token's
+// rank in exact sizes, not fixed blocks of max_tokens_per_rank rows (docs/scale-out.md §4:
+// 2.5x fewer bytes at EP16 in prefill, 8x at EP64).
+bool exact_combine(const EpConfig& cfg, Backend backend) {
+  return backend == Backend::kHighThroughput && !cfg.worst_case_output;
+}
 
 Areas make_areas(const EpConfig& cfg, Backend backend) {
   const size_t W = cfg.world_size, T = cfg.max_tokens_per_rank, cap = cfg.capacity();
@@ -58,6 +67,10 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.offsets = carve(c, W * sizeof(int32_t));
   a.recv_count = carve(c, sizeof(int32_t));
   a.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
+  const bool exact = exact_combine(cfg, backend);
+  a.back_pos = carve(c, exact ? W * T * sizeof(int32_t) : 0);
+  a.back_counts = carve(c, exact ? W * sizeof(int32_t) : 0);
+  a.back_offsets = carve(c, exact ? W * sizeof(int32_t) : 0);
   a.recv_x = carve(c, cap * size_t(cfg.wire_row_bytes()));
   a.recv_scales = carve(c, cap * G * sizeof(float));
   a.recv_src_rank = carve(c, cap * sizeof(int32_t));
@@ -73,8 +86,8 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.expert_weight = carve(c, ecap * sizeof(float));
   a.partials = carve(c, (em ? ecap : cap) * H * 2);  // the combine buffer
   a.blocks = carve(c, W * T * H * block_value);  // [W][T][H]: this rank's partials, by source
-  // every other backend: every rank's block of this rank's tokens [W][T][H]; naive: every
-  // rank's blocks [W][W][T][H].
+  // every other backend: every rank's block of this rank's tokens [W][T][H] (the exact combine:
+  // the rows that exist, at most that); naive: every rank's blocks [W][W][T][H].
   a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * block_value);
   a.total = c;
   return a;
@@ -213,10 +226,14 @@ class CollAll2All final : public All2All {
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     for (cudaEvent_t* e : {&dispatch_sent_, &combine_sent_})
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    if (exact())
+      EPX_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_),
+                                    2 * size_t(cfg.world_size) * sizeof(int32_t)));
   }
   ~CollAll2All() override {
     const DeviceGuard guard(world_.device());
     for (cudaEvent_t e : {dispatch_sent_, combine_sent_}) (void)cudaEventDestroy(e);
+    if (host_counts_ != nullptr) (void)cudaFreeHost(host_counts_);
     (void)cudaFree(mem_);
   }
   CollAll2All(const CollAll2All&) = delete;
@@ -255,6 +272,7 @@ class CollAll2All final : public All2All {
                      CollStatus{reinterpret_cast<DeviceStatus*>(mem_ + areas_.status),
                                 status_.device_mirror()},
                      stream);
+    if (exact()) launch_coll_back_place(S, mem_ + areas_.pack, back(), stream);
     watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
       world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
     });
@@ -273,6 +291,7 @@ class CollAll2All final : public All2All {
     launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
     if (expert_major()) launch_coll_expert_rows(shape(), rows(), stream);
     pending_ = Pending::kNone;
+    if (exact()) read_counts(stream);
     return result();
   }
 
@@ -289,6 +308,10 @@ class CollAll2All final : public All2All {
               "after the receive half of the last send half");
     status_.check_ptr(expert_out, "expert_out", 16);
     const DeviceGuard guard(world_.device());
+    if (exact()) {
+      exact_combine_send(expert_out, stream);
+      return;
+    }
     if (expert_major())
       launch_coll_scatter_experts(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
     else
@@ -322,7 +345,7 @@ class CollAll2All final : public All2All {
     const uint8_t* from = mem_ + areas_.received +
                           (naive ? size_t(cfg_.rank) * T * cfg_.hidden * block_value() : 0);
     launch_coll_fold(shape(), tokens_, mem_ + areas_.pack, from, naive ? W * T : T,
-                     expert_major(), y, stream);
+                     expert_major(), exact() ? back() : CollBack{}, y, stream);
     pending_ = Pending::kNone;
   }
 
@@ -337,6 +360,55 @@ class CollAll2All final : public All2All {
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
   bool expert_major() const { return cfg_.layout == OutputLayout::kExpertMajor; }
+  bool exact() const { return exact_combine(cfg_, backend_); }
+  CollBack back() const {
+    return CollBack{.pos = reinterpret_cast<int32_t*>(mem_ + areas_.back_pos),
+                    .counts = reinterpret_cast<int32_t*>(mem_ + areas_.back_counts),
+                    .offsets = reinterpret_cast<int32_t*>(mem_ + areas_.back_offsets)};
+  }
+
+  // The exact combine's sizes on the host: the rows this rank got from each rank (its partials
+  // go back in those sizes) and the rows each rank got from it (what comes back). The host waits
+  // for the round's all-gather here: high_throughput's one read per dispatch.
+  void read_counts(cudaStream_t stream) {
+    const size_t W = cfg_.world_size;
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_, mem_ + areas_.counts, W * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_ + W, mem_ + areas_.back_counts,
+                                   W * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    status_.poll();  // a peer past the timeout (the watchdog's abort) surfaces here
+    for (size_t q = 0; q < 2 * W; ++q) {
+      EPX_CHECK(host_counts_[q] >= 0 && host_counts_[q] <= cfg_.max_tokens_per_rank, PeerError,
+                q < W ? "rows received from rank " + std::to_string(q)
+                      : "rows rank " + std::to_string(q - W) + " received",
+                host_counts_[q],
+                "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    }
+  }
+
+  // Each rank's rows of this rank's partials (expert_out holds them in the received rows' order:
+  // rank q's at q's first row) to q, and each rank's rows of this rank's tokens into the receive
+  // area, in exact sizes.
+  void exact_combine_send(const void* expert_out, cudaStream_t stream) {
+    const size_t W = cfg_.world_size, row = size_t(cfg_.hidden) * 2;
+    std::vector<size_t> send_at(W), send_bytes(W), recv_at(W), recv_bytes(W);
+    size_t sent = 0, got = 0;
+    for (size_t q = 0; q < W; ++q) {
+      send_at[q] = sent * row;
+      send_bytes[q] = size_t(host_counts_[q]) * row;
+      sent += size_t(host_counts_[q]);
+      recv_at[q] = got * row;
+      recv_bytes[q] = size_t(host_counts_[W + q]) * row;
+      got += size_t(host_counts_[W + q]);
+    }
+    watchdog_.run_watched(stream, Phase::kCombineReady, [&] {
+      world_.all_to_all(expert_out, send_at.data(), send_bytes.data(), mem_ + areas_.received,
+                        recv_at.data(), recv_bytes.data(), stream);
+    });
+    EPX_CUDA_CHECK(cudaEventRecord(combine_sent_, stream));
+    pending_ = Pending::kCombineReceive;
+  }
   // Bytes of one value of combine's blocks: bf16 partials, or expert-major's f32 sums.
   size_t block_value() const { return expert_major() ? sizeof(float) : 2; }
 
@@ -412,6 +484,7 @@ class CollAll2All final : public All2All {
   uint8_t* mem_ = nullptr;
   cudaEvent_t dispatch_sent_ = nullptr;  // the end of the last send half of each op
   cudaEvent_t combine_sent_ = nullptr;
+  int32_t* host_counts_ = nullptr;  // exact combine: [2W] pinned (read_counts)
   int tokens_ = 0;
   bool dispatched_ = false;
   Pending pending_ = Pending::kNone;

@@ -117,28 +117,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block per source rank q: each of its tokens' place among its valid tokens (S.routed: those
-// routed to this rank), and their count.
-__global__ void __launch_bounds__(kThreads)
-    coll_place_kernel(const CollShape S, const uint8_t* __restrict__ gathered, size_t pack_bytes,
-                      CollRows rows) {
+// Each of a pack's tokens' place among its valid tokens (routed: those that rank `target`
+// receives, a token routed to one of its experts), in token order, or -1 at pos[n]; their
+// number, the same in every thread of the block.
+__device__ int32_t place_tokens(const CollShape& S, uint8_t* pack, bool routed, int target,
+                                int32_t* __restrict__ pos) {
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  const int q = blockIdx.x;
-  uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
   const int N = min(max(*reinterpret_cast<const int32_t*>(pack), 0), S.max_tokens);
   int32_t run = 0;
   for (int n0 = 0; n0 < N; n0 += kThreads) {
     const int n = n0 + threadIdx.x;
     int32_t valid = n < N ? *slot_of(S, pack, n).valid() : 0;
-    if (valid && S.routed) valid = int32_t((token_ranks(S, slot_of(S, pack, n)) >> S.rank) & 1);
+    if (valid && routed) valid = int32_t((token_ranks(S, slot_of(S, pack, n)) >> target) & 1);
     int32_t before = 0, total = 0;
     Scan(tmp).ExclusiveSum(valid, before, total);
-    if (n < N) rows.pos[size_t(q) * S.max_tokens + n] = valid ? run + before : -1;
+    if (n < N) pos[n] = valid ? run + before : -1;
     run += total;
     __syncthreads();  // tmp is reused
   }
-  if (threadIdx.x == 0) rows.counts[q] = run;
+  return run;
+}
+
+// One block per source rank q: each of its tokens' place among its valid tokens (S.routed: those
+// routed to this rank), and their count.
+__global__ void __launch_bounds__(kThreads)
+    coll_place_kernel(const CollShape S, const uint8_t* __restrict__ gathered, size_t pack_bytes,
+                      CollRows rows) {
+  const int q = blockIdx.x;
+  uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
+  const int32_t count = place_tokens(S, pack, S.routed, S.rank, rows.pos + size_t(q) * S.max_tokens);
+  if (threadIdx.x == 0) rows.counts[q] = count;
+}
+
+// One block: for each rank q, the place of each of this rank's tokens among those q receives
+// (the order of the rows q sends back), their count, and where q's rows start in the exact
+// combine's receive area (counts in rank order).
+__global__ void __launch_bounds__(kThreads)
+    coll_back_place_kernel(const CollShape S, const uint8_t* __restrict__ own_pack,
+                           CollBack back) {
+  int32_t start = 0;
+  for (int q = 0; q < S.world; ++q) {
+    const int32_t count = place_tokens(S, const_cast<uint8_t*>(own_pack), true, q,
+                                       back.pos + size_t(q) * S.max_tokens);
+    if (threadIdx.x == 0) {
+      back.counts[q] = count;
+      back.offsets[q] = start;
+    }
+    start += count;
+  }
 }
 
 // One block: each source's first row, the round's row count, the expert counts cleared.
@@ -309,7 +336,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     combine_fold_kernel(const CollShape S, int N, const uint8_t* __restrict__ own_pack,
                         const void* __restrict__ from, size_t stride_rows, bool f32,
-                        __nv_bfloat16* __restrict__ y) {
+                        const CollBack back, __nv_bfloat16* __restrict__ y) {
   const int vecs = S.hidden / 8;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
        i += size_t(gridDim.x) * blockDim.x) {
@@ -321,7 +348,10 @@ __global__ void __launch_bounds__(kThreads)
       for (uint64_t m = S.routed ? token_ranks(S, own) : all; m != 0; m &= m - 1) {
         const int r = __ffsll(static_cast<long long>(m)) - 1;
         float f[8];
-        const size_t at = (size_t(r) * stride_rows + n) * S.hidden + size_t(v) * 8;
+        const size_t row = back.pos != nullptr
+                               ? size_t(back.offsets[r] + back.pos[size_t(r) * S.max_tokens + n])
+                               : size_t(r) * stride_rows + n;
+        const size_t at = row * S.hidden + size_t(v) * 8;
         if (f32) {
           const float4* p4 = reinterpret_cast<const float4*>(static_cast<const float*>(from) + at);
           const float4 a = p4[0], b = p4[1];
@@ -344,6 +374,7 @@ void load_coll_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_pack_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_place_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_back_place_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_offsets_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_rows_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_kernel));
@@ -391,12 +422,18 @@ void launch_coll_scatter(const CollShape& S, const void* partials, const CollRow
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
+void launch_coll_back_place(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
+                            cudaStream_t stream) {
+  coll_back_place_kernel<<<1, kThreads, 0, stream>>>(S, own_pack, back);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
-                      const void* from, size_t stride_rows, bool f32, void* y,
-                      cudaStream_t stream) {
+                      const void* from, size_t stride_rows, bool f32, const CollBack& back,
+                      void* y, cudaStream_t stream) {
   if (num_tokens == 0) return;
   combine_fold_kernel<<<kBlocks, kThreads, 0, stream>>>(S, num_tokens, own_pack, from, stride_rows,
-                                                     f32, static_cast<__nv_bfloat16*>(y));
+                                                        f32, back, static_cast<__nv_bfloat16*>(y));
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

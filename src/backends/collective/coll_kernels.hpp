@@ -81,6 +81,16 @@ struct CollRows {
   float* expert_weight;       // [E/W][cap]
 };
 
+// The exact combine's bookkeeping at a token's rank (high_throughput without worst-case
+// output): for each rank q, the place of each of this rank's tokens among those q receives (q
+// sends their rows back in that order), their count, and where q's rows start in the receive
+// area. pos null: the fixed blocks ([W][T][H], a token's row at its index).
+struct CollBack {
+  int32_t* pos;      // [W][T], or -1
+  int32_t* counts;   // [W]
+  int32_t* offsets;  // [W]
+};
+
 struct CollStatus {
   DeviceStatus* status;       // device word
   DeviceStatus* host_status;  // mapped host mirror
@@ -105,12 +115,15 @@ void launch_coll_scatter(const CollShape& S, const void* partials, const CollRow
 // outputs (expert_out [E/W][cap][H] bf16) -> blocks[src_rank][src_idx] ([W][T][H] f32).
 void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, const CollRows& rows,
                                  void* blocks, cudaStream_t stream);
+// This rank's pack (after launch_coll_pack) -> `back`: what every rank will send back to it.
+void launch_coll_back_place(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
+                            cudaStream_t stream);
 // y[n] for n < N: the rows of this rank's tokens from every rank (S.routed: from the ranks holding
-// one of its experts), `from` + (r * stride + n) * H bf16, summed in rank order in f32 and rounded
-// once; 0 for a token this rank's pack marked invalid (sent nowhere).
-// `f32`: the rows are f32 (expert-major), else bf16.
+// one of its experts), `from` + (r * stride + n) * H bf16 (back.pos set: row back.offsets[r] +
+// back.pos[r][n]), summed in rank order in f32 and rounded once; 0 for a token this rank's pack
+// marked invalid (sent nowhere). `f32`: the rows are f32 (expert-major), else bf16.
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
-                      const void* from, size_t stride_rows, bool f32, void* y,
-                      cudaStream_t stream);
+                      const void* from, size_t stride_rows, bool f32, const CollBack& back,
+                      void* y, cudaStream_t stream);
 
 }  // namespace epx::coll
