@@ -146,7 +146,8 @@ __global__ void __launch_bounds__(kThreads)
                       CollRows rows) {
   const int q = blockIdx.x;
   uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
-  const int32_t count = place_tokens(S, pack, S.routed, S.rank, rows.pos + size_t(q) * S.max_tokens);
+  const int32_t count =
+      place_tokens(S, pack, S.routed, S.rank, rows.pos + size_t(q) * S.max_tokens);
   if (threadIdx.x == 0) rows.counts[q] = count;
 }
 
