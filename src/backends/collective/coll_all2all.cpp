@@ -85,7 +85,8 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.expert_topk_slot = carve(c, ecap * sizeof(int32_t));
   a.expert_weight = carve(c, ecap * sizeof(float));
   a.partials = carve(c, (em ? ecap : cap) * H * 2);  // the combine buffer
-  a.blocks = carve(c, W * T * H * block_value);  // [W][T][H]: this rank's partials, by source
+  // [W][T][H]: this rank's partials, by source (the exact combine sends them from expert_out)
+  a.blocks = carve(c, exact ? 0 : W * T * H * block_value);
   // every other backend: every rank's block of this rank's tokens [W][T][H] (the exact combine:
   // the rows that exist, at most that); naive: every rank's blocks [W][W][T][H].
   a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * block_value);
@@ -264,6 +265,14 @@ class CollAll2All final : public All2All {
       status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
       status_.check_ptr(in.topk_weights, "topk_weights", 4);
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
+    }
+    if (exact()) {  // nothing is launched before this refusal
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "dispatch",
+                "called on a capturing stream",
+                "worst_case_output = true to capture high_throughput in a CUDA graph (without "
+                "it dispatch reads the round's counts back on the host)");
     }
     const DeviceGuard guard(world_.device());
     CollShape S = shape();
