@@ -13,6 +13,7 @@
 #include "backends/peer/peer_all2all.hpp"
 #include "core/device_guard.hpp"
 #include "epx/all2all.hpp"
+#include "epx/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "epx/world.hpp"
 
@@ -51,6 +52,15 @@ void check_routing_by_ids(const DispatchInput& in, Backend backend) {
             fmt::format("null for backend {} (it routes by topk_ids; routing by a rank mask is "
                         "high_throughput's)",
                         to_string(backend)));
+}
+
+void check_not_capturing_counts(cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "dispatch",
+            "called on a capturing stream",
+            "worst_case_output = true to capture high_throughput in a CUDA graph (without it "
+            "dispatch reads the round's counts back on the host)");
 }
 
 void All2All::combine(const void* expert_out, void* y, const CombineExtras& extras,

@@ -266,14 +266,7 @@ class CollAll2All final : public All2All {
       status_.check_ptr(in.topk_weights, "topk_weights", 4);
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
     }
-    if (exact()) {  // nothing is launched before this refusal
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-      EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "dispatch",
-                "called on a capturing stream",
-                "worst_case_output = true to capture high_throughput in a CUDA graph (without "
-                "it dispatch reads the round's counts back on the host)");
-    }
+    if (exact()) check_not_capturing_counts(stream);  // nothing is launched before it
     const DeviceGuard guard(world_.device());
     CollShape S = shape();
     S.ids_int64 = in.ids_type == IdType::kInt64;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backends/common/carve.hpp"
+#include "backends/common/inputs.hpp"
 #include "backends/common/phase_clock.hpp"
 #include "backends/common/rank_status.hpp"
 #include "backends/high_throughput/ht_kernels.hpp"
@@ -304,14 +305,7 @@ class HtAll2All final : public All2All {
       }
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
     }
-    if (!cfg_.worst_case_output) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-      EPX_CHECK(capturing == cudaStreamCaptureStatusNone, StateError, "dispatch",
-                "called on a capturing stream",
-                "worst_case_output = true to capture high_throughput in a CUDA graph (without "
-                "it dispatch reads the round's row count back on the host)");
-    }
+    if (!cfg_.worst_case_output) check_not_capturing_counts(stream);
     ids_int64_ = in.ids_type == IdType::kInt64;
     tokens_ = N;
     dispatched_ = true;
