@@ -38,7 +38,7 @@ struct Areas {
   size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
   size_t row_slot, expert_x, expert_scales, expert_src_rank, expert_src_idx, expert_topk_slot,
       expert_weight;
-  size_t partials, blocks, received, total;
+  size_t partials, blocks, blocks_w, received, received_w, total;
 };
 
 // high_throughput without worst-case output reads the round's counts on the host once per
@@ -90,6 +90,11 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   // every other backend: every rank's block of this rank's tokens [W][T][H] (the exact combine:
   // the rows that exist, at most that); naive: every rank's blocks [W][W][T][H].
   a.received = carve(c, (backend == Backend::kNaive ? W : 1) * W * T * H * block_value);
+  // high_throughput's top-k weights back (combine's extras): placed as the partial rows, and
+  // without the exact combine first scattered into blocks by source as they are
+  const bool ht = backend == Backend::kHighThroughput;
+  a.blocks_w = carve(c, ht && !exact ? W * T * K * sizeof(float) : 0);
+  a.received_w = carve(c, ht ? W * T * K * sizeof(float) : 0);
   a.total = c;
   return a;
 }
@@ -297,10 +302,38 @@ class CollAll2All final : public All2All {
     return result();
   }
 
-  using All2All::combine;  // (with extras: refused by the base class)
   void combine(const void* expert_out, void* y, cudaStream_t stream) override {
     combine_send(expert_out, stream);
     combine_recv(y, stream);
+  }
+  // high_throughput's extras: the top-k weights come back with the rows and are summed per slot
+  // in the partials' order; bias rows start the sum. Refused by the base class for the others.
+  void combine(const void* expert_out, void* y, const CombineExtras& extras,
+               cudaStream_t stream) override {
+    if (extras.empty() || backend_ != Backend::kHighThroughput) {
+      All2All::combine(expert_out, y, extras, stream);
+      return;
+    }
+    EPX_CHECK((extras.topk_weights == nullptr) == (extras.y_topk_weights == nullptr), InputError,
+              extras.topk_weights == nullptr ? "combine topk_weights" : "combine y_topk_weights",
+              "null", "set together with the other");
+    if (extras.topk_weights != nullptr) {
+      status_.check_ptr(extras.topk_weights, "combine topk_weights", 4);
+      if (tokens_ > 0) status_.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (extras.bias[i] != nullptr && tokens_ > 0)
+        status_.check_ptr(extras.bias[i], i == 0 ? "combine bias[0]" : "combine bias[1]", 16);
+    }
+    extras_ = extras;
+    try {
+      combine_send(expert_out, stream);
+      combine_recv(y, stream);
+    } catch (...) {
+      extras_ = {};
+      throw;
+    }
+    extras_ = {};
   }
   void combine_send(const void* expert_out, cudaStream_t stream) override {
     status_.check_usable();
@@ -317,7 +350,9 @@ class CollAll2All final : public All2All {
     if (expert_major())
       launch_coll_scatter_experts(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
     else
-      launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks, stream);
+      launch_coll_scatter(shape(), expert_out, rows(), mem_ + areas_.blocks,
+                          extras_.topk_weights, reinterpret_cast<float*>(mem_ + areas_.blocks_w),
+                          stream);
     const size_t W = cfg_.world_size;
     const size_t block = size_t(cfg_.max_tokens_per_rank) * cfg_.hidden * block_value();
     watchdog_.run_watched(stream, Phase::kCombineReady, [&] {
@@ -328,6 +363,13 @@ class CollAll2All final : public All2All {
         for (size_t q = 0; q < W; ++q) offsets[q] = q * block;
         world_.all_to_all(mem_ + areas_.blocks, offsets.data(), bytes.data(),
                           mem_ + areas_.received, offsets.data(), bytes.data(), stream);
+        if (extras_.topk_weights != nullptr) {  // and the weights' blocks, [T][K] f32 each
+          const size_t wblock = size_t(cfg_.max_tokens_per_rank) * cfg_.topk * sizeof(float);
+          std::vector<size_t> woffsets(W), wbytes(W, wblock);
+          for (size_t q = 0; q < W; ++q) woffsets[q] = q * wblock;
+          world_.all_to_all(mem_ + areas_.blocks_w, woffsets.data(), wbytes.data(),
+                            mem_ + areas_.received_w, woffsets.data(), wbytes.data(), stream);
+        }
       }
     });
     EPX_CUDA_CHECK(cudaEventRecord(combine_sent_, stream));
@@ -346,8 +388,13 @@ class CollAll2All final : public All2All {
     const bool naive = backend_ == Backend::kNaive;
     const uint8_t* from = mem_ + areas_.received +
                           (naive ? size_t(cfg_.rank) * T * cfg_.hidden * block_value() : 0);
+    const CollExtras ex{.bias0 = extras_.bias[0],
+                        .bias1 = extras_.bias[1],
+                        .recv_w = reinterpret_cast<const float*>(mem_ + areas_.received_w),
+                        .y_w = extras_.y_topk_weights,
+                        .highest_slot = cfg_.combine_order == CombineOrder::kHighestSlot};
     launch_coll_fold(shape(), tokens_, mem_ + areas_.pack, from, naive ? W * T : T,
-                     expert_major(), exact() ? back() : CollBack{}, y, stream);
+                     expert_major(), exact() ? back() : CollBack{}, ex, y, stream);
     pending_ = Pending::kNone;
   }
 
@@ -408,6 +455,15 @@ class CollAll2All final : public All2All {
       world_.all_to_all(expert_out, send_at.data(), send_bytes.data(), mem_ + areas_.received,
                         recv_at.data(), recv_bytes.data(), stream);
     });
+    if (extras_.topk_weights != nullptr) {  // the rows' weights, the same places at K floats
+      const size_t scale = size_t(cfg_.topk) * sizeof(float);
+      for (auto* v : {&send_at, &send_bytes, &recv_at, &recv_bytes})
+        for (size_t& x : *v) x = x / row * scale;
+      watchdog_.run_watched(stream, Phase::kCombineReady, [&] {
+        world_.all_to_all(extras_.topk_weights, send_at.data(), send_bytes.data(),
+                          mem_ + areas_.received_w, recv_at.data(), recv_bytes.data(), stream);
+      });
+    }
     EPX_CUDA_CHECK(cudaEventRecord(combine_sent_, stream));
     pending_ = Pending::kCombineReceive;
   }
@@ -487,6 +543,7 @@ class CollAll2All final : public All2All {
   cudaEvent_t dispatch_sent_ = nullptr;  // the end of the last send half of each op
   cudaEvent_t combine_sent_ = nullptr;
   int32_t* host_counts_ = nullptr;  // exact combine: [2W] pinned (read_counts)
+  CombineExtras extras_{};           // the extras of the combine in progress
   int tokens_ = 0;
   bool dispatched_ = false;
   Pending pending_ = Pending::kNone;
@@ -513,8 +570,8 @@ std::unique_ptr<All2All> make_nccl_rank(Backend backend, const EpConfig& base, N
             to_string(cfg.combine_format),
             std::string("bf16 for backend ") + to_string(backend) +
                 " (LogFMT combine is low_latency's)");
-  EPX_CHECK(cfg.combine_order == CombineOrder::kRank, ConfigError, "combine_order",
-            to_string(cfg.combine_order),
+  EPX_CHECK(cfg.combine_order == CombineOrder::kRank || backend == Backend::kHighThroughput,
+            ConfigError, "combine_order", to_string(cfg.combine_order),
             std::string("rank for backend ") + to_string(backend) +
                 " (the highest-slot order is high_throughput's)");
   check_fingerprints(world.bootstrap(), cfg, backend);

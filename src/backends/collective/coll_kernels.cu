@@ -316,10 +316,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One warp per received row: its partial to its source's block.
+// One warp per received row: its partial (and its top-k weights, with topk_w) to its source's
+// block.
 __global__ void __launch_bounds__(kThreads)
     coll_scatter_kernel(const CollShape S, const int4* __restrict__ partials, CollRows rows,
-                        int4* __restrict__ blocks) {
+                        int4* __restrict__ blocks, const float* __restrict__ topk_w,
+                        float* __restrict__ blocks_w) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
@@ -329,43 +331,78 @@ __global__ void __launch_bounds__(kThreads)
     int4* dst = blocks + (size_t(q) * S.max_tokens + n) * vecs;
     const int4* src = partials + size_t(j) * vecs;
     for (int v = lane; v < vecs; v += kWarpSize) dst[v] = __ldg(src + v);
+    if (topk_w != nullptr && lane < S.topk)
+      blocks_w[(size_t(q) * S.max_tokens + n) * S.topk + lane] =
+          topk_w[size_t(j) * S.topk + lane];
   }
 }
 
-// One thread per 8 values of a token: the rows of the ranks that got it in rank order, f32,
-// rounded once.
+// Whether slot k of a packed token is its rank's highest slot (no later slot on that rank).
+__device__ __forceinline__ bool highest_slot_of_rank(const CollShape& S, const Slot& s, int k) {
+  const int32_t id = s.ids()[k];
+  if (id < 0) return false;
+  for (int j = k + 1; j < S.topk; ++j) {
+    const int32_t later = s.ids()[j];
+    if (later >= 0 && later / S.num_local == id / S.num_local) return false;
+  }
+  return true;
+}
+
+// One thread per 8 values of a token: the bias rows, then the rows of the ranks that got it in
+// rank order (or each at its highest top-k slot), f32, rounded once; the thread of the first 8
+// values also sums the ranks' weights per slot, in the same order.
 __global__ void __launch_bounds__(kThreads)
     combine_fold_kernel(const CollShape S, int N, const uint8_t* __restrict__ own_pack,
                         const void* __restrict__ from, size_t stride_rows, bool f32,
-                        const CollBack back, __nv_bfloat16* __restrict__ y) {
-  const int vecs = S.hidden / 8;
+                        const CollBack back, const CollExtras ex, __nv_bfloat16* __restrict__ y) {
+  const int vecs = S.hidden / 8, K = S.topk;
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(N) * vecs;
        i += size_t(gridDim.x) * blockDim.x) {
     const int n = int(i / vecs), v = int(i % vecs);
+    const bool weights = ex.y_w != nullptr && v == 0;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    const Slot own = slot_of(S, const_cast<uint8_t*>(own_pack), n);
-    if (*own.valid() != 0) {
-      const uint64_t all = S.world == 64 ? ~uint64_t(0) : (uint64_t(1) << S.world) - 1;
-      for (uint64_t m = S.routed ? token_ranks(S, own) : all; m != 0; m &= m - 1) {
-        const int r = __ffsll(static_cast<long long>(m)) - 1;
-        float f[8];
-        const size_t row = back.pos != nullptr
-                               ? size_t(back.offsets[r] + back.pos[size_t(r) * S.max_tokens + n])
-                               : size_t(r) * stride_rows + n;
-        const size_t at = row * S.hidden + size_t(v) * 8;
-        if (f32) {
-          const float4* p4 = reinterpret_cast<const float4*>(static_cast<const float*>(from) + at);
-          const float4 a = p4[0], b = p4[1];
-          f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z,
-          f[7] = b.w;
-        } else {
-          dev::load_bf16x8(static_cast<const __nv_bfloat16*>(from) + at, f);
-        }
+    float w[kMaxTopk];
+    for (int k = 0; weights && k < K; ++k) w[k] = 0.f;
+    for (const void* bias : {ex.bias0, ex.bias1}) {
+      if (bias == nullptr) continue;
+      float f[8];
+      dev::load_bf16x8(static_cast<const __nv_bfloat16*>(bias) + size_t(n) * S.hidden +
+                           size_t(v) * 8,
+                       f);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += f[e];
+      for (int e = 0; e < 8; ++e) acc[e] += f[e];
+    }
+    const Slot own = slot_of(S, const_cast<uint8_t*>(own_pack), n);
+    auto add = [&](int r) {
+      const size_t row = back.pos != nullptr
+                             ? size_t(back.offsets[r] + back.pos[size_t(r) * S.max_tokens + n])
+                             : size_t(r) * stride_rows + n;
+      const size_t at = row * S.hidden + size_t(v) * 8;
+      float f[8];
+      if (f32) {
+        const float4* p4 = reinterpret_cast<const float4*>(static_cast<const float*>(from) + at);
+        const float4 a = p4[0], b = p4[1];
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z,
+        f[7] = b.w;
+      } else {
+        dev::load_bf16x8(static_cast<const __nv_bfloat16*>(from) + at, f);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += f[e];
+      for (int k = 0; weights && k < K; ++k) w[k] += ex.recv_w[row * K + k];
+    };
+    if (*own.valid() != 0) {
+      if (ex.highest_slot) {
+        for (int k = 0; k < K; ++k)
+          if (highest_slot_of_rank(S, own, k)) add(own.ids()[k] / S.num_local);
+      } else {
+        const uint64_t all = S.world == 64 ? ~uint64_t(0) : (uint64_t(1) << S.world) - 1;
+        for (uint64_t m = S.routed ? token_ranks(S, own) : all; m != 0; m &= m - 1)
+          add(__ffsll(static_cast<long long>(m)) - 1);
       }
     }
     dev::store_bf16x8(y + size_t(n) * S.hidden + size_t(v) * 8, acc);
+    for (int k = 0; weights && k < K; ++k) ex.y_w[size_t(n) * K + k] = w[k];
   }
 }
 
@@ -417,9 +454,11 @@ void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, con
 }
 
 void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
-                         void* blocks, cudaStream_t stream) {
+                         void* blocks, const float* topk_w, float* blocks_w,
+                         cudaStream_t stream) {
   coll_scatter_kernel<<<kBlocks, kThreads, 0, stream>>>(S, static_cast<const int4*>(partials),
-                                                        rows, static_cast<int4*>(blocks));
+                                                        rows, static_cast<int4*>(blocks), topk_w,
+                                                        blocks_w);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -431,10 +470,11 @@ void launch_coll_back_place(const CollShape& S, const uint8_t* own_pack, const C
 
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
                       const void* from, size_t stride_rows, bool f32, const CollBack& back,
-                      void* y, cudaStream_t stream) {
+                      const CollExtras& ex, void* y, cudaStream_t stream) {
   if (num_tokens == 0) return;
   combine_fold_kernel<<<kBlocks, kThreads, 0, stream>>>(S, num_tokens, own_pack, from, stride_rows,
-                                                        f32, back, static_cast<__nv_bfloat16*>(y));
+                                                        f32, back, ex,
+                                                        static_cast<__nv_bfloat16*>(y));
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

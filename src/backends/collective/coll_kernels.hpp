@@ -91,6 +91,17 @@ struct CollBack {
   int32_t* offsets;  // [W]
 };
 
+// Combine's extras at a token's rank (high_throughput): bias rows that start the
+// sum, the top-k weights each rank sent back with its rows (summed per slot in the partials'
+// order), and that order.
+struct CollExtras {
+  const void* bias0 = nullptr;    // [N][H] bf16, or null
+  const void* bias1 = nullptr;    // [N][H] bf16, or null
+  const float* recv_w = nullptr;  // [rows][K]: each partial row's weights, placed as that row
+  float* y_w = nullptr;           // [N][K], or null
+  bool highest_slot = false;      // each rank at its highest top-k slot of the token (V2's)
+};
+
 struct CollStatus {
   DeviceStatus* status;       // device word
   DeviceStatus* host_status;  // mapped host mirror
@@ -108,9 +119,11 @@ void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack
 // The token-major rows (after launch_coll_unpack) laid out per local expert, in their order:
 // rows.row_slot, the expert_* areas and expert_counts.
 void launch_coll_expert_rows(const CollShape& S, const CollRows& rows, cudaStream_t stream);
-// Row j's partial [H] bf16 -> blocks[src_rank][src_idx] ([W][T][H]), for j < *recv_count.
+// Row j's partial [H] bf16 -> blocks[src_rank][src_idx] ([W][T][H]), for j < *recv_count; with
+// topk_w ([rows][K] f32), its weights -> blocks_w[src_rank][src_idx] ([W][T][K]).
 void launch_coll_scatter(const CollShape& S, const void* partials, const CollRows& rows,
-                         void* blocks, cudaStream_t stream);
+                         void* blocks, const float* topk_w, float* blocks_w,
+                         cudaStream_t stream);
 // Expert-major: row j's f32 partial, the fmaf in slot order of its weights and local experts'
 // outputs (expert_out [E/W][cap][H] bf16) -> blocks[src_rank][src_idx] ([W][T][H] f32).
 void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, const CollRows& rows,
@@ -121,9 +134,11 @@ void launch_coll_back_place(const CollShape& S, const uint8_t* own_pack, const C
 // y[n] for n < N: the rows of this rank's tokens from every rank (S.routed: from the ranks holding
 // one of its experts), `from` + (r * stride + n) * H bf16 (back.pos set: row back.offsets[r] +
 // back.pos[r][n]), summed in rank order in f32 and rounded once; 0 for a token this rank's pack
-// marked invalid (sent nowhere). `f32`: the rows are f32 (expert-major), else bf16.
+// marked invalid (sent nowhere). `f32`: the rows are f32 (expert-major), else bf16. `ex`: the
+// bias rows first (a token sent nowhere gets them alone), the weights summed alongside, the
+// highest-slot order in place of rank order.
 void launch_coll_fold(const CollShape& S, int num_tokens, const uint8_t* own_pack,
                       const void* from, size_t stride_rows, bool f32, const CollBack& back,
-                      void* y, cudaStream_t stream);
+                      const CollExtras& ex, void* y, cudaStream_t stream);
 
 }  // namespace epx::coll
