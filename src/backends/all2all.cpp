@@ -9,6 +9,7 @@
 
 #include "backends/collective/coll_all2all.hpp"
 #include "backends/common/inputs.hpp"
+#include "backends/common/rank_status.hpp"
 #include "backends/high_throughput/ht_all2all.hpp"
 #include "backends/peer/peer_all2all.hpp"
 #include "core/device_guard.hpp"
@@ -61,6 +62,22 @@ void check_not_capturing_counts(cudaStream_t stream) {
             "called on a capturing stream",
             "worst_case_output = true to capture high_throughput in a CUDA graph (without it "
             "dispatch reads the round's counts back on the host)");
+}
+
+void check_combine_extras(const RankStatus& status, const CombineExtras& extras, int tokens) {
+  const bool weights = extras.topk_weights != nullptr;
+  EPX_CHECK(weights == (extras.y_topk_weights != nullptr), InputError,
+            weights ? "combine y_topk_weights" : "combine topk_weights", "null",
+            std::string("set together with combine ") +
+                (weights ? "topk_weights" : "y_topk_weights"));
+  if (weights) {
+    status.check_ptr(extras.topk_weights, "combine topk_weights", 4);
+    if (tokens > 0) status.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
+  }
+  for (int i = 0; i < 2; ++i) {
+    if (extras.bias[i] != nullptr && tokens > 0)
+      status.check_ptr(extras.bias[i], i == 0 ? "combine bias[0]" : "combine bias[1]", 16);
+  }
 }
 
 void All2All::combine(const void* expert_out, void* y, const CombineExtras& extras,

@@ -314,17 +314,7 @@ class CollAll2All final : public All2All {
       All2All::combine(expert_out, y, extras, stream);
       return;
     }
-    EPX_CHECK((extras.topk_weights == nullptr) == (extras.y_topk_weights == nullptr), InputError,
-              extras.topk_weights == nullptr ? "combine topk_weights" : "combine y_topk_weights",
-              "null", "set together with the other");
-    if (extras.topk_weights != nullptr) {
-      status_.check_ptr(extras.topk_weights, "combine topk_weights", 4);
-      if (tokens_ > 0) status_.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (extras.bias[i] != nullptr && tokens_ > 0)
-        status_.check_ptr(extras.bias[i], i == 0 ? "combine bias[0]" : "combine bias[1]", 16);
-    }
+    check_combine_extras(status_, extras, tokens_);
     extras_ = extras;
     try {
       combine_send(expert_out, stream);

@@ -335,19 +335,7 @@ class HtAll2All final : public All2All {
     status_.check_ptr(expert_out, "expert_out", 16);
     // A rank without tokens writes no y: any pointer is fine (as for every backend).
     if (tokens_ > 0) status_.check_ptr(y, "y", 16);
-    EPX_CHECK((extras.topk_weights == nullptr) == (extras.y_topk_weights == nullptr), InputError,
-              extras.topk_weights == nullptr ? "combine topk_weights" : "combine y_topk_weights",
-              "null", "set together with combine " +
-                          std::string(extras.topk_weights == nullptr ? "y_topk_weights"
-                                                                     : "topk_weights"));
-    if (extras.topk_weights != nullptr) {
-      status_.check_ptr(extras.topk_weights, "combine topk_weights", 4);
-      if (tokens_ > 0) status_.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
-    }
-    for (int i = 0; i < 2; ++i) {
-      if (extras.bias[i] != nullptr && tokens_ > 0)
-        status_.check_ptr(extras.bias[i], i == 0 ? "combine bias[0]" : "combine bias[1]", 16);
-    }
+    check_combine_extras(status_, extras, tokens_);
     const float* topk_w = extras.topk_weights;
     const int32_t* rows_now =
         reinterpret_cast<const int32_t*>(buf_.local() + layout_.state + offsetof(HtState, recv_count));
