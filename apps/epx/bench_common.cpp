@@ -226,8 +226,8 @@ RoundSamples time_rounds(Group& group, const DeviceInputs& inputs, ForkJoin& fj,
   }
   // A dispatch that reads its round's row count back waits on the host for every peer's
   // counts: with several GPUs, each GPU's launch from a thread of its own.
-  const bool host_waits = W > 0 && group[0]->backend() == Backend::kHighThroughput &&
-                          !group[0]->config().worst_case_output;
+  const bool host_waits =
+      W > 0 && reads_counts_on_host(group[0]->backend(), group[0]->config());
   auto per_gpu = [&](const std::function<void(GpuRanks&, cudaStream_t)>& op) {
     if (gpus.size() == 1) {
       op(gpus[0], fj.main());

@@ -76,7 +76,7 @@ BackendResult run_backend(const Plan& p, Backend backend, const EpConfig& cfg,
     // high_throughput with exact output sizes reads each round's row count back on the host:
     // no graph, and the ranks of one host thread must share one launch (a rank's dispatch waits
     // for its peers' counts before the next rank's call is enqueued).
-    if (backend == Backend::kHighThroughput && !cfg.worst_case_output &&
+    if (reads_counts_on_host(backend, cfg) &&
         (mode == TimingMode::kGraph || launch == LaunchMode::kPerRank)) {
       continue;
     }

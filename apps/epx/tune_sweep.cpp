@@ -20,9 +20,7 @@ namespace {
 // Graph replays (DESIGN §8), except for high_throughput sized per call: its dispatch reads the
 // row count back on the host, which a capturing stream refuses.
 TimingMode timing_mode(const Plan& p) {
-  return p.backend == Backend::kHighThroughput && !p.shape.cfg.worst_case_output
-             ? TimingMode::kEager
-             : TimingMode::kGraph;
+  return reads_counts_on_host(p.backend, p.shape.cfg) ? TimingMode::kEager : TimingMode::kGraph;
 }
 
 class Tuner {

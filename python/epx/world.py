@@ -89,7 +89,8 @@ def nccl_world_from_torch(group=None, device=None, local_world_size=None) -> "Nc
 
     local_world_size: the ranks of each node (the group's ranks sit on the nodes in blocks);
     None takes torchrun's LOCAL_WORLD_SIZE when the group is the default one, else one node.
-    Across nodes the world serves the backends naive and allgather_reducescatter."""
+    Across nodes every backend runs on the collective engine (NCCL's all-gather and grouped
+    send/recv between nodes; docs/scale-out.md)."""
     import os
 
     rank, size, all_gather = torch_all_gather(group)

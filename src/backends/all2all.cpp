@@ -55,6 +55,29 @@ void check_routing_by_ids(const DispatchInput& in, Backend backend) {
                         to_string(backend)));
 }
 
+void check_high_throughput_routing(const RankStatus& status, const DispatchInput& in,
+                                   const EpConfig& cfg) {
+  const bool by_mask = in.rank_mask != nullptr;
+  if (by_mask) {
+    EPX_CHECK(in.topk_ids == nullptr && in.topk_weights == nullptr, InputError,
+              in.topk_ids != nullptr ? "topk_ids" : "topk_weights", "set",
+              "null with rank_mask (a round routes by top-k ids or by a rank mask)");
+    status.check_ptr(in.expert_counts, "expert_counts", 4);
+    EPX_CHECK(cfg.combine_order == CombineOrder::kRank, InputError, "rank_mask", "set",
+              "null with combine_order highest_slot (the order follows the top-k ids)");
+  } else {
+    EPX_CHECK(in.expert_counts == nullptr, InputError, "expert_counts", "set",
+              "null without rank_mask (with top-k ids the experts' rows are counted from them)");
+  }
+  if (in.num_tokens <= 0) return;
+  if (by_mask) {
+    status.check_ptr(in.rank_mask, "rank_mask", 1);
+  } else {
+    status.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
+    status.check_ptr(in.topk_weights, "topk_weights", 4);
+  }
+}
+
 void check_not_capturing_counts(cudaStream_t stream) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));

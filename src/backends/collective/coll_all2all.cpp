@@ -264,18 +264,25 @@ class CollAll2All final : public All2All {
     const int N = in.num_tokens;
     EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
               "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
-    check_routing_by_ids(in, backend_);
+    if (backend_ == Backend::kHighThroughput) {  // by top-k ids or by a rank mask
+      check_high_throughput_routing(status_, in, cfg_);
+    } else {
+      check_routing_by_ids(in, backend_);
+      if (N > 0) {
+        status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
+        status_.check_ptr(in.topk_weights, "topk_weights", 4);
+      }
+    }
     if (N > 0) {
       status_.check_ptr(in.x, "x", 16);
-      status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
-      status_.check_ptr(in.topk_weights, "topk_weights", 4);
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
     }
     if (exact()) check_not_capturing_counts(stream);  // nothing is launched before it
     const DeviceGuard guard(world_.device());
     CollShape S = shape();
     S.ids_int64 = in.ids_type == IdType::kInt64;
-    launch_coll_pack(S, N, in.x, in.x_scales, in.topk_ids, in.topk_weights, mem_ + areas_.pack,
+    launch_coll_pack(S, N, in.x, in.x_scales, in.topk_ids, in.topk_weights, in.rank_mask,
+                     in.expert_counts, mem_ + areas_.pack,
                      CollStatus{reinterpret_cast<DeviceStatus*>(mem_ + areas_.status),
                                 status_.device_mirror()},
                      stream);
@@ -475,6 +482,7 @@ class CollAll2All final : public All2All {
                      .ids_int64 = 0,
                      .round_scale = cfg_.round_scale,
                      .slot_bytes = int32_t(slot_bytes(cfg_)),
+                     .counts_offset = int32_t(pack_counts_offset(cfg_)),
                      .routed = !delivers_every_token(backend_),
                      .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull};
   }

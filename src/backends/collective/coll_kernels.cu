@@ -24,9 +24,12 @@ struct Slot {
   uint8_t* base;
   const CollShape& S;
   __device__ uint8_t* row() const { return base; }
-  __device__ float* scales() const { return reinterpret_cast<float*>(base + S.wire_row_bytes); }
+  __device__ uint64_t* ranks() const { return reinterpret_cast<uint64_t*>(base + S.wire_row_bytes); }
+  __device__ float* scales() const {
+    return reinterpret_cast<float*>(base + S.wire_row_bytes + 8);
+  }
   __device__ int32_t* ids() const {
-    return reinterpret_cast<int32_t*>(base + S.wire_row_bytes + size_t(S.groups) * 4);
+    return reinterpret_cast<int32_t*>(base + S.wire_row_bytes + 8 + size_t(S.groups) * 4);
   }
   __device__ float* weights() const { return reinterpret_cast<float*>(ids() + S.topk); }
   __device__ int32_t* valid() const { return reinterpret_cast<int32_t*>(weights() + S.topk); }
@@ -35,14 +38,9 @@ __device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n
   return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
 }
 
-// The ranks holding one of a packed token's experts (its ids are checked: -1 or in [0, E)).
-__device__ __forceinline__ uint64_t token_ranks(const CollShape& S, const Slot& s) {
-  uint64_t m = 0;
-  for (int k = 0; k < S.topk; ++k) {
-    const int32_t id = s.ids()[k];
-    if (id >= 0) m |= uint64_t(1) << (id / S.num_local);
-  }
-  return m;
+// The ranks a packed token goes to: those holding one of its experts, or its rank mask's.
+__device__ __forceinline__ uint64_t token_ranks(const CollShape&, const Slot& s) {
+  return *s.ranks();
 }
 
 __device__ __forceinline__ int64_t load_id(const CollShape& S, const void* ids, int n, int k) {
@@ -50,19 +48,86 @@ __device__ __forceinline__ int64_t load_id(const CollShape& S, const void* ids, 
   return S.ids_int64 ? static_cast<const int64_t*>(ids)[i] : static_cast<const int32_t*>(ids)[i];
 }
 
+// Token n's row (copied, or quantised for bf16-to-fp8) and scales into its slot: one warp.
+__device__ __forceinline__ void copy_row(const CollShape& S, int n, const void* __restrict__ x,
+                                         const float* __restrict__ x_scales, const Slot& s,
+                                         int lane) {
+  const int H = S.hidden;
+  if (S.dtype == int32_t(DispatchDtype::kBF16ToFP8)) {
+    // 16 values a lane, 8 lanes a 1x128 block; every lane takes part in each block's shuffles.
+    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(x) + size_t(n) * H;
+    for (int v0 = 0; v0 < H; v0 += kWarpSize * 16) {
+      const int v = v0 + lane * 16;
+      float f[16];
+      if (v < H) {
+        float a[8], b[8];
+        dev::load_bf16x8(src + v, a);
+        dev::load_bf16x8(src + v + 8, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          f[i] = a[i];
+          f[8 + i] = b[i];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) f[i] = 0.f;
+      }
+      float scale;
+      const uint4 q = dev::quantize_fp8_block<16>(f, scale, S.round_scale != 0);
+      if (v < H) {
+        *reinterpret_cast<uint4*>(s.row() + v) = q;
+        if (lane % 8 == 0) s.scales()[v / kFp8BlockSize] = scale;
+      }
+    }
+  } else {
+    const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(x) +
+                                                    size_t(n) * S.wire_row_bytes);
+    int4* dst = reinterpret_cast<int4*>(s.row());
+    for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = __ldg(src + v);
+    for (int g = lane; g < S.groups; g += kWarpSize)
+      s.scales()[g] = x_scales[size_t(n) * S.groups + g];
+  }
+}
+
 // One warp per token: ids checked (lane k holds id k), row copied or quantised, metadata written.
 __global__ void __launch_bounds__(kThreads)
     coll_pack_kernel(const CollShape S, int N, const void* __restrict__ x,
                      const float* __restrict__ x_scales, const void* __restrict__ ids,
-                     const float* __restrict__ weights, uint8_t* __restrict__ pack, CollStatus st) {
+                     const float* __restrict__ weights, const uint8_t* __restrict__ rank_mask,
+                     const int32_t* __restrict__ expert_counts, uint8_t* __restrict__ pack,
+                     CollStatus st) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<int32_t*>(pack) = N;
+  const bool by_mask = rank_mask != nullptr;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      reinterpret_cast<int32_t*>(pack)[0] = N;
+      reinterpret_cast<int32_t*>(pack)[1] = by_mask ? 1 : 0;
+    }
+    int32_t* counts = reinterpret_cast<int32_t*>(pack + S.counts_offset);
+    for (int e = threadIdx.x; by_mask && e < S.num_experts; e += blockDim.x)
+      counts[e] = expert_counts[e];
+  }
   const dev::WaitContext w{st.status, st.host_status, S.timeout_ns, S.rank};
-  const int K = S.topk, H = S.hidden;
+  const int K = S.topk;
   for (int n = warp; n < N; n += warps) {
     const Slot s = slot_of(S, pack, n);
+    if (by_mask) {  // lanes r and r + 32 read mask bytes r and r + 32
+      const uint8_t* m = rank_mask + size_t(n) * S.world;
+      const uint32_t lo = __ballot_sync(kFullWarp, lane < S.world && m[lane] != 0);
+      const uint32_t hi = __ballot_sync(kFullWarp, lane + 32 < S.world && m[lane + 32] != 0);
+      if (lane < K) {
+        s.ids()[lane] = -1;
+        s.weights()[lane] = 0.f;
+      }
+      if (lane == 0) {
+        *s.ranks() = uint64_t(hi) << 32 | lo;
+        *s.valid() = 1;
+      }
+      copy_row(S, n, x, x_scales, s, lane);
+      continue;
+    }
     // The ids: in [-1, E), no expert twice.
     const int64_t id = lane < K ? load_id(S, ids, n, lane) : -1;
     const bool out_of_range = lane < K && (id < -1 || id >= S.num_experts);
@@ -79,41 +144,15 @@ __global__ void __launch_bounds__(kThreads)
       s.ids()[lane] = int32_t(id);
       s.weights()[lane] = weights[size_t(n) * K + lane];
     }
-    if (lane == 0) *s.valid() = valid ? 1 : 0;
-    if (S.dtype == int32_t(DispatchDtype::kBF16ToFP8)) {
-      // 16 values a lane, 8 lanes a 1x128 block; every lane takes part in each block's shuffles.
-      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(x) + size_t(n) * H;
-      for (int v0 = 0; v0 < H; v0 += kWarpSize * 16) {
-        const int v = v0 + lane * 16;
-        float f[16];
-        if (v < H) {
-          float a[8], b[8];
-          dev::load_bf16x8(src + v, a);
-          dev::load_bf16x8(src + v + 8, b);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            f[i] = a[i];
-            f[8 + i] = b[i];
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) f[i] = 0.f;
-        }
-        float scale;
-        const uint4 q = dev::quantize_fp8_block<16>(f, scale, S.round_scale != 0);
-        if (v < H) {
-          *reinterpret_cast<uint4*>(s.row() + v) = q;
-          if (lane % 8 == 0) s.scales()[v / kFp8BlockSize] = scale;
-        }
-      }
-    } else {
-      const int4* src = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(x) +
-                                                      size_t(n) * S.wire_row_bytes);
-      int4* dst = reinterpret_cast<int4*>(s.row());
-      for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = __ldg(src + v);
-      for (int g = lane; g < S.groups; g += kWarpSize)
-        s.scales()[g] = x_scales[size_t(n) * S.groups + g];
+    // The ranks holding one of its experts (world <= 64: a rank's bit in one of two halves).
+    const int owner = expert ? int(id / S.num_local) : -1;
+    const uint32_t lo = __reduce_or_sync(kFullWarp, owner >= 0 && owner < 32 ? 1u << owner : 0u);
+    const uint32_t hi = __reduce_or_sync(kFullWarp, owner >= 32 ? 1u << (owner - 32) : 0u);
+    if (lane == 0) {
+      *s.ranks() = uint64_t(hi) << 32 | lo;
+      *s.valid() = valid ? 1 : 0;
     }
+    copy_row(S, n, x, x_scales, s, lane);
   }
 }
 
@@ -169,8 +208,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block: each source's first row, the round's row count, the expert counts cleared.
-__global__ void coll_offsets_kernel(const CollShape S, CollRows rows) {
+// One block: each source's first row, the round's row count, the expert counts started with
+// those of the senders that route by a rank mask (dispatch_rows_kernel adds the ids').
+__global__ void coll_offsets_kernel(const CollShape S, const uint8_t* __restrict__ gathered,
+                                    size_t pack_bytes, CollRows rows) {
   if (threadIdx.x == 0) {
     int32_t run = 0;
     for (int q = 0; q < S.world; ++q) {
@@ -179,7 +220,16 @@ __global__ void coll_offsets_kernel(const CollShape S, CollRows rows) {
     }
     *rows.recv_count = run;
   }
-  for (int e = threadIdx.x; e < S.num_local; e += blockDim.x) rows.expert_counts[e] = 0;
+  const int e0 = S.rank * S.num_local;
+  for (int e = threadIdx.x; e < S.num_local; e += blockDim.x) {
+    int32_t sum = 0;
+    for (int q = 0; q < S.world; ++q) {
+      const uint8_t* pack = gathered + size_t(q) * pack_bytes;
+      if (reinterpret_cast<const int32_t*>(pack)[1] != 0)
+        sum += reinterpret_cast<const int32_t*>(pack + S.counts_offset)[e0 + e];
+    }
+    rows.expert_counts[e] = sum;
+  }
 }
 
 // One warp per (source, token): a valid token's row, scales and metadata at its place. Named
@@ -424,17 +474,18 @@ void load_coll_kernels() {
 }
 
 void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
-                      const void* ids, const float* weights, uint8_t* pack, CollStatus st,
+                      const void* ids, const float* weights, const uint8_t* rank_mask,
+                      const int32_t* expert_counts, uint8_t* pack, CollStatus st,
                       cudaStream_t stream) {
   coll_pack_kernel<<<kBlocks, kThreads, 0, stream>>>(S, num_tokens, x, x_scales, ids, weights,
-                                                     pack, st);
+                                                     rank_mask, expert_counts, pack, st);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream) {
   coll_place_kernel<<<S.world, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
-  coll_offsets_kernel<<<1, kThreads, 0, stream>>>(S, rows);
+  coll_offsets_kernel<<<1, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
   dispatch_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
   EPX_CUDA_CHECK(cudaGetLastError());
 }

@@ -41,21 +41,27 @@ struct CollShape {
   int32_t ids_int64;
   int32_t round_scale;
   int32_t slot_bytes;      // one packed token, 16-byte multiple
+  int32_t counts_offset;   // the expert counts' place in a pack
   int32_t routed;          // 1: rows only where the token has an expert (low_latency,
                            // high_throughput); 0: every valid token everywhere (the baselines)
   uint64_t timeout_ns;
 };
 
-// A pack: kPackHeader bytes (int32 token count), then T slots of
-// [wire row | f32 scales | int32 ids | f32 weights | int32 valid], each slot_bytes long.
+// A pack: kPackHeader bytes (int32 token count, int32 1 when the round routes by a rank mask),
+// then T slots of [wire row | u64 ranks | f32 scales | int32 ids | f32 weights | int32 valid],
+// each slot_bytes long (ranks: bit r set when the token goes to rank r, from its ids or from the
+// mask), then the sender's int32 expert counts [E] (routing by a rank mask: the caller's).
 inline constexpr size_t kPackHeader = 16;
 constexpr size_t slot_bytes(const EpConfig& cfg) {
   const size_t g = cfg.dtype == DispatchDtype::kBF16 ? 0 : size_t(cfg.hidden / kFp8BlockSize);
   const size_t row = cfg.dtype == DispatchDtype::kBF16 ? size_t(cfg.hidden) * 2 : size_t(cfg.hidden);
-  return (row + g * 4 + size_t(cfg.topk) * 8 + 4 + 15) / 16 * 16;
+  return (row + 8 + g * 4 + size_t(cfg.topk) * 8 + 4 + 15) / 16 * 16;
+}
+constexpr size_t pack_counts_offset(const EpConfig& cfg) {
+  return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg);
 }
 constexpr size_t pack_bytes(const EpConfig& cfg) {
-  return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg);
+  return pack_counts_offset(cfg) + (size_t(cfg.num_experts) * 4 + 15) / 16 * 16;
 }
 
 // Where the dispatch's outputs and its bookkeeping live (device pointers).
@@ -109,11 +115,16 @@ struct CollStatus {
 
 void load_coll_kernels();
 // Packs this rank's N tokens into `pack` (quantised for bf16-to-fp8), checking their ids (a bad
-// or repeated id is recorded as an input error and the token is sent nowhere).
+// or repeated id is recorded as an input error and the token is sent nowhere). With `rank_mask`
+// ([N][W] bytes; ids and weights null) token n goes to every rank r with a nonzero
+// rank_mask[n][r], with ids -1 and weights 0, and `expert_counts` ([E]) travels with the pack.
 void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const float* x_scales,
-                      const void* ids, const float* weights, uint8_t* pack, CollStatus st,
+                      const void* ids, const float* weights, const uint8_t* rank_mask,
+                      const int32_t* expert_counts, uint8_t* pack, CollStatus st,
                       cudaStream_t stream);
-// The gathered packs [W][pack_bytes] -> the token-major rows (S.routed: those routed here).
+// The gathered packs [W][pack_bytes] -> the token-major rows (S.routed: those routed here);
+// expert_counts: the ids' count of each local expert, plus the counts of the senders that route
+// by a rank mask.
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream);
 // The token-major rows (after launch_coll_unpack) laid out per local expert, in their order:

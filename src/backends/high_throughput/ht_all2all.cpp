@@ -283,26 +283,9 @@ class HtAll2All final : public All2All {
     const int N = in.num_tokens;
     EPX_CHECK(N >= 0 && N <= cfg_.max_tokens_per_rank, InputError, "num_tokens", N,
               "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
-    const bool by_mask = in.rank_mask != nullptr;
-    if (by_mask) {
-      EPX_CHECK(in.topk_ids == nullptr && in.topk_weights == nullptr, InputError,
-                in.topk_ids != nullptr ? "topk_ids" : "topk_weights", "set",
-                "null with rank_mask (a round routes by top-k ids or by a rank mask)");
-      status_.check_ptr(in.expert_counts, "expert_counts", 4);
-      EPX_CHECK(cfg_.combine_order == CombineOrder::kRank, InputError, "rank_mask", "set",
-                "null with combine_order highest_slot (the order follows the top-k ids)");
-    } else {
-      EPX_CHECK(in.expert_counts == nullptr, InputError, "expert_counts", "set",
-                "null without rank_mask (with top-k ids the experts' rows are counted from them)");
-    }
+    check_high_throughput_routing(status_, in, cfg_);
     if (N > 0) {
       status_.check_ptr(in.x, "x", 16);
-      if (by_mask) {
-        status_.check_ptr(in.rank_mask, "rank_mask", 1);
-      } else {
-        status_.check_ptr(in.topk_ids, "topk_ids", in.ids_type == IdType::kInt64 ? 8 : 4);
-        status_.check_ptr(in.topk_weights, "topk_weights", 4);
-      }
       if (cfg_.input_fp8()) status_.check_ptr(in.x_scales, "x_scales", 4);
     }
     if (!cfg_.worst_case_output) check_not_capturing_counts(stream);
