@@ -10,9 +10,9 @@
 # high_throughput checks; one process per rank, its faults, serve-bench and several GPUs; each part
 # fits in 10 minutes on an H200), python (the package: pip install, pytest, the Python example),
 # deepep (DeepEP's own tests/legacy/test_low_latency.py through tests/compat/, with 2 and 4
-# processes on GPU 0, also with --use-logfmt and across 2 emulated nodes of 2, its
-# tests/legacy/test_intranode.py and V2's tests/elastic/test_ep.py with 2 and 4 (its perf part on
-# the first mode; three variants with 2), and
+# processes on GPU 0, also with --use-logfmt, its tests/legacy/test_intranode.py and V2's
+# tests/elastic/test_ep.py with 2 and 4 (its perf part on the first mode; three variants with 2),
+# these three across 2 emulated nodes of 2 processes, and
 # its --shrink-test with 8 unless EPX_DEEPEP_SHRINK=0; needs EPX_DEEPEP_DIR, a DeepEP checkout
 # with deep_ep/utils and tests; it installs the package itself), sanitize (compute-sanitizer
 # memcheck and racecheck over `epx check` of every backend), fault (the reliability fault matrix,
@@ -399,6 +399,13 @@ if want deepep; then
   # Across 2 emulated nodes of 2 processes (an NcclWorld; every process its own NCCL host id).
   run deepep_nodes_2x2 env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
       "$EPX_DEEPEP_DIR" --emulated-nodes 2 -- --num-processes 4 $DS --num-experts 32
+  # The normal mode (dispatch with and without top-k: by ids and by a rank mask) and V2 there too.
+  run deepep_intranode_nodes_2x2 env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+      "$EPX_DEEPEP_DIR" --emulated-nodes 2 --test tests/legacy/test_intranode.py -- \
+      --num-processes 4 --num-tokens 64 --hidden 7168 --num-topk 8 --num-experts 64
+  run deepep_ep_nodes_2x2 env PYTHONPATH="$py" python3 tests/compat/run_deepep_low_latency.py \
+      "$EPX_DEEPEP_DIR" --emulated-nodes 2 --test tests/elastic/test_ep.py -- --num-processes 4 \
+      --num-tokens 64 --skip-perf-test
   # Shrink mode (the test's --shrink-test: 8 processes, ranks 1, 3 and 5 stop calling): every
   # survivor's object waits EPX_TIMEOUT_MS (10 s in the runner) once per stopped rank it meets,
   # about a dozen times, on a time-sliced GPU: 168 s measured on an H200.

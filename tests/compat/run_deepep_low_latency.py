@@ -26,9 +26,11 @@ runner at all (``PYTHONPATH=DIR:...`` python3 tests/legacy/test_low_latency.py .
 
 Emulated nodes (``--emulated-nodes N``, one-gpu mode): the processes as N nodes of a block of
 ranks each (LOCAL_WORLD_SIZE, an NCCL_HOSTID per process: deepep_shim.emulate_node), so that
-epx.deep_ep builds an NcclWorld across them and its low-latency mode runs on NCCL's collectives,
-e.g. ``... -- --num-processes 4 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 32``
-with ``--emulated-nodes 2`` (LogFMT and shrink mode are one node's).
+epx.deep_ep builds an NcclWorld across them and its modes run on NCCL's collectives, e.g.
+``... -- --num-processes 4 --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 32`` with
+``--emulated-nodes 2``; also ``--test tests/legacy/test_intranode.py`` (normal mode) and
+``--test tests/elastic/test_ep.py`` (V2), each ``--num-tokens 64`` (LogFMT and shrink mode are
+one node's).
 
 Shrink mode (DeepEP's ``--shrink-test``: ranks 1, 3 and 5 stop calling, at their first dispatch,
 combine and clean, and the others must mask them): ``--shrink`` adds ``--shrink-test`` to the
