@@ -69,6 +69,14 @@ def make_inputs(cfg, rank, n, seed, device, ids_dtype=None):
     return [t.to(device) if t is not None else None for t in (x, ids, w, scales)]
 
 
+def refill(inputs, fresh):
+    """Copies `fresh` (make_inputs' list) into the tensors `inputs` in place (a captured graph
+    keeps reading them); None entries stay None."""
+    for dst, src in zip(inputs, fresh):
+        if dst is not None:
+            dst.copy_(src)
+
+
 def as_bf16_values(x, scales):
     """What a row means in f32: bf16 as is (scales None), fp8 dequantised with its scales."""
     if scales is None:

@@ -77,9 +77,7 @@ def _rank_main(rank, init_file, mismatch, results):
                     yg = a.combine(a.combine_buffer())
                 for it in range(5):
                     fresh = ref.make_inputs(cfg, rank, 16, 50 + it, dev)
-                    for dst, src in zip((x, ids, w, sc), fresh):
-                        if dst is not None:
-                            dst.copy_(src)
+                    ref.refill((x, ids, w, sc), fresh)
                     g.replay()
                     a.synchronize()
                     torch.testing.assert_close(yg.float(), ref.combined(cfg, *fresh),

@@ -74,9 +74,7 @@ def check_graph(world, dev):
         y = a.combine(a.combine_buffer())
     for it in range(5):
         fresh = ref.make_inputs(cfg, rank, 16, 50 + it, dev)
-        for dst, src in zip((x, ids, w, sc), fresh):
-            if dst is not None:
-                dst.copy_(src)
+        ref.refill((x, ids, w, sc), fresh)
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(y.float(), ref.combined(cfg, *fresh), **TOL)
