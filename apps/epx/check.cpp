@@ -21,7 +21,7 @@ namespace {
 struct CheckFlags {
   CheckRunFlags run;
   std::string world_kind = "in-process";
-  int fault_kill_rank = -1;  // testing (hidden): see --fault-kill-rank
+  std::vector<int> fault_kill_ranks;  // testing (hidden): see --fault-kill-rank
   bool moe = false;
   MoeLayerFlags moe_layer;  // the layer's own flags (--moe)
   double fuzz_minutes = 0;  // --fuzz
@@ -82,9 +82,10 @@ void add_check(CLI::App& app, int& exit_code) {
                 "(as ipc, memory through NCCL windows; one GPU per rank)")
       ->capture_default_str();
   // Testing only, hence hidden (empty group): proves that a killed rank is named by the others.
-  c->add_option("--fault-kill-rank", f->fault_kill_rank,
-                "testing, --world-kind ipc: this rank creates its All2All, then kills itself "
-                "(SIGKILL) before its first dispatch")
+  c->add_option("--fault-kill-rank", f->fault_kill_ranks,
+                "testing, --world-kind ipc or nccl: these ranks (a comma list, e.g. a node's) "
+                "create their All2All, then kill themselves (SIGKILL) before their first dispatch")
+      ->delimiter(',')
       ->group("");
   c->add_option("--fuzz", f->fuzz_minutes,
                 "random cases (world, shape, dtype, layouts, routing, backend, call mode) from "
@@ -142,8 +143,8 @@ void add_check(CLI::App& app, int& exit_code) {
       return;
     }
     const WorldKind kind = parse_world_kind(f->world_kind);
-    EPX_CHECK(f->fault_kill_rank < 0 || (!f->moe && one_process_per_rank(kind)), ConfigError,
-              "--fault-kill-rank", f->fault_kill_rank, "only with --world-kind ipc or nccl");
+    EPX_CHECK(f->fault_kill_ranks.empty() || (!f->moe && one_process_per_rank(kind)),
+              ConfigError, "--fault-kill-rank", "given", "only with --world-kind ipc or nccl");
     if (f->moe) {
       for (CLI::Option* o : not_moe)
         EPX_CHECK(o->count() == 0, ConfigError, o->get_name(), "given",
@@ -168,13 +169,16 @@ void add_check(CLI::App& app, int& exit_code) {
                 "only with --world-kind in-process (one process per rank takes GPU rank % GPUs)");
       ShapeFlags& shape = f->run.shape;
       take_world_from_env(shape, world_opt->count() > 0, "epx check");
-      EPX_CHECK(f->fault_kill_rank < shape.world, ConfigError, "--fault-kill-rank",
-                f->fault_kill_rank, fmt::format("a rank of the world, in [0, {})", shape.world));
+      for (const int r : f->fault_kill_ranks)
+        EPX_CHECK(r >= 0 && r < shape.world, ConfigError, "--fault-kill-rank", r,
+                  fmt::format("a rank of the world, in [0, {})", shape.world));
+      EPX_CHECK(int(f->fault_kill_ranks.size()) < shape.world, ConfigError, "--fault-kill-rank",
+                f->fault_kill_ranks.size(), "fewer ranks than the world (a survivor reports)");
     }
 #if EPX_HAVE_CUDA
     testing::CheckOptions o = check_options(f->run);
     if (one_process_per_rank(kind)) {
-      exit_code = run_world_check(o, kind, f->run, f->fault_kill_rank, f->json);
+      exit_code = run_world_check(o, kind, f->run, f->fault_kill_ranks, f->json);
       return;
     }
     o.gpus = int(f->run.shape.devices().size());

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "flags.hpp"
 
@@ -59,11 +60,11 @@ int run_in_process_check(const testing::CheckOptions& o, const CheckRunFlags& f,
 
 // This process is rank EPX_RANK of EPX_WORLD_SIZE (`epx launch` sets both), in a world of
 // `kind` (ipc or nccl): every rank checks its own outputs, rank 0 prints, all return the same
-// exit code. `fault_kill_rank` >= 0: that rank creates its All2All, then kills itself (SIGKILL)
-// before its first dispatch, to prove that the others name it. `json`: as run_in_process_check,
+// exit code. `fault_kill_ranks`: those ranks create their All2All, then kill themselves (SIGKILL)
+// before their first dispatch, to prove that the others name them. `json`: as run_in_process_check,
 // written by rank 0.
 int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
-                    int fault_kill_rank, const std::string& json = "");
+                    const std::vector<int>& fault_kill_ranks, const std::string& json = "");
 
 // `epx check --fuzz`: draws case after case (testing::make_fuzz_case of --seed, index 0, 1, ...)
 // and checks each on an in-process world on GPU 0 until f.minutes have passed, one line per

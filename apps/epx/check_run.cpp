@@ -144,10 +144,11 @@ namespace {
 
 template <typename World>
 int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
-             int fault_kill_rank, const std::string& json) {
+             const std::vector<int>& fault_kill_ranks, const std::string& json) {
   const bool lead = world.rank() == 0;
   const EpConfig& cfg = o.cfg;
-  if (fault_kill_rank == world.rank()) {
+  if (std::find(fault_kill_ranks.begin(), fault_kill_ranks.end(), world.rank()) !=
+      fault_kill_ranks.end()) {
     // Fault injection: take part in the world and in the creation of the All2All (the first
     // collective of run_check_ipc), then die abruptly before the first dispatch. The other ranks
     // must report this rank by name within EPX_TIMEOUT_MS and leave no socket file.
@@ -188,17 +189,17 @@ int check_on(World& world, const testing::CheckOptions& o, WorldKind kind, const
 }  // namespace
 
 int run_world_check(const testing::CheckOptions& o, WorldKind kind, const CheckRunFlags& f,
-                    int fault_kill_rank, const std::string& json) {
+                    const std::vector<int>& fault_kill_ranks, const std::string& json) {
   require_gpu("epx check");
   // Ranks go round-robin over the GPUs this process sees (as in an in-process world).
   const int gpus = cuda_device_count();
   const int device = gpus > 0 ? BootstrapOptions::from_env().rank % gpus : -1;
   if (kind == WorldKind::kNccl) {
     NcclWorld world = NcclWorld::from_env(device);
-    return check_on(world, o, kind, f, fault_kill_rank, json);
+    return check_on(world, o, kind, f, fault_kill_ranks, json);
   }
   IpcWorld world = IpcWorld::from_env(device);
-  return check_on(world, o, kind, f, fault_kill_rank, json);
+  return check_on(world, o, kind, f, fault_kill_ranks, json);
 }
 
 // ---- epx check --fuzz ---------------------------------------------------------------------------

@@ -600,6 +600,14 @@ void Catalogue::build() {
   cli("cli.check.ipc_rank_not_below_world", {"check", "--world-kind", "ipc"},
       {"EPX_RANK = \"2\"", "[0, EPX_WORLD_SIZE = 2)"},
       {{"EPX_RANK", "2"}, {"EPX_WORLD_SIZE", "2"}, {"EPX_BOOTSTRAP", "@epx-bad-inputs"}});
+  const Env two_ranks = {
+      {"EPX_RANK", "0"}, {"EPX_WORLD_SIZE", "2"}, {"EPX_BOOTSTRAP", "@epx-bad-inputs"}};
+  cli("cli.check.fault_kill_outside_world",
+      {"check", "--world-kind", "ipc", "--fault-kill-rank", "0,2"},
+      {"--fault-kill-rank = 2", "a rank of the world, in [0, 2)"}, two_ranks);
+  cli("cli.check.fault_kill_every_rank",
+      {"check", "--world-kind", "nccl", "--fault-kill-rank", "1,0"},
+      {"--fault-kill-rank = 2", "fewer ranks than the world (a survivor reports)"}, two_ranks);
   cli("cli.tune.warps_above_32", {"tune", "--warps", "4,64"},
       {"--warps = 64", "expected in [1, 32]"});
   cli("cli.tune.blocks_repeated", {"tune", "--blocks", "8,8"},

@@ -390,18 +390,26 @@ TEST(NcclNodes, BenchRunsAcrossEmulatedNodes) {
   EXPECT_LT(r.seconds, 180.0) << r.out << r.err;
 }
 
-// A rank that dies after its world and object exist: the survivor's first collective never
-// completes, and the collective engine's watchdog ends it within EPX_TIMEOUT_MS of the stream
-// reaching it: a TimeoutError (exit code 2), never a hang.
-TEST(NcclNodes, AKilledRankEndsTheSurvivorWithATimeoutError) {
+// A node that dies after its world and objects exist (its one rank at 2 x 1; both ranks of node
+// 1 at 2 x 2): every survivor's first collective never completes, and the collective engine's
+// watchdog ends it within EPX_TIMEOUT_MS of the stream reaching it: a TimeoutError (exit code 2)
+// on every survivor, never a hang.
+TEST(NcclNodes, AKilledNodeEndsEverySurvivorWithATimeoutError) {
   REQUIRE_GPU();
   const int timeout_ms = 3000;
-  const auto r = emulated_nodes_check(2, 1, "allgather_reducescatter", "--fault-kill-rank 1",
-                                      timeout_ms);
-  REQUIRE_NCCL(r);
-  EXPECT_NE(exit_code(r), 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("[rank 0] epx: timeout error"), std::string::npos) << r.out << r.err;
-  EXPECT_LT(r.seconds, 120.0) << r.out << r.err;  // (start-up of NCCL included)
+  for (const auto& [nodes, local, dead] :
+       {std::tuple<int, int, const char*>{2, 1, "1"}, {2, 2, "2,3"}}) {
+    const auto r = emulated_nodes_check(nodes, local, "allgather_reducescatter",
+                                        std::string("--fault-kill-rank ") + dead, timeout_ms);
+    REQUIRE_NCCL(r);
+    EXPECT_NE(exit_code(r), 0) << r.out << r.err;
+    for (int survivor = 0; survivor < local; ++survivor) {
+      EXPECT_NE(r.out.find("[rank " + std::to_string(survivor) + "] epx: timeout error"),
+                std::string::npos)
+          << "rank " << survivor << "\n" << r.out << r.err;
+    }
+    EXPECT_LT(r.seconds, 120.0) << r.out << r.err;  // (start-up of NCCL included)
+  }
 }
 
 // Expert-major rows are low_latency's across nodes too: a baseline asking for them is refused by
