@@ -3,8 +3,9 @@
 // blocks for combine, folded in rank order at each token's rank. Every backend's token-major
 // contract: the baselines get every valid token, low_latency and high_throughput the tokens routed
 // to them (flat: each pack reaches every rank; the hierarchical design of docs/scale-out.md sends
-// each token once per node). Every size is fixed by the
-// configuration, so nothing waits on the host and every call can be captured in a CUDA graph.
+// each token once per node). Every size is fixed by the configuration, so nothing waits on the
+// host and every call can be captured in a CUDA graph; except high_throughput without worst-case
+// output, which reads its counts on the host once per dispatch and moves exact sizes.
 
 #include "backends/collective/coll_all2all.hpp"
 
@@ -423,7 +424,9 @@ class CollAll2All final : public All2All {
     EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_ + W, mem_ + areas_.back_counts,
                                    W * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-    status_.poll();  // a peer past the timeout (the watchdog's abort) surfaces here
+    // A peer past the timeout (the watchdog's abort) surfaces here. Bad ids do not: the peers
+    // count on this rank's rows and partials, so the round goes on (the next poll() raises them).
+    status_.poll_fatal();
     for (size_t q = 0; q < 2 * W; ++q) {
       EPX_CHECK(host_counts_[q] >= 0 && host_counts_[q] <= cfg_.max_tokens_per_rank, PeerError,
                 q < W ? "rows received from rank " + std::to_string(q)
