@@ -6,10 +6,11 @@ class onto epx's core and lists what is left; _elastic_expand.py holds the expan
 
 How the calls map onto epx:
 
-- World: the constructor makes one ``IpcWorld`` from the group (collective; the group only
-  carries the handshake, gloo is enough). One node: the logical and physical domains are both
-  (1, W), so ``allow_hybrid_mode`` changes nothing (hybrid and direct mode are one mode without
-  scale-out).
+- World: the constructor makes the world from the group (collective; the group only carries
+  the handshake, gloo is enough): an ``IpcWorld`` on one node, an ``NcclWorld`` across nodes
+  (LOCAL_WORLD_SIZE smaller than the group), whose collective engine serves every call. The
+  logical and physical domains are (1, W) either way (epx has no scale-out split of its own), so
+  ``allow_hybrid_mode`` changes nothing.
 - Objects: per shape (hidden, num_experts, top-k, wire: bf16 or fp8 with f32 1x128 scales,
   num_max_tokens_per_rank), made on the first dispatch of that shape (collective: every rank
   dispatches the same shapes in the same order): one epx ``All2All`` of ``high_throughput``,
@@ -76,7 +77,6 @@ Not served yet (NotImplementedError naming the argument or call):
 - ``num_cpu_bytes > 0`` and the Engram, pipeline (PP) and all-gather/reduce-scatter (AGRS)
   calls and hints.
 - int32 (UE8M0) scales: epx's fp8 wire carries float32 1x128 block scales.
-- More than one node: the world is CUDA IPC.
 """
 
 from __future__ import annotations
@@ -257,11 +257,12 @@ class ElasticBuffer:
         return _align(_epx.buffer_bytes(HT_BACKEND, cfg), _BUFFER_ALIGNMENT)
 
     def get_logical_domain_size(self):
-        """(scale-out ranks, scale-up ranks): (1, W), one node."""
+        """(scale-out ranks, scale-up ranks): (1, W): epx has no scale-out split (across nodes
+        its collective engine serves every rank alike)."""
         return 1, self.num_ranks
 
     def get_physical_domain_size(self):
-        """(RDMA ranks, NVLink ranks): (1, W), one node."""
+        """(RDMA ranks, NVLink ranks): (1, W), as get_logical_domain_size."""
         return 1, self.num_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int,
@@ -278,7 +279,7 @@ class ElasticBuffer:
         return _DEFAULT_DISPATCH_BLOCKS
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """0: epx uses no RDMA queue pairs on one node."""
+        """0: epx opens no RDMA queue pairs of its own (across nodes NCCL does)."""
         return 0
 
     # ---- runtime -------------------------------------------------------------------------------

@@ -77,7 +77,9 @@ Core pieces that would serve this mode better (none of them refuses a call):
 - Input scales of any strides: DispatchInput takes row-major [N, H/128] scales; other strides
   cost a copy here (a stride pair in DispatchInput would remove it). int32 (UE8M0) scales:
   refused (epx's wire carries f32 scales).
-- internode_dispatch / internode_combine: one node only.
+- internode_dispatch / internode_combine: not served. Across nodes (the world from the group is
+  an NcclWorld when LOCAL_WORLD_SIZE is smaller than the group) dispatch and combine themselves
+  run on epx's collective engine.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ from ._common import (HT_BACKEND, RoutedObject as _Object, _unsupported, check_b
                       rows_of, rows_per_source_psum, split_x, zero_rows)
 MAX_TOKENS_ENV = "EPX_DEEP_EP_MAX_TOKENS"
 DEFAULT_MAX_TOKENS = 4096
+# What internode_dispatch / internode_combine say instead of running.
+_CALL_DISPATCH_ACROSS_NODES = ("epx serves dispatch and combine across nodes too (an NcclWorld): "
+                               "call those")
 
 
 class Config:
@@ -136,7 +141,7 @@ class Config:
         return (total + 127) // 128 * 128
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0: epx.deep_ep's normal mode is one node (no RDMA buffer)."""
+        """0: epx holds no RDMA buffer (across nodes NCCL's collectives carry the rows)."""
         return 0
 
     def __repr__(self) -> str:
@@ -473,9 +478,7 @@ class _NormalMode:
         return zero_rows(h._num_tokens, h._key.hidden, h._key.fp8, h[4].device)
 
     def internode_dispatch(self, *args, **kwargs):
-        raise _unsupported("Buffer.internode_dispatch",
-                           "epx.deep_ep's normal mode is one node (NVLink, CUDA IPC)")
+        raise _unsupported("Buffer.internode_dispatch", _CALL_DISPATCH_ACROSS_NODES)
 
     def internode_combine(self, *args, **kwargs):
-        raise _unsupported("Buffer.internode_combine",
-                           "epx.deep_ep's normal mode is one node (NVLink, CUDA IPC)")
+        raise _unsupported("Buffer.internode_combine", _CALL_DISPATCH_ACROSS_NODES)
