@@ -46,12 +46,6 @@ inline const char* to_string(LaunchMode m) {
   return m == LaunchMode::kOnePerGpu ? "one_per_gpu" : "per_rank";
 }
 
-// high_throughput sized per call (no worst-case output) reads each round's counts back on the
-// host during dispatch: a capturing stream refuses it, so it is timed eagerly only.
-inline bool reads_counts_on_host(Backend backend, const EpConfig& cfg) {
-  return backend == Backend::kHighThroughput && !cfg.worst_case_output;
-}
-
 }  // namespace epx::cli
 
 #if EPX_HAVE_CUDA

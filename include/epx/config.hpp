@@ -138,6 +138,13 @@ struct EpConfig {
   void validate() const;
 };
 
+// high_throughput without worst-case output reads each round's counts back on the host during
+// dispatch (every world): its calls cannot be captured in a CUDA graph, and a rank's dispatch
+// waits for its peers' counts.
+constexpr bool reads_counts_on_host(Backend backend, const EpConfig& cfg) {
+  return backend == Backend::kHighThroughput && !cfg.worst_case_output;
+}
+
 inline constexpr int kMaxRoundsInFlight = 2;
 
 struct LaunchConfig {

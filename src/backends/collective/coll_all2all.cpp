@@ -42,14 +42,6 @@ struct Areas {
   size_t partials, blocks, blocks_w, received, received_w, total;
 };
 
-// high_throughput without worst-case output reads the round's counts on the host once per
-// dispatch (its contract in every world): combine then moves each rank's rows of each token's
-// rank in exact sizes, not fixed blocks of max_tokens_per_rank rows (docs/scale-out.md §4:
-// 2.5x fewer bytes at EP16 in prefill, 8x at EP64).
-bool exact_combine(const EpConfig& cfg, Backend backend) {
-  return backend == Backend::kHighThroughput && !cfg.worst_case_output;
-}
-
 Areas make_areas(const EpConfig& cfg, Backend backend) {
   const size_t W = cfg.world_size, T = cfg.max_tokens_per_rank, cap = cfg.capacity();
   const size_t H = cfg.hidden, K = cfg.topk;
@@ -68,7 +60,7 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.offsets = carve(c, W * sizeof(int32_t));
   a.recv_count = carve(c, sizeof(int32_t));
   a.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
-  const bool exact = exact_combine(cfg, backend);
+  const bool exact = reads_counts_on_host(backend, cfg);  // the exact combine
   a.back_pos = carve(c, exact ? W * T * sizeof(int32_t) : 0);
   a.back_counts = carve(c, exact ? W * sizeof(int32_t) : 0);
   a.back_offsets = carve(c, exact ? W * sizeof(int32_t) : 0);
@@ -407,7 +399,10 @@ class CollAll2All final : public All2All {
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
   bool expert_major() const { return cfg_.layout == OutputLayout::kExpertMajor; }
-  bool exact() const { return exact_combine(cfg_, backend_); }
+  // Where high_throughput reads its counts on the host, combine moves each rank's rows of each
+  // token's rank in exact sizes, not fixed blocks of max_tokens_per_rank rows
+  // (docs/scale-out.md §4: 2.5x fewer bytes at EP16 in prefill, 8x at EP64).
+  bool exact() const { return reads_counts_on_host(backend_, cfg_); }
   CollBack back() const {
     return CollBack{.pos = reinterpret_cast<int32_t*>(mem_ + areas_.back_pos),
                     .counts = reinterpret_cast<int32_t*>(mem_ + areas_.back_counts),
