@@ -174,7 +174,8 @@ class All2All {
   // combine_send(out) then combine_recv(y), with the same results and errors. A send half never
   // waits for a peer (the ranks sharing a GPU may even enqueue all their send halves, then all
   // their receive halves, on one stream) — except dispatch_send with ordered rows
-  // (cfg.deterministic, and the naive backend), which exchanges counts with every peer first; a
+  // (cfg.deterministic, and the naive backend), which exchanges counts with every peer first, and
+  // high_throughput without worst-case output across nodes, which reads them on the host first; a
   // receive half waits for every peer's send half of the round, then lays the rows out
   // (dispatch) or pulls and sums the partials (combine; with push combine, EpConfig::combine,
   // combine_send writes them into their tokens' ranks and combine_recv sums them locally). Each

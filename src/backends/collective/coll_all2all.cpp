@@ -35,7 +35,7 @@ namespace {
 // One device allocation carved into the engine's areas.
 struct Areas {
   size_t pack, gathered, status, pos, counts, offsets, recv_count, expert_counts;
-  size_t back_pos, back_counts, back_offsets;
+  size_t back_pos, back_counts, back_offsets, send, meta, metas;
   size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
   size_t row_slot, expert_x, expert_scales, expert_src_rank, expert_src_idx, expert_topk_slot,
       expert_weight;
@@ -64,6 +64,11 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   a.back_pos = carve(c, exact ? W * T * sizeof(int32_t) : 0);
   a.back_counts = carve(c, exact ? W * sizeof(int32_t) : 0);
   a.back_offsets = carve(c, exact ? W * sizeof(int32_t) : 0);
+  // the exact dispatch: this rank's slots by destination (each once per rank it goes to), its
+  // meta and every rank's; the slots received land in `gathered`
+  a.send = carve(c, exact ? W * T * slot_bytes(cfg) : 0);
+  a.meta = carve(c, exact ? meta_bytes(cfg) : 0);
+  a.metas = carve(c, exact ? W * meta_bytes(cfg) : 0);
   a.recv_x = carve(c, cap * size_t(cfg.wire_row_bytes()));
   a.recv_scales = carve(c, cap * G * sizeof(float));
   a.recv_src_rank = carve(c, cap * sizeof(int32_t));
@@ -279,10 +284,14 @@ class CollAll2All final : public All2All {
                      CollStatus{reinterpret_cast<DeviceStatus*>(mem_ + areas_.status),
                                 status_.device_mirror()},
                      stream);
-    if (exact()) launch_coll_back_place(S, mem_ + areas_.pack, back(), stream);
-    watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
-      world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
-    });
+    if (exact()) {
+      launch_coll_back_place(S, mem_ + areas_.pack, back(), stream);
+      exact_dispatch_send(S, stream);
+    } else {
+      watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
+        world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+      });
+    }
     // The receive half may come on another stream: it waits for this point.
     EPX_CUDA_CHECK(cudaEventRecord(dispatch_sent_, stream));
     tokens_ = N;
@@ -295,10 +304,12 @@ class CollAll2All final : public All2All {
               "after dispatch_send");
     const DeviceGuard guard(world_.device());
     EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, dispatch_sent_, 0));
-    launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
+    if (exact())
+      launch_coll_exact_unpack(shape(), mem_ + areas_.gathered, rows(), stream);
+    else
+      launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
     if (expert_major()) launch_coll_expert_rows(shape(), rows(), stream);
     pending_ = Pending::kNone;
-    if (exact()) read_counts(stream);
     return result();
   }
 
@@ -399,9 +410,9 @@ class CollAll2All final : public All2All {
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
   bool expert_major() const { return cfg_.layout == OutputLayout::kExpertMajor; }
-  // Where high_throughput reads its counts on the host, combine moves each rank's rows of each
-  // token's rank in exact sizes, not fixed blocks of max_tokens_per_rank rows
-  // (docs/scale-out.md §4: 2.5x fewer bytes at EP16 in prefill, 8x at EP64).
+  // Where high_throughput reads its counts on the host, dispatch sends each rank only the tokens
+  // routed to it and combine moves each rank's rows of each token's rank, in exact sizes, not
+  // fixed packs and blocks of max_tokens_per_rank rows (docs/scale-out.md §4).
   bool exact() const { return reads_counts_on_host(backend_, cfg_); }
   CollBack back() const {
     return CollBack{.pos = reinterpret_cast<int32_t*>(mem_ + areas_.back_pos),
@@ -409,9 +420,9 @@ class CollAll2All final : public All2All {
                     .offsets = reinterpret_cast<int32_t*>(mem_ + areas_.back_offsets)};
   }
 
-  // The exact combine's sizes on the host: the rows this rank got from each rank (its partials
-  // go back in those sizes) and the rows each rank got from it (what comes back). The host waits
-  // for the round's all-gather here: high_throughput's one read per dispatch.
+  // The exact sizes on the host: the rows this rank gets from each rank (their slots come in
+  // those sizes, its partials go back in them) and the rows each rank gets from it. The host
+  // waits for the metas' all-gather here: high_throughput's one read per dispatch.
   void read_counts(cudaStream_t stream) {
     const size_t W = cfg_.world_size;
     EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_, mem_ + areas_.counts, W * sizeof(int32_t),
@@ -429,6 +440,34 @@ class CollAll2All final : public All2All {
                 host_counts_[q],
                 "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
     }
+  }
+
+  // The exact dispatch: the slots by destination and this rank's meta, the metas all-gathered,
+  // the counts read on the host (high_throughput's one read per dispatch), then each rank's slots
+  // to it in exact sizes by grouped send/recv, into `gathered` at its first row.
+  void exact_dispatch_send(const CollShape& S, cudaStream_t stream) {
+    const size_t W = cfg_.world_size, slot = slot_bytes(cfg_), meta = meta_bytes(cfg_);
+    launch_coll_exact_send(S, mem_ + areas_.pack, back(), mem_ + areas_.send, mem_ + areas_.meta,
+                           stream);
+    watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
+      world_.all_gather(mem_ + areas_.meta, mem_ + areas_.metas, meta, stream);
+    });
+    launch_coll_exact_counts(S, mem_ + areas_.metas, meta, rows(), stream);
+    read_counts(stream);
+    std::vector<size_t> send_at(W), send_bytes(W), recv_at(W), recv_bytes(W);
+    size_t sent = 0, got = 0;
+    for (size_t q = 0; q < W; ++q) {
+      recv_at[q] = got * slot;
+      recv_bytes[q] = size_t(host_counts_[q]) * slot;
+      got += size_t(host_counts_[q]);
+      send_at[q] = sent * slot;
+      send_bytes[q] = size_t(host_counts_[W + q]) * slot;
+      sent += size_t(host_counts_[W + q]);
+    }
+    watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
+      world_.all_to_all(mem_ + areas_.send, send_at.data(), send_bytes.data(),
+                        mem_ + areas_.gathered, recv_at.data(), recv_bytes.data(), stream);
+    });
   }
 
   // Each rank's rows of this rank's partials (expert_out holds them in the received rows' order:

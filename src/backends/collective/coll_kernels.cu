@@ -33,6 +33,7 @@ struct Slot {
   }
   __device__ float* weights() const { return reinterpret_cast<float*>(ids() + S.topk); }
   __device__ int32_t* valid() const { return reinterpret_cast<int32_t*>(weights() + S.topk); }
+  __device__ int32_t* index() const { return valid() + 1; }
 };
 __device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n) {
   return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
@@ -124,6 +125,7 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) {
         *s.ranks() = uint64_t(hi) << 32 | lo;
         *s.valid() = 1;
+        *s.index() = n;
       }
       copy_row(S, n, x, x_scales, s, lane);
       continue;
@@ -151,6 +153,7 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) {
       *s.ranks() = uint64_t(hi) << 32 | lo;
       *s.valid() = valid ? 1 : 0;
+      *s.index() = n;
     }
     copy_row(S, n, x, x_scales, s, lane);
   }
@@ -268,6 +271,106 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) {
       rows.recv_src_rank[row] = q;
       rows.recv_src_idx[row] = n;
+    }
+  }
+}
+
+// ---- the exact dispatch (high_throughput without worst-case output) ----------------------------
+
+// A meta's parts (coll_kernels.hpp: meta_bytes).
+__device__ __forceinline__ int32_t* meta_sends(const CollShape&, uint8_t* meta) {
+  return reinterpret_cast<int32_t*>(meta) + 4;
+}
+__device__ __forceinline__ int32_t* meta_experts(const CollShape& S, uint8_t* meta) {
+  return reinterpret_cast<int32_t*>(meta) + 4 + S.world;
+}
+
+// One warp per (rank q, token n) going there: the slot, at its place among q's. Block 0 also
+// writes this rank's meta.
+__global__ void __launch_bounds__(kThreads)
+    coll_exact_send_kernel(const CollShape S, const uint8_t* __restrict__ own_pack, CollBack back,
+                           uint8_t* __restrict__ send, uint8_t* __restrict__ meta) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int32_t* header = reinterpret_cast<const int32_t*>(own_pack);
+  const int N = min(max(header[0], 0), S.max_tokens), T = S.max_tokens;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < 2) reinterpret_cast<int32_t*>(meta)[threadIdx.x] = header[threadIdx.x];
+    for (int q = threadIdx.x; q < S.world; q += blockDim.x) meta_sends(S, meta)[q] = back.counts[q];
+    const int32_t* counts = reinterpret_cast<const int32_t*>(own_pack + S.counts_offset);
+    for (int e = threadIdx.x; header[1] != 0 && e < S.num_experts; e += blockDim.x)
+      meta_experts(S, meta)[e] = counts[e];
+  }
+  for (int i = warp; i < S.world * T; i += warps) {
+    const int q = i / T, n = i % T;
+    const int32_t p = back.pos[i];
+    if (n >= N || p < 0) continue;
+    const int4* src = reinterpret_cast<const int4*>(
+        slot_of(S, const_cast<uint8_t*>(own_pack), n).base);
+    int4* dst = reinterpret_cast<int4*>(send + size_t(back.offsets[q] + p) * S.slot_bytes);
+    for (int v = lane; v < S.slot_bytes / 16; v += kWarpSize) dst[v] = src[v];
+  }
+}
+
+// One block: the slots each rank sends this one, their first rows (in rank order), the round's
+// row count, the expert counts started with the rank-mask senders' (the ids' are added as the
+// rows are laid out).
+__global__ void coll_exact_counts_kernel(const CollShape S, const uint8_t* __restrict__ metas,
+                                         size_t meta_bytes, CollRows rows) {
+  auto meta = [&](int q) { return const_cast<uint8_t*>(metas) + size_t(q) * meta_bytes; };
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int q = 0; q < S.world; ++q) {
+      const int32_t c = min(max(meta_sends(S, meta(q))[S.rank], 0), S.max_tokens);
+      rows.counts[q] = c;
+      rows.offsets[q] = run;
+      run += c;
+    }
+    *rows.recv_count = run;
+  }
+  const int e0 = S.rank * S.num_local;
+  for (int e = threadIdx.x; e < S.num_local; e += blockDim.x) {
+    int32_t sum = 0;
+    for (int q = 0; q < S.world; ++q) {
+      if (reinterpret_cast<const int32_t*>(meta(q))[1] != 0)
+        sum += meta_experts(S, meta(q))[e0 + e];
+    }
+    rows.expert_counts[e] = sum;
+  }
+}
+
+// One warp per received row j (source q: the last whose first row is <= j): the slot's row,
+// scales and metadata. Named dispatch_*, as dispatch_rows_kernel, whose place it takes in a round
+// of the exact dispatch.
+__global__ void __launch_bounds__(kThreads)
+    dispatch_exact_rows_kernel(const CollShape S, const uint8_t* __restrict__ slots,
+                               CollRows rows) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int M = *rows.recv_count, K = S.topk, cap = S.world * S.max_tokens;
+  const int e0 = S.rank * S.num_local;
+  for (int row = warp; row < M; row += warps) {
+    int q = 0;
+    while (q + 1 < S.world && rows.offsets[q + 1] <= row) ++q;
+    const Slot s{const_cast<uint8_t*>(slots) + size_t(row) * S.slot_bytes, S};
+    const int4* src = reinterpret_cast<const int4*>(s.row());
+    int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
+    for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
+    for (int g = lane; g < S.groups; g += kWarpSize) {
+      const size_t at = S.scale_col_major ? size_t(g) * cap + row : size_t(row) * S.groups + g;
+      rows.recv_scales[at] = s.scales()[g];
+    }
+    if (lane < K) {
+      const int32_t id = s.ids()[lane];
+      rows.recv_topk_ids[size_t(row) * K + lane] = id;
+      rows.recv_topk_w[size_t(row) * K + lane] = s.weights()[lane];
+      if (id >= e0 && id < e0 + S.num_local) atomicAdd(rows.expert_counts + (id - e0), 1);
+    }
+    if (lane == 0) {
+      rows.recv_src_rank[row] = q;
+      rows.recv_src_idx[row] = *s.index();
     }
   }
 }
@@ -465,6 +568,9 @@ void load_coll_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_back_place_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_offsets_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_rows_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_exact_send_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_exact_counts_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_exact_rows_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_fold_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_expert_clear_kernel));
@@ -487,6 +593,24 @@ void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack
   coll_place_kernel<<<S.world, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
   coll_offsets_kernel<<<1, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
   dispatch_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(S, gathered, pack_bytes, rows);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_exact_send(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
+                            uint8_t* send, uint8_t* meta, cudaStream_t stream) {
+  coll_exact_send_kernel<<<kBlocks, kThreads, 0, stream>>>(S, own_pack, back, send, meta);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_exact_counts(const CollShape& S, const uint8_t* metas, size_t meta_bytes,
+                              const CollRows& rows, cudaStream_t stream) {
+  coll_exact_counts_kernel<<<1, kThreads, 0, stream>>>(S, metas, meta_bytes, rows);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_exact_unpack(const CollShape& S, const uint8_t* slots, const CollRows& rows,
+                              cudaStream_t stream) {
+  dispatch_exact_rows_kernel<<<kBlocks, kThreads, 0, stream>>>(S, slots, rows);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

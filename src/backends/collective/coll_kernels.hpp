@@ -14,7 +14,10 @@
 // Expert-major (low_latency): the token-major rows are also laid out per local expert, in their
 // order; combine's block rows are then f32: each rank's sum over its slots of the token, fmaf in
 // slot order with the token's weights, which the token's rank adds in rank order.
-// Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph.
+// Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph; except
+// high_throughput without worst-case output, which reads its counts on the host once per
+// dispatch and moves exact sizes: each rank's meta (the slots it sends each rank) all-gathered,
+// then the slots by grouped send/recv to the ranks they go to, and its combine the same way.
 
 #include <cuda_runtime_api.h>
 
@@ -48,20 +51,27 @@ struct CollShape {
 };
 
 // A pack: kPackHeader bytes (int32 token count, int32 1 when the round routes by a rank mask),
-// then T slots of [wire row | u64 ranks | f32 scales | int32 ids | f32 weights | int32 valid],
-// each slot_bytes long (ranks: bit r set when the token goes to rank r, from its ids or from the
-// mask), then the sender's int32 expert counts [E] (routing by a rank mask: the caller's).
+// then T slots of [wire row | u64 ranks | f32 scales | int32 ids | f32 weights | int32 valid |
+// int32 index], each slot_bytes long (ranks: bit r set when the token goes to rank r, from its
+// ids or from the mask; index: the token's), then the sender's int32 expert counts [E] (routing
+// by a rank mask: the caller's).
 inline constexpr size_t kPackHeader = 16;
 constexpr size_t slot_bytes(const EpConfig& cfg) {
   const size_t g = cfg.dtype == DispatchDtype::kBF16 ? 0 : size_t(cfg.hidden / kFp8BlockSize);
   const size_t row = cfg.dtype == DispatchDtype::kBF16 ? size_t(cfg.hidden) * 2 : size_t(cfg.hidden);
-  return (row + 8 + g * 4 + size_t(cfg.topk) * 8 + 4 + 15) / 16 * 16;
+  return (row + 8 + g * 4 + size_t(cfg.topk) * 8 + 8 + 15) / 16 * 16;
 }
 constexpr size_t pack_counts_offset(const EpConfig& cfg) {
   return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg);
 }
 constexpr size_t pack_bytes(const EpConfig& cfg) {
   return pack_counts_offset(cfg) + (size_t(cfg.num_experts) * 4 + 15) / 16 * 16;
+}
+// The exact dispatch's (high_throughput without worst-case output) meta of a rank, all-gathered
+// before its slots move: int32 [4] (token count, routing by a rank mask), [W] the slots it sends
+// each rank, [E] its expert counts (by a rank mask).
+constexpr size_t meta_bytes(const EpConfig& cfg) {
+  return (size_t(4 + cfg.world_size + cfg.num_experts) * 4 + 15) / 16 * 16;
 }
 
 // Where the dispatch's outputs and its bookkeeping live (device pointers).
@@ -127,6 +137,19 @@ void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const f
 // by a rank mask.
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream);
+// The exact dispatch's send side, after launch_coll_pack and launch_coll_back_place: each slot of
+// `own_pack` copied once per rank it goes to, rank q's at `send` + (back.offsets[q] + place) *
+// slot_bytes, and this rank's meta (meta_bytes) at `meta`.
+void launch_coll_exact_send(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
+                            uint8_t* send, uint8_t* meta, cudaStream_t stream);
+// The exact dispatch's receive side from the all-gathered metas [W][meta_bytes]: rows.counts,
+// rows.offsets, *rows.recv_count and the rank-mask senders' expert counts.
+void launch_coll_exact_counts(const CollShape& S, const uint8_t* metas, size_t meta_bytes,
+                              const CollRows& rows, cudaStream_t stream);
+// The slots received in exact sizes (`slots`: source q's at rows.offsets[q], in its token order)
+// -> the token-major rows, the ids' expert counts added.
+void launch_coll_exact_unpack(const CollShape& S, const uint8_t* slots, const CollRows& rows,
+                              cudaStream_t stream);
 // The token-major rows (after launch_coll_unpack) laid out per local expert, in their order:
 // rows.row_slot, the expert_* areas and expert_counts.
 void launch_coll_expert_rows(const CollShape& S, const CollRows& rows, cudaStream_t stream);
