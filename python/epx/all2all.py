@@ -195,7 +195,7 @@ class All2All:
         and world_size come from the world). `backend` defaults to EPX_BACKEND, else
         'low_latency'; `launch` to EPX_CONFIG_PATH's file, else shapes chosen per world."""
         backend = backend or backend_from_env()
-        check_backend_config(backend, config)
+        check_backend_config(backend, config, world)
         launch = launch if launch is not None else (launch_configs_from_env() or LaunchConfigs())
         return cls(_epx.make_all2all(backend, config, world, launch), world)
 

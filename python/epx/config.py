@@ -90,15 +90,18 @@ def env() -> dict:
     return _epx.read_env()
 
 
-def check_backend_config(backend: str, config: EpConfig) -> None:
-    """What a backend needs of a config from Python, before any world is touched: the package's
+def check_backend_config(backend: str, config: EpConfig, world=None) -> None:
+    """What a backend needs of a config from Python, before any collective: the package's
     tensors keep one shape (the custom ops describe them from the config alone), so
-    high_throughput must hold its receive areas for the worst case (worst_case_output=True)."""
-    if backend == "high_throughput" and not config.worst_case_output:
+    high_throughput must hold its receive areas for the worst case (worst_case_output=True),
+    except across nodes (an NcclWorld of several nodes), where its areas keep that shape either
+    way and worst_case_output=False moves exact sizes (its counts read on the host, no graphs)."""
+    across_nodes = getattr(world, "num_nodes", 1) > 1
+    if backend == "high_throughput" and not config.worst_case_output and not across_nodes:
         raise _epx.ConfigError(
             "worst_case_output = False, expected True for backend high_throughput from Python "
-            "(its tensors keep one shape, world_size x max_tokens_per_rank rows; C++ callers may "
-            "size them per call)"
+            "(its tensors keep one shape, world_size x max_tokens_per_rank rows; C++ callers and "
+            "NcclWorlds of several nodes may size them per call)"
         )
 
 

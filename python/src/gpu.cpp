@@ -92,12 +92,15 @@ nb::object contiguous(const void* data, std::vector<size_t> shape, nb::dlpack::d
 // The backend of `name` for a Python object. The package's tensors have fixed shapes (the
 // custom ops' fake implementations describe them from the config alone), so high_throughput,
 // whose receive areas otherwise follow each round's row count, must hold the worst case.
-Backend python_backend(const std::string& name, const EpConfig& cfg) {
+// `across_nodes`: an NcclWorld of several nodes, whose collective engine keeps its receive areas
+// at the worst case's shape either way (worst_case_output = false there moves exact sizes).
+Backend python_backend(const std::string& name, const EpConfig& cfg, bool across_nodes = false) {
   const Backend b = parse_backend(name);
-  EPX_CHECK(b != Backend::kHighThroughput || cfg.worst_case_output, ConfigError,
+  EPX_CHECK(b != Backend::kHighThroughput || cfg.worst_case_output || across_nodes, ConfigError,
             "worst_case_output", "False",
             "True for backend high_throughput from Python (its tensors keep one shape, "
-            "world_size x max_tokens_per_rank rows; C++ callers may size them per call)");
+            "world_size x max_tokens_per_rank rows; C++ callers and NcclWorlds of several nodes "
+            "may size them per call)");
   return b;
 }
 
@@ -363,7 +366,7 @@ void bind_gpu(nb::module_& m) {
       "make_all2all",
       [](const std::string& backend, const EpConfig& cfg, NcclWorld& world,
          const LaunchConfigs& launch) {
-        const Backend b = python_backend(backend, cfg);
+        const Backend b = python_backend(backend, cfg, world.num_nodes() > 1);
         nb::gil_scoped_release release;
         return make_all2all(b, cfg, world, launch);
       },

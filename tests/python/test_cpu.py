@@ -158,6 +158,17 @@ def test_high_throughput_from_python_needs_worst_case_output():
     with pytest.raises(epx.ConfigError, match="worst_case_output = False, expected True"):
         epx.All2All.create(c, world=None, backend="high_throughput")
 
+    class OneNode:
+        num_nodes = 1
+
+    class TwoNodes:
+        num_nodes = 2
+
+    # across nodes (an NcclWorld of several nodes) the receive areas keep one shape either way
+    with pytest.raises(epx.ConfigError, match="NcclWorlds of several nodes"):
+        epx.config.check_backend_config("high_throughput", c, OneNode())
+    epx.config.check_backend_config("high_throughput", c, TwoNodes())
+
 
 @pytest.mark.parametrize(
     "code, cls",

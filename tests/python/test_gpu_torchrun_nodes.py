@@ -46,4 +46,4 @@ def test_two_torchrun_nodes_of_two_build_their_world_from_the_group(gpu):
     assert [p.returncode for p in agents] == [0] * NODES, text
     for rank in range(NODES * LOCAL):
         assert f"torchrun_nodes: rank {rank} of {NODES * LOCAL} on node {rank // LOCAL} of " \
-               f"{NODES}: 10 checks PASS" in text, text
+               f"{NODES}: 13 checks PASS" in text, text

@@ -4,7 +4,9 @@
 The rank builds its NcclWorld from the job's default torch.distributed group (gloo; torchrun's
 RANK, WORLD_SIZE and LOCAL_WORLD_SIZE give the node layout), then checks every backend against
 the torch reference of tests/python/ref.py: bf16 and bf16-to-fp8 rows, a low_latency round
-captured in a CUDA graph and replayed with new inputs, and high_throughput routed by a rank mask.
+captured in a CUDA graph and replayed with new inputs, and high_throughput routed by a rank mask;
+high_throughput both with worst-case output and in exact sizes (worst_case_output=False, which
+Python allows across nodes).
 It prints one "torchrun_nodes: rank R ... PASS" line, or its traceback and exit code 1.
 
 Every process takes an NCCL host id of its own before NCCL starts: NCCL refuses two ranks of
@@ -27,10 +29,9 @@ BACKENDS = ("naive", "allgather_reducescatter", "low_latency", "high_throughput"
 TOL = dict(rtol=3e-2, atol=3e-2)
 
 
-def config(dtype, backend="low_latency"):
-    # From Python high_throughput keeps one shape: worst-case output.
+def config(dtype, worst_case_output=False):
     return epx.EpConfig(hidden=1024, num_experts=16, topk=4, max_tokens_per_rank=32, dtype=dtype,
-                        worst_case_output=backend == "high_throughput", timeout_ms=30000)
+                        worst_case_output=worst_case_output, timeout_ms=30000)
 
 
 def partials_of(a, rank, d):
@@ -38,10 +39,10 @@ def partials_of(a, rank, d):
                               d.recv_topk_weights)
 
 
-def check_rounds(world, backend, dtype, dev):
+def check_rounds(world, backend, dtype, dev, worst_case_output=False):
     """Two eager rounds (one rank without tokens in the first) against the reference."""
     rank, W = world.rank, world.size
-    cfg = config(dtype, backend)
+    cfg = config(dtype, worst_case_output)
     a = epx.All2All.create(cfg, world, backend=backend)
     for seed in range(2):
         sizes = [(0, 17, 32, 5)[q % 4] if seed == 0 else 32 - 3 * q for q in range(W)]
@@ -82,12 +83,12 @@ def check_graph(world, dev):
     del g
 
 
-def check_rank_mask(world, dev):
+def check_rank_mask(world, dev, worst_case_output):
     """high_throughput routed by a rank mask: rank r gets the tokens whose mask has r, its expert
     counts are the senders' counts of its experts, and combine sums the rows back in rank order
     (each rank's partial is its row times (r + 1))."""
     rank, W = world.rank, world.size
-    cfg = config("bf16", "high_throughput")
+    cfg = config("bf16", worst_case_output)
     a = epx.All2All.create(cfg, world, backend="high_throughput")
     E, L, n = cfg.num_experts, cfg.num_experts // W, 24
     gen = [torch.Generator().manual_seed(100 + q) for q in range(W)]
@@ -130,9 +131,14 @@ def main():
             for dtype in ("bf16", "bf16-to-fp8"):
                 check_rounds(world, backend, dtype, dev)
                 checks += 1
+        for dtype in ("bf16", "bf16-to-fp8"):  # high_throughput in fixed sizes too
+            check_rounds(world, "high_throughput", dtype, dev, worst_case_output=True)
+            checks += 1
         check_graph(world, dev)
-        check_rank_mask(world, dev)
-        checks += 2
+        for worst in (False, True):
+            check_rank_mask(world, dev, worst)
+            checks += 1
+        checks += 1
         print(f"torchrun_nodes: rank {rank} of {world.size} on node {rank // local} of "
               f"{world.num_nodes}: {checks} checks PASS", flush=True)
         torch.cuda.synchronize()

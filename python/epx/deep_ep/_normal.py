@@ -66,7 +66,8 @@ Core pieces that would serve this mode better (none of them refuses a call):
   only what every rank sent it (`counts` in ht_layout.hpp). Belongs in the count exchange
   (every rank publishing its row to all peers) and in DispatchResult.
 - Per-call sizing from Python: the core sizes high_throughput's receive area to each round when
-  worst_case_output is off, but the binding refuses that (python/src/gpu.cpp python_backend;
+  worst_case_output is off, but the binding refuses that on one node (python/src/gpu.cpp
+  python_backend: across nodes it allows it, and the collective engine then moves exact sizes;
   combine_buffer_view uses cfg.capacity() rather than the round's) and the package's views have
   fixed shapes (all2all.py _field_specs). With it, max_tokens_per_rank could be 65536 without
   holding 65536 x W rows. num_worst_tokens would want the worst case set by the caller (an
