@@ -95,7 +95,8 @@ def paths(t):
             ("combine", "GIN rail, rank partials (exact)"), ("combine", "GIN rail, block sums"),
             ("combine", "GIN rail, node sums bf16"),
             ("combine", host + ", rank partials (exact)"),
-            ("combine", host + ", node sums bf16"), ("combine", FLAT_COMBINE)]
+            ("combine", host + ", node sums bf16"), ("combine", FLAT_COMBINE)] + (
+                [("dispatch", EXACT_DISPATCH), ("combine", EXACT_COMBINE)] if t > 1024 else [])
 
 
 # The collective engine as built (src/backends/collective): NCCL's all-gather of every rank's
@@ -105,6 +106,11 @@ def paths(t):
 # what each GPU receives.
 FLAT_DISPATCH = "flat engine: NCCL all-gather of fixed packs"
 FLAT_COMBINE = "flat engine: fixed blocks to every rank (exact)"
+# high_throughput without worst-case output on that engine (prefill): the counts read on the
+# host once per dispatch, then each token's slot sent to each rank it goes to and each partial
+# back, by grouped send/recv of exact sizes: per-rank dedup, no forwarding inside a node.
+EXACT_DISPATCH = "exact engine: counts first, each rank its tokens"
+EXACT_COMBINE = "exact engine: the partials of those rows (exact)"
 
 
 def bytes_of(op, path, s, t, nodes):
@@ -114,6 +120,11 @@ def bytes_of(op, path, s, t, nodes):
         return t * (nodes - 1) * row, t * (nodes * L - nodes) * row, True, 0.0
     if path == FLAT_COMBINE:  # T rows to each of W - 1 ranks, W - L of them on other nodes
         return t * (nodes * L - L) * row, t * (L - 1) * row, True, 0.0
+    if path in (EXACT_DISPATCH, EXACT_COMBINE):  # the ranks reached, by where they are
+        world = nodes * L
+        own_node = t * s["ranks"] * (L - 1) / world * row
+        extra = ALPHA_S + HOST_SYNC_S if path == EXACT_DISPATCH else 0.0
+        return t * s["off_ranks"] * row, own_node, True, extra
     nvl = 0.0 if "direct" in path else t * s["nvl_rows"] * row
     fixed, counts = "fixed" in path, "counts first" in path
     staged = fixed or counts
