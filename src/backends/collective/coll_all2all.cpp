@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -36,13 +37,16 @@ namespace {
 struct Areas {
   size_t pack, gathered, status, pos, counts, offsets, recv_count, expert_counts;
   size_t back_pos, back_counts, back_offsets, send, meta, metas;
+  size_t back_node_pos, back_node_counts, back_send_offsets, relayed, relay_chunk, relay_base,
+      relay_rank_start;
   size_t recv_x, recv_scales, recv_src_rank, recv_src_idx, recv_topk_ids, recv_topk_w;
   size_t row_slot, expert_x, expert_scales, expert_src_rank, expert_src_idx, expert_topk_slot,
       expert_weight;
   size_t partials, blocks, blocks_w, received, received_w, total;
 };
 
-Areas make_areas(const EpConfig& cfg, Backend backend) {
+// `nodes`: the world's (ranks per node: world / nodes).
+Areas make_areas(const EpConfig& cfg, Backend backend, int nodes) {
   const size_t W = cfg.world_size, T = cfg.max_tokens_per_rank, cap = cfg.capacity();
   const size_t H = cfg.hidden, K = cfg.topk;
   const size_t G = cfg.wire_fp8() ? size_t(cfg.num_scale_groups()) : 0;
@@ -50,25 +54,36 @@ Areas make_areas(const EpConfig& cfg, Backend backend) {
   const bool em = cfg.layout == OutputLayout::kExpertMajor;
   const size_t ecap = em ? size_t(cfg.num_local_experts()) * cap : 0;
   const size_t block_value = em ? sizeof(float) : 2;
+  const bool exact = reads_counts_on_host(backend, cfg);  // the exact dispatch and combine
+  const size_t local = W / size_t(nodes), nodes_n = size_t(nodes);
+  const int places = exact ? int(local) : 0;
+  const size_t slot = slot_bytes(cfg, places);
   size_t c = 0;
   Areas a{};
-  a.pack = carve(c, pack_bytes(cfg));
-  a.gathered = carve(c, W * pack_bytes(cfg));
+  a.pack = carve(c, pack_bytes(cfg, places));
+  a.gathered = carve(c, W * pack_bytes(cfg, places));  // (the exact dispatch: <= W * T slots)
   a.status = carve(c, sizeof(DeviceStatus));
   a.pos = carve(c, W * T * sizeof(int32_t));
   a.counts = carve(c, W * sizeof(int32_t));
   a.offsets = carve(c, W * sizeof(int32_t));
   a.recv_count = carve(c, sizeof(int32_t));
   a.expert_counts = carve(c, size_t(cfg.num_local_experts()) * sizeof(int32_t));
-  const bool exact = reads_counts_on_host(backend, cfg);  // the exact combine
   a.back_pos = carve(c, exact ? W * T * sizeof(int32_t) : 0);
   a.back_counts = carve(c, exact ? W * sizeof(int32_t) : 0);
   a.back_offsets = carve(c, exact ? W * sizeof(int32_t) : 0);
-  // the exact dispatch: this rank's slots by destination (each once per rank it goes to), its
-  // meta and every rank's; the slots received land in `gathered`
-  a.send = carve(c, exact ? W * T * slot_bytes(cfg) : 0);
+  // the exact dispatch: step A's slots by peer (at most local + nodes - 1 <= W peers' T each),
+  // then step B's (at most local * (nodes - 1) sources' T); its meta and every rank's; the slots
+  // it relays; the slots received land in `gathered`
+  a.send = carve(c, exact ? W * T * slot : 0);
   a.meta = carve(c, exact ? meta_bytes(cfg) : 0);
   a.metas = carve(c, exact ? W * meta_bytes(cfg) : 0);
+  a.back_node_pos = carve(c, exact ? nodes_n * T * sizeof(int32_t) : 0);
+  a.back_node_counts = carve(c, exact ? nodes_n * sizeof(int32_t) : 0);
+  a.back_send_offsets = carve(c, exact ? W * sizeof(int32_t) : 0);
+  a.relayed = carve(c, exact ? (nodes_n - 1) * T * slot : 0);
+  a.relay_chunk = carve(c, exact ? (nodes_n + 1) * sizeof(int32_t) : 0);
+  a.relay_base = carve(c, exact ? nodes_n * local * sizeof(int32_t) : 0);
+  a.relay_rank_start = carve(c, exact ? local * sizeof(int32_t) : 0);
   a.recv_x = carve(c, cap * size_t(cfg.wire_row_bytes()));
   a.recv_scales = carve(c, cap * G * sizeof(float));
   a.recv_src_rank = carve(c, cap * sizeof(int32_t));
@@ -220,7 +235,10 @@ class Watchdog {
 class CollAll2All final : public All2All {
  public:
   CollAll2All(const EpConfig& cfg, Backend backend, NcclWorld& world)
-      : cfg_(cfg), backend_(backend), world_(world), areas_(make_areas(cfg, backend)),
+      : cfg_(cfg), backend_(backend), world_(world), nodes_(world.num_nodes()),
+        local_(cfg.world_size / world.num_nodes()),
+        places_(reads_counts_on_host(backend, cfg) ? local_ : 0),
+        areas_(make_areas(cfg, backend, nodes_)),
         status_(cfg, world.device()), watchdog_(world, status_, cfg.timeout_ms) {
     const DeviceGuard guard(world.device());
     EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&mem_), areas_.total));
@@ -230,14 +248,16 @@ class CollAll2All final : public All2All {
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     for (cudaEvent_t* e : {&dispatch_sent_, &combine_sent_})
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
-    if (exact())
-      EPX_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_),
-                                    2 * size_t(cfg.world_size) * sizeof(int32_t)));
+    if (exact()) {
+      EPX_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_metas_),
+                                    size_t(cfg.world_size) * meta_bytes(cfg)));
+      host_counts_.resize(2 * size_t(cfg.world_size));
+    }
   }
   ~CollAll2All() override {
     const DeviceGuard guard(world_.device());
     for (cudaEvent_t e : {dispatch_sent_, combine_sent_}) (void)cudaEventDestroy(e);
-    if (host_counts_ != nullptr) (void)cudaFreeHost(host_counts_);
+    if (host_metas_ != nullptr) (void)cudaFreeHost(host_metas_);
     (void)cudaFree(mem_);
   }
   CollAll2All(const CollAll2All&) = delete;
@@ -289,7 +309,8 @@ class CollAll2All final : public All2All {
       exact_dispatch_send(S, stream);
     } else {
       watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
-        world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_), stream);
+        world_.all_gather(mem_ + areas_.pack, mem_ + areas_.gathered, pack_bytes(cfg_, places_),
+                          stream);
       });
     }
     // The receive half may come on another stream: it waits for this point.
@@ -307,7 +328,8 @@ class CollAll2All final : public All2All {
     if (exact())
       launch_coll_exact_unpack(shape(), mem_ + areas_.gathered, rows(), stream);
     else
-      launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_), rows(), stream);
+      launch_coll_unpack(shape(), mem_ + areas_.gathered, pack_bytes(cfg_, places_), rows(),
+                         stream);
     if (expert_major()) launch_coll_expert_rows(shape(), rows(), stream);
     pending_ = Pending::kNone;
     return result();
@@ -410,64 +432,127 @@ class CollAll2All final : public All2All {
   enum class Pending { kNone, kDispatchReceive, kCombineReceive };
 
   bool expert_major() const { return cfg_.layout == OutputLayout::kExpertMajor; }
-  // Where high_throughput reads its counts on the host, dispatch sends each rank only the tokens
-  // routed to it and combine moves each rank's rows of each token's rank, in exact sizes, not
-  // fixed packs and blocks of max_tokens_per_rank rows (docs/scale-out.md §4).
+  // Where high_throughput reads its counts on the host, dispatch sends each token once per node
+  // it goes to, and on to the ranks there it goes to, and combine moves each rank's rows of each
+  // token's rank, in exact sizes, not fixed packs and blocks of max_tokens_per_rank rows
+  // (docs/scale-out.md §4).
   bool exact() const { return reads_counts_on_host(backend_, cfg_); }
   CollBack back() const {
-    return CollBack{.pos = reinterpret_cast<int32_t*>(mem_ + areas_.back_pos),
-                    .counts = reinterpret_cast<int32_t*>(mem_ + areas_.back_counts),
-                    .offsets = reinterpret_cast<int32_t*>(mem_ + areas_.back_offsets)};
+    auto p = [this](size_t off) { return reinterpret_cast<int32_t*>(mem_ + off); };
+    return CollBack{.pos = p(areas_.back_pos),
+                    .counts = p(areas_.back_counts),
+                    .offsets = p(areas_.back_offsets),
+                    .node_pos = p(areas_.back_node_pos),
+                    .node_counts = p(areas_.back_node_counts),
+                    .send_offsets = p(areas_.back_send_offsets)};
+  }
+  CollRelay relay() const {
+    auto p = [this](size_t off) { return reinterpret_cast<int32_t*>(mem_ + off); };
+    return CollRelay{.chunk_start = p(areas_.relay_chunk),
+                     .base = p(areas_.relay_base),
+                     .rank_start = p(areas_.relay_rank_start)};
   }
 
-  // The exact sizes on the host: the rows this rank gets from each rank (their slots come in
-  // those sizes, its partials go back in them) and the rows each rank gets from it. The host
-  // waits for the metas' all-gather here: high_throughput's one read per dispatch.
-  void read_counts(cudaStream_t stream) {
-    const size_t W = cfg_.world_size;
-    EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_, mem_ + areas_.counts, W * sizeof(int32_t),
+  // The metas on the host (high_throughput's one read per dispatch: the host waits for their
+  // all-gather here), each count checked, and the rows this rank gets from each rank and the
+  // rows each rank gets from it (combine's sizes).
+  void read_metas(cudaStream_t stream) {
+    const size_t W = cfg_.world_size, meta = meta_bytes(cfg_);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_metas_, mem_ + areas_.metas, W * meta,
                                    cudaMemcpyDeviceToHost, stream));
-    EPX_CUDA_CHECK(cudaMemcpyAsync(host_counts_ + W, mem_ + areas_.back_counts,
-                                   W * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
     // A peer past the timeout (the watchdog's abort) surfaces here. Bad ids do not: the peers
     // count on this rank's rows and partials, so the round goes on (the next poll() raises them).
     status_.poll_fatal();
-    for (size_t q = 0; q < 2 * W; ++q) {
-      EPX_CHECK(host_counts_[q] >= 0 && host_counts_[q] <= cfg_.max_tokens_per_rank, PeerError,
-                q < W ? "rows received from rank " + std::to_string(q)
-                      : "rows rank " + std::to_string(q - W) + " received",
-                host_counts_[q],
-                "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+    for (size_t q = 0; q < W; ++q) {
+      for (size_t i = 0; i < W + size_t(nodes_); ++i) {
+        const int32_t c = meta_of(int(q))[kMetaSendsAt + i];  // sends [W], then node sends
+        EPX_CHECK(c >= 0 && c <= cfg_.max_tokens_per_rank, PeerError,
+                  fmt::format("slots rank {} sends {} {}", q, i < W ? "rank" : "node",
+                              i < W ? i : i - W),
+                  c, "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
+      }
+      host_counts_[q] = sends(int(q), cfg_.rank);
+      host_counts_[W + q] = sends(cfg_.rank, int(q));
     }
   }
+  const int32_t* meta_of(int q) const {
+    return reinterpret_cast<const int32_t*>(host_metas_ + size_t(q) * meta_bytes(cfg_));
+  }
+  // From the host's metas: the slots rank q sends rank r, and those it sends node b.
+  int32_t sends(int q, int r) const { return meta_of(q)[kMetaSendsAt + r]; }
+  int32_t node_sends(int q, int b) const {
+    return meta_of(q)[meta_node_sends_at(cfg_.world_size) + b];
+  }
 
-  // The exact dispatch: the slots by destination and this rank's meta, the metas all-gathered,
-  // the counts read on the host (high_throughput's one read per dispatch), then each rank's slots
-  // to it in exact sizes by grouped send/recv, into `gathered` at its first row.
+  // The exact dispatch: step A's slots by peer and this rank's meta, the metas all-gathered and
+  // read on the host (high_throughput's one read per dispatch), step A by grouped send/recv (the
+  // ranks of this node their slots, into `gathered`; the other nodes' rail peers theirs, into
+  // `relayed`), step B's slots by rank of this node, and step B (into `gathered` after step
+  // A's). Every size comes from the metas; the kernels place each slot by the same counts.
   void exact_dispatch_send(const CollShape& S, cudaStream_t stream) {
-    const size_t W = cfg_.world_size, slot = slot_bytes(cfg_), meta = meta_bytes(cfg_);
+    const int W = cfg_.world_size, L = local_, me = cfg_.rank;
+    const int node = me / L, local = me % L;
+    const size_t slot = slot_bytes(cfg_, places_), meta = meta_bytes(cfg_);
     launch_coll_exact_send(S, mem_ + areas_.pack, back(), mem_ + areas_.send, mem_ + areas_.meta,
                            stream);
     watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
       world_.all_gather(mem_ + areas_.meta, mem_ + areas_.metas, meta, stream);
     });
-    launch_coll_exact_counts(S, mem_ + areas_.metas, meta, rows(), stream);
-    read_counts(stream);
-    std::vector<size_t> send_at(W), send_bytes(W), recv_at(W), recv_bytes(W);
-    size_t sent = 0, got = 0;
-    for (size_t q = 0; q < W; ++q) {
-      recv_at[q] = got * slot;
-      recv_bytes[q] = size_t(host_counts_[q]) * slot;
-      got += size_t(host_counts_[q]);
-      send_at[q] = sent * slot;
-      send_bytes[q] = size_t(host_counts_[W + q]) * slot;
-      sent += size_t(host_counts_[W + q]);
+    launch_coll_exact_counts(S, mem_ + areas_.metas, meta, rows(), relay(), stream);
+    read_metas(stream);
+    // Byte places are from mem_ (the send and receive areas differ by step and peer).
+    std::vector<size_t> send_at(W, 0), send_bytes(W, 0), recv_at(W, 0), recv_bytes(W, 0);
+    size_t sent = 0, got = 0, relayed = 0;
+    for (int p = 0; p < W; ++p) {
+      size_t out = 0, in = 0;
+      if (p / L == node) {
+        out = size_t(sends(me, p));
+        in = size_t(sends(p, me));
+        recv_at[p] = areas_.gathered + got * slot;
+        got += in;
+      } else if (p % L == local) {
+        out = size_t(node_sends(me, p / L));
+        in = size_t(node_sends(p, node));
+        recv_at[p] = areas_.relayed + relayed * slot;
+        relayed += in;
+      }
+      send_at[p] = areas_.send + sent * slot;
+      sent += out;
+      send_bytes[p] = out * slot;
+      recv_bytes[p] = in * slot;
     }
     watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
-      world_.all_to_all(mem_ + areas_.send, send_at.data(), send_bytes.data(),
-                        mem_ + areas_.gathered, recv_at.data(), recv_bytes.data(), stream);
+      world_.all_to_all(mem_, send_at.data(), send_bytes.data(), mem_, recv_at.data(),
+                        recv_bytes.data(), stream);
     });
+    // Step B: the relayed slots to the ranks of this node (rank d's: those of the other nodes'
+    // rail peers of this local index for d), and each rank's relay its slots of this one.
+    launch_coll_exact_relay(S, mem_ + areas_.relayed, relay(), mem_ + areas_.send, stream);
+    std::fill(send_bytes.begin(), send_bytes.end(), 0);
+    std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
+    sent = 0;
+    for (int d = 0; d < L; ++d) {
+      const int p = node * L + d;
+      size_t out = 0, in = 0;
+      for (int a = 0; a < nodes_; ++a) {
+        if (a == node) continue;
+        out += size_t(sends(a * L + local, p));  // relayed by this rank to p
+        in += size_t(sends(a * L + d, me));       // relayed by p to this rank
+      }
+      send_at[p] = areas_.send + sent * slot;
+      sent += out;
+      send_bytes[p] = out * slot;
+      recv_at[p] = areas_.gathered + got * slot;
+      got += in;
+      recv_bytes[p] = in * slot;
+    }
+    if (nodes_ > 1) {
+      watchdog_.run_watched(stream, Phase::kDispatchData, [&] {
+        world_.all_to_all(mem_, send_at.data(), send_bytes.data(), mem_, recv_at.data(),
+                          recv_bytes.data(), stream);
+      });
+    }
   }
 
   // Each rank's rows of this rank's partials (expert_out holds them in the received rows' order:
@@ -518,9 +603,11 @@ class CollAll2All final : public All2All {
                      .scale_col_major = cfg_.scale_layout == ScaleLayout::kColumnMajor,
                      .ids_int64 = 0,
                      .round_scale = cfg_.round_scale,
-                     .slot_bytes = int32_t(slot_bytes(cfg_)),
-                     .counts_offset = int32_t(pack_counts_offset(cfg_)),
+                     .slot_bytes = int32_t(slot_bytes(cfg_, places_)),
+                     .counts_offset = int32_t(pack_counts_offset(cfg_, places_)),
                      .routed = !delivers_every_token(backend_),
+                     .local = local_,
+                     .places = places_,
                      .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull};
   }
   CollRows rows() const {
@@ -571,13 +658,17 @@ class CollAll2All final : public All2All {
   EpConfig cfg_;
   Backend backend_;
   NcclWorld& world_;
+  int nodes_;   // the world's nodes, of local_ ranks each
+  int local_;
+  int places_;  // a slot's places (CollShape::places)
   Areas areas_;
   RankStatus status_;
   Watchdog watchdog_;  // (after status_: destroyed before it)
   uint8_t* mem_ = nullptr;
   cudaEvent_t dispatch_sent_ = nullptr;  // the end of the last send half of each op
   cudaEvent_t combine_sent_ = nullptr;
-  int32_t* host_counts_ = nullptr;  // exact combine: [2W] pinned (read_counts)
+  uint8_t* host_metas_ = nullptr;    // the exact dispatch: [W][meta_bytes] pinned (read_metas)
+  std::vector<int32_t> host_counts_;  // [2W]: rows from each rank, rows each rank got from this
   CombineExtras extras_{};           // the extras of the combine in progress
   int tokens_ = 0;
   bool dispatched_ = false;

@@ -34,6 +34,9 @@ struct Slot {
   __device__ float* weights() const { return reinterpret_cast<float*>(ids() + S.topk); }
   __device__ int32_t* valid() const { return reinterpret_cast<int32_t*>(weights() + S.topk); }
   __device__ int32_t* index() const { return valid() + 1; }
+  __device__ int32_t* source() const { return valid() + 2; }
+  __device__ int32_t* place() const { return valid() + 3; }
+  __device__ int32_t* places() const { return valid() + 4; }  // [S.places]
 };
 __device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n) {
   return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
@@ -126,6 +129,7 @@ __global__ void __launch_bounds__(kThreads)
         *s.ranks() = uint64_t(hi) << 32 | lo;
         *s.valid() = 1;
         *s.index() = n;
+        *s.source() = S.rank;
       }
       copy_row(S, n, x, x_scales, s, lane);
       continue;
@@ -154,15 +158,16 @@ __global__ void __launch_bounds__(kThreads)
       *s.ranks() = uint64_t(hi) << 32 | lo;
       *s.valid() = valid ? 1 : 0;
       *s.index() = n;
+      *s.source() = S.rank;
     }
     copy_row(S, n, x, x_scales, s, lane);
   }
 }
 
-// Each of a pack's tokens' place among its valid tokens (routed: those that rank `target`
-// receives, a token routed to one of its experts), in token order, or -1 at pos[n]; their
-// number, the same in every thread of the block.
-__device__ int32_t place_tokens(const CollShape& S, uint8_t* pack, bool routed, int target,
+// Each of a pack's tokens' place among its valid tokens (routed: those that go to one of the
+// ranks in `targets`), in token order, or -1 at pos[n]; their number, the same in every thread
+// of the block.
+__device__ int32_t place_tokens(const CollShape& S, uint8_t* pack, bool routed, uint64_t targets,
                                 int32_t* __restrict__ pos) {
   using Scan = cub::BlockScan<int32_t, kThreads>;
   __shared__ typename Scan::TempStorage tmp;
@@ -171,7 +176,7 @@ __device__ int32_t place_tokens(const CollShape& S, uint8_t* pack, bool routed, 
   for (int n0 = 0; n0 < N; n0 += kThreads) {
     const int n = n0 + threadIdx.x;
     int32_t valid = n < N ? *slot_of(S, pack, n).valid() : 0;
-    if (valid && routed) valid = int32_t((token_ranks(S, slot_of(S, pack, n)) >> target) & 1);
+    if (valid && routed) valid = int32_t((token_ranks(S, slot_of(S, pack, n)) & targets) != 0);
     int32_t before = 0, total = 0;
     Scan(tmp).ExclusiveSum(valid, before, total);
     if (n < N) pos[n] = valid ? run + before : -1;
@@ -189,25 +194,46 @@ __global__ void __launch_bounds__(kThreads)
   const int q = blockIdx.x;
   uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
   const int32_t count =
-      place_tokens(S, pack, S.routed, S.rank, rows.pos + size_t(q) * S.max_tokens);
+      place_tokens(S, pack, S.routed, uint64_t(1) << S.rank, rows.pos + size_t(q) * S.max_tokens);
   if (threadIdx.x == 0) rows.counts[q] = count;
 }
 
 // One block: for each rank q, the place of each of this rank's tokens among those q receives
 // (the order of the rows q sends back), their count, and where q's rows start in the exact
-// combine's receive area (counts in rank order).
+// combine's receive area (counts in rank order). With back.node_pos (the exact dispatch): the
+// same for each other node (the tokens going to one of its ranks), and each peer's first slot in
+// step A's send area (a rank of this node: its tokens; another node's rail peer: that node's).
 __global__ void __launch_bounds__(kThreads)
     coll_back_place_kernel(const CollShape S, const uint8_t* __restrict__ own_pack,
                            CollBack back) {
   int32_t start = 0;
   for (int q = 0; q < S.world; ++q) {
-    const int32_t count = place_tokens(S, const_cast<uint8_t*>(own_pack), true, q,
+    const int32_t count = place_tokens(S, const_cast<uint8_t*>(own_pack), true, uint64_t(1) << q,
                                        back.pos + size_t(q) * S.max_tokens);
     if (threadIdx.x == 0) {
       back.counts[q] = count;
       back.offsets[q] = start;
     }
     start += count;
+  }
+  if (back.node_pos == nullptr) return;
+  const int nodes = S.world / S.local, node = S.rank / S.local;
+  const uint64_t node_ranks = S.local == 64 ? ~uint64_t(0) : (uint64_t(1) << S.local) - 1;
+  for (int b = 0; b < nodes; ++b) {
+    const int32_t count =
+        b == node ? 0
+                  : place_tokens(S, const_cast<uint8_t*>(own_pack), true,
+                                 node_ranks << (b * S.local), back.node_pos + size_t(b) * S.max_tokens);
+    if (threadIdx.x == 0) back.node_counts[b] = count;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t at = 0;
+    for (int p = 0; p < S.world; ++p) {
+      back.send_offsets[p] = at;
+      if (p / S.local == node) at += back.counts[p];
+      else if (p % S.local == S.rank % S.local) at += back.node_counts[p / S.local];
+    }
   }
 }
 
@@ -279,14 +305,28 @@ __global__ void __launch_bounds__(kThreads)
 
 // A meta's parts (coll_kernels.hpp: meta_bytes).
 __device__ __forceinline__ int32_t* meta_sends(const CollShape&, uint8_t* meta) {
-  return reinterpret_cast<int32_t*>(meta) + 4;
+  return reinterpret_cast<int32_t*>(meta) + kMetaSendsAt;
+}
+__device__ __forceinline__ int32_t* meta_node_sends(const CollShape& S, uint8_t* meta) {
+  return reinterpret_cast<int32_t*>(meta) + meta_node_sends_at(S.world);
 }
 __device__ __forceinline__ int32_t* meta_experts(const CollShape& S, uint8_t* meta) {
-  return reinterpret_cast<int32_t*>(meta) + 4 + S.world;
+  return reinterpret_cast<int32_t*>(meta) + meta_experts_at(S.world);
 }
 
-// One warp per (rank q, token n) going there: the slot, at its place among q's. Block 0 also
-// writes this rank's meta.
+// One warp copies a slot (lanes over its 16-byte words).
+__device__ __forceinline__ void copy_slot(const CollShape& S, const uint8_t* from, uint8_t* to,
+                                          int lane) {
+  const int4* src = reinterpret_cast<const int4*>(from);
+  int4* dst = reinterpret_cast<int4*>(to);
+  for (int v = lane; v < S.slot_bytes / 16; v += kWarpSize) dst[v] = src[v];
+  __syncwarp();
+}
+
+// Step A. One warp per (rank q of this node, token n going there): the slot at its place among
+// q's, `place` set; one per (other node b, token n going there): the slot at its place among
+// b's rail peer's, `places` set (its place at each rank of node b). Block 0 also writes this
+// rank's meta.
 __global__ void __launch_bounds__(kThreads)
     coll_exact_send_kernel(const CollShape S, const uint8_t* __restrict__ own_pack, CollBack back,
                            uint8_t* __restrict__ send, uint8_t* __restrict__ meta) {
@@ -295,39 +335,75 @@ __global__ void __launch_bounds__(kThreads)
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
   const int32_t* header = reinterpret_cast<const int32_t*>(own_pack);
   const int N = min(max(header[0], 0), S.max_tokens), T = S.max_tokens;
+  const int nodes = S.world / S.local, node = S.rank / S.local, local = S.rank % S.local;
   if (blockIdx.x == 0) {
     if (threadIdx.x < 2) reinterpret_cast<int32_t*>(meta)[threadIdx.x] = header[threadIdx.x];
-    for (int q = threadIdx.x; q < S.world; q += blockDim.x) meta_sends(S, meta)[q] = back.counts[q];
+    for (int q = threadIdx.x; q < S.world; q += blockDim.x) {
+      meta_sends(S, meta)[q] = back.counts[q];
+      meta_node_sends(S, meta)[q] = q < nodes ? back.node_counts[q] : 0;
+    }
     const int32_t* counts = reinterpret_cast<const int32_t*>(own_pack + S.counts_offset);
     for (int e = threadIdx.x; header[1] != 0 && e < S.num_experts; e += blockDim.x)
       meta_experts(S, meta)[e] = counts[e];
   }
-  for (int i = warp; i < S.world * T; i += warps) {
-    const int q = i / T, n = i % T;
-    const int32_t p = back.pos[i];
-    if (n >= N || p < 0) continue;
-    const int4* src = reinterpret_cast<const int4*>(
-        slot_of(S, const_cast<uint8_t*>(own_pack), n).base);
-    int4* dst = reinterpret_cast<int4*>(send + size_t(back.offsets[q] + p) * S.slot_bytes);
-    for (int v = lane; v < S.slot_bytes / 16; v += kWarpSize) dst[v] = src[v];
+  const uint8_t* pack = own_pack + kPackHeader;
+  for (int i = warp; i < (S.local + nodes) * T; i += warps) {
+    const int j = i / T, n = i % T;
+    if (n >= N) continue;
+    if (j < S.local) {  // rank q of this node
+      const int q = node * S.local + j;
+      const int32_t p = back.pos[size_t(q) * T + n];
+      if (p < 0) continue;
+      const Slot s{send + size_t(back.send_offsets[q] + p) * S.slot_bytes, S};
+      copy_slot(S, pack + size_t(n) * S.slot_bytes, s.base, lane);
+      if (lane == 0) *s.place() = p;
+    } else {  // node b's rail peer
+      const int b = j - S.local;
+      const int32_t p = b == node ? -1 : back.node_pos[size_t(b) * T + n];
+      if (p < 0) continue;
+      const int peer = b * S.local + local;
+      const Slot s{send + size_t(back.send_offsets[peer] + p) * S.slot_bytes, S};
+      copy_slot(S, pack + size_t(n) * S.slot_bytes, s.base, lane);
+      for (int d = lane; d < S.local; d += kWarpSize)
+        s.places()[d] = back.pos[size_t(b * S.local + d) * T + n];
+    }
   }
 }
 
 // One block: the slots each rank sends this one, their first rows (in rank order), the round's
 // row count, the expert counts started with the rank-mask senders' (the ids' are added as the
-// rows are laid out).
+// rows are laid out); and step B's bookkeeping (CollRelay).
 __global__ void coll_exact_counts_kernel(const CollShape S, const uint8_t* __restrict__ metas,
-                                         size_t meta_bytes, CollRows rows) {
+                                         size_t meta_bytes, CollRows rows, CollRelay relay) {
   auto meta = [&](int q) { return const_cast<uint8_t*>(metas) + size_t(q) * meta_bytes; };
+  const int nodes = S.world / S.local, node = S.rank / S.local, local = S.rank % S.local;
   if (threadIdx.x == 0) {
     int32_t run = 0;
     for (int q = 0; q < S.world; ++q) {
-      const int32_t c = meta_sends(S, meta(q))[S.rank];  // (checked on the host: read_counts)
+      const int32_t c = meta_sends(S, meta(q))[S.rank];  // (checked on the host: read_metas)
       rows.counts[q] = c;
       rows.offsets[q] = run;
       run += c;
     }
     *rows.recv_count = run;
+    // Step B: the rail peer of node a (rank a * local + this local index) sent its slots for
+    // this node, in node order.
+    int32_t at = 0;
+    for (int a = 0; a < nodes; ++a) {
+      relay.chunk_start[a] = at;
+      if (a != node) at += meta_node_sends(S, meta(a * S.local + local))[node];
+    }
+    relay.chunk_start[nodes] = at;
+    int32_t start = 0;
+    for (int d = 0; d < S.local; ++d) {
+      relay.rank_start[d] = start;
+      int32_t sum = 0;
+      for (int a = 0; a < nodes; ++a) {
+        relay.base[a * S.local + d] = sum;
+        if (a != node) sum += meta_sends(S, meta(a * S.local + local))[node * S.local + d];
+      }
+      start += sum;
+    }
   }
   const int e0 = S.rank * S.num_local;
   for (int e = threadIdx.x; e < S.num_local; e += blockDim.x) {
@@ -340,9 +416,34 @@ __global__ void coll_exact_counts_kernel(const CollShape S, const uint8_t* __res
   }
 }
 
-// One warp per received row j (source q: the last whose first row is <= j): the slot's row,
-// scales and metadata. Named dispatch_*, as dispatch_rows_kernel, whose place it takes in a round
-// of the exact dispatch.
+// Step B. One warp per (relayed slot i, rank d of this node it goes to): the slot at d's place,
+// `place` set from its `places`.
+__global__ void __launch_bounds__(kThreads)
+    coll_exact_relay_kernel(const CollShape S, const uint8_t* __restrict__ relayed,
+                            CollRelay relay, uint8_t* __restrict__ send) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int nodes = S.world / S.local, node = S.rank / S.local;
+  const int R = relay.chunk_start[nodes];
+  for (int i = warp; i < R * S.local; i += warps) {
+    const int j = i / S.local, d = i % S.local;
+    const Slot from{const_cast<uint8_t*>(relayed) + size_t(j) * S.slot_bytes, S};
+    if (((*from.ranks() >> (node * S.local + d)) & 1) == 0) continue;
+    int a = 0;
+    while (a + 1 < nodes && relay.chunk_start[a + 1] <= j) ++a;
+    const int32_t p = from.places()[d];
+    const Slot to{send + size_t(relay.rank_start[d] + relay.base[a * S.local + d] + p) *
+                             S.slot_bytes,
+                  S};
+    copy_slot(S, from.base, to.base, lane);
+    if (lane == 0) *to.place() = p;
+  }
+}
+
+// One warp per received slot (any order): its row, scales and metadata at row
+// offsets[source] + place. Named dispatch_*, as dispatch_rows_kernel, whose place it takes in a
+// round of the exact dispatch.
 __global__ void __launch_bounds__(kThreads)
     dispatch_exact_rows_kernel(const CollShape S, const uint8_t* __restrict__ slots,
                                CollRows rows) {
@@ -351,10 +452,13 @@ __global__ void __launch_bounds__(kThreads)
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
   const int M = *rows.recv_count, K = S.topk, cap = S.world * S.max_tokens;
   const int e0 = S.rank * S.num_local;
-  for (int row = warp; row < M; row += warps) {
-    int q = 0;
-    while (q + 1 < S.world && rows.offsets[q + 1] <= row) ++q;
-    const Slot s{const_cast<uint8_t*>(slots) + size_t(row) * S.slot_bytes, S};
+  for (int i = warp; i < M; i += warps) {
+    const Slot s{const_cast<uint8_t*>(slots) + size_t(i) * S.slot_bytes, S};
+    const int q = *s.source(), p = *s.place();
+    // (every slot's source and place come from the ranks' own kernels: a slot outside its
+    // source's rows would be a bug of this engine, and is dropped rather than written anywhere)
+    if (q < 0 || q >= S.world || p < 0 || p >= rows.counts[q]) continue;
+    const int row = rows.offsets[q] + p;
     const int4* src = reinterpret_cast<const int4*>(s.row());
     int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
     for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
@@ -570,6 +674,7 @@ void load_coll_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_rows_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_exact_send_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_exact_counts_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_exact_relay_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_exact_rows_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, coll_scatter_kernel));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_fold_kernel));
@@ -603,8 +708,14 @@ void launch_coll_exact_send(const CollShape& S, const uint8_t* own_pack, const C
 }
 
 void launch_coll_exact_counts(const CollShape& S, const uint8_t* metas, size_t meta_bytes,
-                              const CollRows& rows, cudaStream_t stream) {
-  coll_exact_counts_kernel<<<1, kThreads, 0, stream>>>(S, metas, meta_bytes, rows);
+                              const CollRows& rows, const CollRelay& relay, cudaStream_t stream) {
+  coll_exact_counts_kernel<<<1, kThreads, 0, stream>>>(S, metas, meta_bytes, rows, relay);
+  EPX_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_coll_exact_relay(const CollShape& S, const uint8_t* relayed, const CollRelay& relay,
+                             uint8_t* send, cudaStream_t stream) {
+  coll_exact_relay_kernel<<<kBlocks, kThreads, 0, stream>>>(S, relayed, relay, send);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
 

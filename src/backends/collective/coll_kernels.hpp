@@ -16,8 +16,11 @@
 // slot order with the token's weights, which the token's rank adds in rank order.
 // Fixed sizes everywhere: no host synchronisation, every step capturable in a CUDA graph; except
 // high_throughput without worst-case output, which reads its counts on the host once per
-// dispatch and moves exact sizes: each rank's meta (the slots it sends each rank) all-gathered,
-// then the slots by grouped send/recv to the ranks they go to, and its combine the same way.
+// dispatch and moves exact sizes, each token once per node it goes to: each rank's meta (the
+// slots it sends each rank and each node) all-gathered; then the slots by grouped send/recv,
+// straight to the ranks of its own node and once per other node to its rail peer there (the
+// rank of the same local index); that peer relays each to the ranks of its node it goes to.
+// Combine sends each rank's rows back to their token's rank in exact sizes.
 
 #include <cuda_runtime_api.h>
 
@@ -47,32 +50,48 @@ struct CollShape {
   int32_t counts_offset;   // the expert counts' place in a pack
   int32_t routed;          // 1: rows only where the token has an expert (low_latency,
                            // high_throughput); 0: every valid token everywhere (the baselines)
+  int32_t local;           // ranks per node (rank = node * local + local index)
+  int32_t places;          // the places a slot carries: `local` in the exact dispatch, else 0
   uint64_t timeout_ns;
 };
 
 // A pack: kPackHeader bytes (int32 token count, int32 1 when the round routes by a rank mask),
 // then T slots of [wire row | u64 ranks | f32 scales | int32 ids | f32 weights | int32 valid |
-// int32 index], each slot_bytes long (ranks: bit r set when the token goes to rank r, from its
-// ids or from the mask; index: the token's), then the sender's int32 expert counts [E] (routing
-// by a rank mask: the caller's).
+// int32 index | int32 source | int32 place | int32 places[P]], each slot_bytes long (ranks: bit
+// r set when the token goes to rank r, from its ids or from the mask; index: the token's;
+// source: its rank; place and places: filled in the exact dispatch, see below), then the
+// sender's int32 expert counts [E] (routing by a rank mask: the caller's).
 inline constexpr size_t kPackHeader = 16;
-constexpr size_t slot_bytes(const EpConfig& cfg) {
+// `places` (P): the exact dispatch's (one per rank of a node), else 0.
+constexpr size_t slot_bytes(const EpConfig& cfg, int places) {
   const size_t g = cfg.dtype == DispatchDtype::kBF16 ? 0 : size_t(cfg.hidden / kFp8BlockSize);
   const size_t row = cfg.dtype == DispatchDtype::kBF16 ? size_t(cfg.hidden) * 2 : size_t(cfg.hidden);
-  return (row + 8 + g * 4 + size_t(cfg.topk) * 8 + 8 + 15) / 16 * 16;
+  return (row + 8 + g * 4 + size_t(cfg.topk) * 8 + 16 + size_t(places) * 4 + 15) / 16 * 16;
 }
-constexpr size_t pack_counts_offset(const EpConfig& cfg) {
-  return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg);
+constexpr size_t pack_counts_offset(const EpConfig& cfg, int places) {
+  return kPackHeader + size_t(cfg.max_tokens_per_rank) * slot_bytes(cfg, places);
 }
-constexpr size_t pack_bytes(const EpConfig& cfg) {
-  return pack_counts_offset(cfg) + (size_t(cfg.num_experts) * 4 + 15) / 16 * 16;
+constexpr size_t pack_bytes(const EpConfig& cfg, int places) {
+  return pack_counts_offset(cfg, places) + (size_t(cfg.num_experts) * 4 + 15) / 16 * 16;
 }
-// The exact dispatch's (high_throughput without worst-case output) meta of a rank, all-gathered
+// The exact dispatch (high_throughput without worst-case output). A rank's meta, all-gathered
 // before its slots move: int32 [4] (token count, routing by a rank mask), [W] the slots it sends
-// each rank, [E] its expert counts (by a rank mask).
+// each rank, [W] those it sends each node (the first `nodes` used), [E] its expert counts (by a
+// rank mask).
 constexpr size_t meta_bytes(const EpConfig& cfg) {
-  return (size_t(4 + cfg.world_size + cfg.num_experts) * 4 + 15) / 16 * 16;
+  return (size_t(4 + 2 * cfg.world_size + cfg.num_experts) * 4 + 15) / 16 * 16;
 }
+// Where a meta's parts start, in int32s.
+inline constexpr int kMetaSendsAt = 4;
+constexpr int meta_node_sends_at(int world) { return kMetaSendsAt + world; }
+constexpr int meta_experts_at(int world) { return kMetaSendsAt + 2 * world; }
+// Its slots move in two steps. Step A: a slot's copy to each rank of its node it goes to, at
+// its place there (`place` set), and one copy per other node it goes to, to the rail peer there
+// (`places` set: its place at each rank of that node, or -1), each peer's slots in token order
+// (one send area, peers in rank order). Step B: each rail peer relays the slots it got (from the
+// rail peers of the other nodes, in node order) to each rank of its node they go to, `place`
+// set from `places`; a rank's relayed rows of one source in that source's token order.
+// The slots received in both steps land in one area; each names its row by source and place.
 
 // Where the dispatch's outputs and its bookkeeping live (device pointers).
 struct CollRows {
@@ -105,6 +124,20 @@ struct CollBack {
   int32_t* pos;      // [W][T], or -1
   int32_t* counts;   // [W]
   int32_t* offsets;  // [W]
+  // the exact dispatch's step A: each token's place among those sent to each other node's rail
+  // peer (-1: none there, or this node), their count, and each rank's first slot in the send area
+  int32_t* node_pos = nullptr;     // [nodes][T]
+  int32_t* node_counts = nullptr;  // [nodes]
+  int32_t* send_offsets = nullptr; // [W]
+};
+
+// The exact dispatch's step B at a rail peer, from the metas: where the slots of each other
+// node's rail peer start among those it got in step A, and where it puts them for each rank of
+// its node (that rank's first slot in the relay's send area, plus the slots of earlier sources).
+struct CollRelay {
+  int32_t* chunk_start;  // [nodes + 1]
+  int32_t* base;         // [nodes][local]
+  int32_t* rank_start;   // [local]
 };
 
 // Combine's extras at a token's rank (high_throughput): bias rows that start the
@@ -137,17 +170,22 @@ void launch_coll_pack(const CollShape& S, int num_tokens, const void* x, const f
 // by a rank mask.
 void launch_coll_unpack(const CollShape& S, const uint8_t* gathered, size_t pack_bytes,
                         const CollRows& rows, cudaStream_t stream);
-// The exact dispatch's send side, after launch_coll_pack and launch_coll_back_place: each slot of
-// `own_pack` copied once per rank it goes to, rank q's at `send` + (back.offsets[q] + place) *
-// slot_bytes, and this rank's meta (meta_bytes) at `meta`.
+// The exact dispatch's step A send side, after launch_coll_pack and launch_coll_back_place:
+// `own_pack`'s slots by peer into `send` (see above), and this rank's meta (meta_bytes) at
+// `meta`.
 void launch_coll_exact_send(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
                             uint8_t* send, uint8_t* meta, cudaStream_t stream);
-// The exact dispatch's receive side from the all-gathered metas [W][meta_bytes]: rows.counts,
-// rows.offsets, *rows.recv_count and the rank-mask senders' expert counts.
+// From the all-gathered metas [W][meta_bytes]: rows.counts, rows.offsets, *rows.recv_count, the
+// rank-mask senders' expert counts and `relay`.
 void launch_coll_exact_counts(const CollShape& S, const uint8_t* metas, size_t meta_bytes,
-                              const CollRows& rows, cudaStream_t stream);
-// The slots received in exact sizes (`slots`: source q's at rows.offsets[q], in its token order)
-// -> the token-major rows, the ids' expert counts added.
+                              const CollRows& rows, const CollRelay& relay, cudaStream_t stream);
+// Step B: the `relayed` slots (step A's, from the other nodes' rail peers) copied into `send`,
+// each once per rank of this node it goes to, at relay.rank_start[d] + relay.base[node][d] +
+// its place there.
+void launch_coll_exact_relay(const CollShape& S, const uint8_t* relayed, const CollRelay& relay,
+                             uint8_t* send, cudaStream_t stream);
+// The slots received in exact sizes (`slots`: *rows.recv_count of them, in any order; each at row
+// rows.offsets[source] + place) -> the token-major rows, the ids' expert counts added.
 void launch_coll_exact_unpack(const CollShape& S, const uint8_t* slots, const CollRows& rows,
                               cudaStream_t stream);
 // The token-major rows (after launch_coll_unpack) laid out per local expert, in their order:
