@@ -107,9 +107,11 @@ def paths(t):
 FLAT_DISPATCH = "flat engine: NCCL all-gather of fixed packs"
 FLAT_COMBINE = "flat engine: fixed blocks to every rank (exact)"
 # high_throughput without worst-case output on that engine (prefill): the counts read on the
-# host once per dispatch, then each token's slot sent to each rank it goes to and each partial
-# back, by grouped send/recv of exact sizes: per-rank dedup, no forwarding inside a node.
-EXACT_DISPATCH = "exact engine: counts first, each rank its tokens"
+# host once per dispatch, then each token's slot sent once per node it goes to (to the rail
+# peer there, which relays it to the ranks of its node it goes to: per-node dedup, the host
+# API's counts-first dispatch), and each partial straight back to its token's rank, by grouped
+# send/recv of exact sizes.
+EXACT_DISPATCH = "exact engine: counts first, once per node, relayed in the node"
 EXACT_COMBINE = "exact engine: the partials of those rows (exact)"
 
 
@@ -120,11 +122,11 @@ def bytes_of(op, path, s, t, nodes):
         return t * (nodes - 1) * row, t * (nodes * L - nodes) * row, True, 0.0
     if path == FLAT_COMBINE:  # T rows to each of W - 1 ranks, W - L of them on other nodes
         return t * (nodes * L - L) * row, t * (L - 1) * row, True, 0.0
-    if path in (EXACT_DISPATCH, EXACT_COMBINE):  # the ranks reached, by where they are
-        world = nodes * L
-        own_node = t * s["ranks"] * (L - 1) / world * row
-        extra = ALPHA_S + HOST_SYNC_S if path == EXACT_DISPATCH else 0.0
-        return t * s["off_ranks"] * row, own_node, True, extra
+    if path == EXACT_DISPATCH:  # each remote node once, then on within it: the same bytes
+        return bytes_of(op, "host API, counts first", s, t, nodes)
+    if path == EXACT_COMBINE:  # the ranks reached, by where they are
+        own_node = t * s["ranks"] * (L - 1) / (nodes * L) * row
+        return t * s["off_ranks"] * row, own_node, True, 0.0
     nvl = 0.0 if "direct" in path else t * s["nvl_rows"] * row
     fixed, counts = "fixed" in path, "counts first" in path
     staged = fixed or counts
