@@ -39,8 +39,20 @@ def test_bundle_torch_compat_for_an_older_torch(monkeypatch):
     capturing.append(1)
     assert s.is_capturing() is True
     assert not hasattr(BuiltinStream("cpu"), "is_capturing")
-    # A torch that has it keeps its own.
-    current = torch.accelerator.current_stream
-    monkeypatch.setattr(ops, "torch", torch)
+    # A torch that has it keeps its own (a model too: the installed torch may be either).
+    class NewStream(BuiltinStream):
+        def is_capturing(self):
+            return False
+
+    class NewCudaStream(NewStream):
+        pass
+
+    current = lambda device=None: NewStream("cuda")  # noqa: E731
+    new = SimpleNamespace(
+        Stream=NewStream, accelerator=SimpleNamespace(current_stream=current),
+        cuda=SimpleNamespace(Stream=NewCudaStream, current_stream=lambda device: NewCudaStream("cuda"),
+                             is_current_stream_capturing=lambda: False))
+    monkeypatch.setattr(ops, "torch", new)
     ops._torch_compat()
-    assert torch.accelerator.current_stream is current
+    assert new.accelerator.current_stream is current
+    assert "is_capturing" not in vars(NewCudaStream)

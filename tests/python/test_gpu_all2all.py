@@ -470,8 +470,9 @@ def test_high_throughput_by_rank_and_combine_extras(gpu):
     # and starts from bias rows. Rows ordered, sums in f32 in rank order: exact equality.
     import torch
 
-    W = 3
-    rk = Ranks(small_config(dtype="bf16", worst_case_output=True), W, "high_throughput")
+    W = 3  # (24 experts: 8 a rank)
+    rk = Ranks(small_config(dtype="bf16", worst_case_output=True, num_experts=24), W,
+               "high_throughput")
     c = rk.cfg
     L, K, H, cap = c.num_experts // W, c.topk, c.hidden, rk.group[0].config.capacity
     inputs = [ref.make_inputs(c, r, n, 4, gpu) for r, n in enumerate((64, 21, 0))]
