@@ -27,13 +27,14 @@ std::string fingerprint(const EpConfig& c, Backend backend) {
       "epx_version={}\nbackend={}\nworld_size={}\nhidden={}\nnum_experts={}\ntopk={}\n"
       "max_tokens_per_rank={}\ndtype={}\nscale_layout={}\nround_scale={}\nlayout={}\n"
       "deterministic={}\n"
-      "rounds_in_flight={}\nmask_failed_ranks={}\ncombine={}\ncombine_format={}\n"
-      "combine_order={}\ntimeout_ms={}\n",
+      "rounds_in_flight={}\nmask_failed_ranks={}\nworst_case_output={}\ncombine={}\n"
+      "combine_format={}\ncombine_order={}\ntimeout_ms={}\n",
       library_version(), to_string(backend), c.world_size, c.hidden, c.num_experts, c.topk,
       c.max_tokens_per_rank, to_string(c.dtype), to_string(c.scale_layout),
       c.round_scale ? "true" : "false", to_string(c.layout),
       c.deterministic ? "true" : "false", c.rounds_in_flight,
-      c.mask_failed_ranks ? "true" : "false", to_string(c.combine),
+      c.mask_failed_ranks ? "true" : "false", c.worst_case_output ? "true" : "false",
+      to_string(c.combine),
       to_string(c.combine_format), to_string(c.combine_order), c.timeout_ms);
 }
 

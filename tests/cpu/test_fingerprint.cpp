@@ -24,7 +24,8 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
                             "num_experts=48\n", "topk=8\n", "max_tokens_per_rank=128\n",
                             "dtype=bf16-to-fp8\n", "scale_layout=row\n", "round_scale=false\n",
                             "layout=token\n",
-                            "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n", "combine=auto\n",
+                            "deterministic=false\n", "rounds_in_flight=1\n", "mask_failed_ranks=false\n",
+                            "worst_case_output=false\n", "combine=auto\n",
                             "combine_format=bf16\n", "combine_order=rank\n", "timeout_ms=10000\n"}) {
     EXPECT_NE(text.find(field), std::string::npos) << field << " in\n" << text;
   }
@@ -37,6 +38,9 @@ TEST(Fingerprint, CanonicalTextWithoutRank) {
   EpConfig c = a;
   c.round_scale = true;
   EXPECT_NE(fingerprint(c, Backend::kLowLatency), text);
+  c = a;
+  c.worst_case_output = true;  // (high_throughput's sizing: across nodes, its protocol)
+  EXPECT_NE(fingerprint(c, Backend::kHighThroughput), fingerprint(a, Backend::kHighThroughput));
   EpConfig d = a;
   d.combine_format = CombineFormat::kLogFMT;
   EXPECT_NE(fingerprint(d, Backend::kLowLatency), text);

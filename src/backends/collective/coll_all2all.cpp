@@ -2,10 +2,11 @@
 // dispatch; an all-gather (naive) or grouped send/recv (every other backend) of the partials'
 // blocks for combine, folded in rank order at each token's rank. Every backend's token-major
 // contract: the baselines get every valid token, low_latency and high_throughput the tokens routed
-// to them (flat: each pack reaches every rank; the hierarchical design of docs/scale-out.md sends
-// each token once per node). Every size is fixed by the configuration, so nothing waits on the
-// host and every call can be captured in a CUDA graph; except high_throughput without worst-case
-// output, which reads its counts on the host once per dispatch and moves exact sizes.
+// to them (flat: each pack reaches every rank). Every size is fixed by the configuration, so
+// nothing waits on the host and every call can be captured in a CUDA graph; except
+// high_throughput without worst-case output, which reads its counts on the host once per dispatch
+// and moves exact sizes: each token once per node it goes to, relayed there by the rail peer
+// (docs/scale-out.md §1), and each partial straight back.
 
 #include "backends/collective/coll_all2all.hpp"
 
@@ -297,6 +298,7 @@ class CollAll2All final : public All2All {
     }
     if (exact()) check_not_capturing_counts(stream);  // nothing is launched before it
     const DeviceGuard guard(world_.device());
+    dispatched_ = false;  // (the pack a combine folds by is overwritten from here on)
     CollShape S = shape();
     S.ids_int64 = in.ids_type == IdType::kInt64;
     launch_coll_pack(S, N, in.x, in.x_scales, in.topk_ids, in.topk_weights, in.rank_mask,
@@ -472,6 +474,8 @@ class CollAll2All final : public All2All {
                               i < W ? i : i - W),
                   c, "0..max_tokens_per_rank = " + std::to_string(cfg_.max_tokens_per_rank));
       }
+    }
+    for (size_t q = 0; q < W; ++q) {
       host_counts_[q] = sends(int(q), cfg_.rank);
       host_counts_[W + q] = sends(cfg_.rank, int(q));
     }
@@ -607,7 +611,6 @@ class CollAll2All final : public All2All {
                      .counts_offset = int32_t(pack_counts_offset(cfg_, places_)),
                      .routed = !delivers_every_token(backend_),
                      .local = local_,
-                     .places = places_,
                      .timeout_ns = uint64_t(cfg_.timeout_ms) * 1000000ull};
   }
   CollRows rows() const {

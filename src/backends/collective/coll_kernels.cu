@@ -36,7 +36,7 @@ struct Slot {
   __device__ int32_t* index() const { return valid() + 1; }
   __device__ int32_t* source() const { return valid() + 2; }
   __device__ int32_t* place() const { return valid() + 3; }
-  __device__ int32_t* places() const { return valid() + 4; }  // [S.places]
+  __device__ int32_t* places() const { return valid() + 4; }  // [S.local], the exact dispatch's
 };
 __device__ __forceinline__ Slot slot_of(const CollShape& S, uint8_t* pack, int n) {
   return Slot{pack + kPackHeader + size_t(n) * S.slot_bytes, S};
@@ -216,7 +216,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     start += count;
   }
-  if (back.node_pos == nullptr) return;
   const int nodes = S.world / S.local, node = S.rank / S.local;
   const uint64_t node_ranks = S.local == 64 ? ~uint64_t(0) : (uint64_t(1) << S.local) - 1;
   for (int b = 0; b < nodes; ++b) {

@@ -51,7 +51,6 @@ struct CollShape {
   int32_t routed;          // 1: rows only where the token has an expert (low_latency,
                            // high_throughput); 0: every valid token everywhere (the baselines)
   int32_t local;           // ranks per node (rank = node * local + local index)
-  int32_t places;          // the places a slot carries: `local` in the exact dispatch, else 0
   uint64_t timeout_ns;
 };
 
@@ -116,8 +115,8 @@ struct CollRows {
   float* expert_weight;       // [E/W][cap]
 };
 
-// The exact combine's bookkeeping at a token's rank (high_throughput without worst-case
-// output): for each rank q, the place of each of this rank's tokens among those q receives (q
+// The exact dispatch's and combine's bookkeeping at a token's rank (high_throughput without
+// worst-case output): for each rank q, the place of each of this rank's tokens among those q receives (q
 // sends their rows back in that order), their count, and where q's rows start in the receive
 // area. pos null: the fixed blocks ([W][T][H], a token's row at its index).
 struct CollBack {
@@ -180,8 +179,8 @@ void launch_coll_exact_send(const CollShape& S, const uint8_t* own_pack, const C
 void launch_coll_exact_counts(const CollShape& S, const uint8_t* metas, size_t meta_bytes,
                               const CollRows& rows, const CollRelay& relay, cudaStream_t stream);
 // Step B: the `relayed` slots (step A's, from the other nodes' rail peers) copied into `send`,
-// each once per rank of this node it goes to, at relay.rank_start[d] + relay.base[node][d] +
-// its place there.
+// each once per rank d of this node it goes to, at relay.rank_start[d] + relay.base[a][d] (a: its
+// source's node) + its place there.
 void launch_coll_exact_relay(const CollShape& S, const uint8_t* relayed, const CollRelay& relay,
                              uint8_t* send, cudaStream_t stream);
 // The slots received in exact sizes (`slots`: *rows.recv_count of them, in any order; each at row
@@ -200,7 +199,9 @@ void launch_coll_scatter(const CollShape& S, const void* partials, const CollRow
 // outputs (expert_out [E/W][cap][H] bf16) -> blocks[src_rank][src_idx] ([W][T][H] f32).
 void launch_coll_scatter_experts(const CollShape& S, const void* expert_out, const CollRows& rows,
                                  void* blocks, cudaStream_t stream);
-// This rank's pack (after launch_coll_pack) -> `back`: what every rank will send back to it.
+// This rank's pack (after launch_coll_pack) -> `back`: where each of its tokens goes (each rank,
+// each other node: places and counts), step A's send offsets, and so what every rank will send
+// back to it.
 void launch_coll_back_place(const CollShape& S, const uint8_t* own_pack, const CollBack& back,
                             cudaStream_t stream);
 // y[n] for n < N: the rows of this rank's tokens from every rank (S.routed: from the ranks holding
