@@ -260,6 +260,30 @@ __global__ void coll_offsets_kernel(const CollShape S, const uint8_t* __restrict
   }
 }
 
+// One warp: slot s's row, scales and metadata (source q, index n) at token-major row `row`, the
+// ids' expert counts of this rank's local experts added.
+__device__ __forceinline__ void write_row(const CollShape& S, const Slot& s, int row, int q, int n,
+                                          const CollRows& rows, int lane) {
+  const int K = S.topk, cap = S.world * S.max_tokens, e0 = S.rank * S.num_local;
+  const int4* src = reinterpret_cast<const int4*>(s.row());
+  int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
+  for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
+  for (int g = lane; g < S.groups; g += kWarpSize) {
+    const size_t at = S.scale_col_major ? size_t(g) * cap + row : size_t(row) * S.groups + g;
+    rows.recv_scales[at] = s.scales()[g];
+  }
+  if (lane < K) {
+    const int32_t id = s.ids()[lane];
+    rows.recv_topk_ids[size_t(row) * K + lane] = id;
+    rows.recv_topk_w[size_t(row) * K + lane] = s.weights()[lane];
+    if (id >= e0 && id < e0 + S.num_local) atomicAdd(rows.expert_counts + (id - e0), 1);
+  }
+  if (lane == 0) {
+    rows.recv_src_rank[row] = q;
+    rows.recv_src_idx[row] = n;
+  }
+}
+
 // One warp per (source, token): a valid token's row, scales and metadata at its place. Named
 // dispatch_*, and the only kernel of a round so named (the fold below: combine_*), so that
 // profiler-based benchmarks that time an engine's dispatch and combine by those words in kernel
@@ -270,33 +294,14 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
-  const int T = S.max_tokens, K = S.topk, cap = S.world * T;
-  const int e0 = S.rank * S.num_local;
+  const int T = S.max_tokens;
   for (int i = warp; i < S.world * T; i += warps) {
     const int q = i / T, n = i % T;
     const int32_t p = rows.pos[i];
     uint8_t* pack = const_cast<uint8_t*>(gathered) + size_t(q) * pack_bytes;
     const int N = min(max(*reinterpret_cast<const int32_t*>(pack), 0), T);
     if (n >= N || p < 0) continue;
-    const int row = rows.offsets[q] + p;
-    const Slot s = slot_of(S, pack, n);
-    const int4* src = reinterpret_cast<const int4*>(s.row());
-    int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
-    for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
-    for (int g = lane; g < S.groups; g += kWarpSize) {
-      const size_t at = S.scale_col_major ? size_t(g) * cap + row : size_t(row) * S.groups + g;
-      rows.recv_scales[at] = s.scales()[g];
-    }
-    if (lane < K) {
-      const int32_t id = s.ids()[lane];
-      rows.recv_topk_ids[size_t(row) * K + lane] = id;
-      rows.recv_topk_w[size_t(row) * K + lane] = s.weights()[lane];
-      if (id >= e0 && id < e0 + S.num_local) atomicAdd(rows.expert_counts + (id - e0), 1);
-    }
-    if (lane == 0) {
-      rows.recv_src_rank[row] = q;
-      rows.recv_src_idx[row] = n;
-    }
+    write_row(S, slot_of(S, pack, n), rows.offsets[q] + p, q, n, rows, lane);
   }
 }
 
@@ -449,32 +454,14 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int warps = gridDim.x * (blockDim.x / kWarpSize);
-  const int M = *rows.recv_count, K = S.topk, cap = S.world * S.max_tokens;
-  const int e0 = S.rank * S.num_local;
+  const int M = *rows.recv_count;
   for (int i = warp; i < M; i += warps) {
     const Slot s{const_cast<uint8_t*>(slots) + size_t(i) * S.slot_bytes, S};
     const int q = *s.source(), p = *s.place();
     // (every slot's source and place come from the ranks' own kernels: a slot outside its
     // source's rows would be a bug of this engine, and is dropped rather than written anywhere)
     if (q < 0 || q >= S.world || p < 0 || p >= rows.counts[q]) continue;
-    const int row = rows.offsets[q] + p;
-    const int4* src = reinterpret_cast<const int4*>(s.row());
-    int4* dst = reinterpret_cast<int4*>(rows.recv_x + size_t(row) * S.wire_row_bytes);
-    for (int v = lane; v < S.wire_row_bytes / 16; v += kWarpSize) dst[v] = src[v];
-    for (int g = lane; g < S.groups; g += kWarpSize) {
-      const size_t at = S.scale_col_major ? size_t(g) * cap + row : size_t(row) * S.groups + g;
-      rows.recv_scales[at] = s.scales()[g];
-    }
-    if (lane < K) {
-      const int32_t id = s.ids()[lane];
-      rows.recv_topk_ids[size_t(row) * K + lane] = id;
-      rows.recv_topk_w[size_t(row) * K + lane] = s.weights()[lane];
-      if (id >= e0 && id < e0 + S.num_local) atomicAdd(rows.expert_counts + (id - e0), 1);
-    }
-    if (lane == 0) {
-      rows.recv_src_rank[row] = q;
-      rows.recv_src_idx[row] = *s.index();
-    }
+    write_row(S, s, rows.offsets[q] + p, q, *s.index(), rows, lane);
   }
 }
 
