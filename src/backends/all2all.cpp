@@ -89,10 +89,14 @@ void check_not_capturing_counts(cudaStream_t stream) {
 
 void check_combine_extras(const RankStatus& status, const CombineExtras& extras, int tokens) {
   const bool weights = extras.topk_weights != nullptr;
-  EPX_CHECK(weights == (extras.y_topk_weights != nullptr), InputError,
-            weights ? "combine y_topk_weights" : "combine topk_weights", "null",
+  // (A rank without tokens sends its rows' weights back and gets none: its y_topk_weights, of no
+  // rows, may be null.)
+  EPX_CHECK(weights ? tokens == 0 || extras.y_topk_weights != nullptr
+                    : extras.y_topk_weights == nullptr,
+            InputError, weights ? "combine y_topk_weights" : "combine topk_weights", "null",
             std::string("set together with combine ") +
-                (weights ? "topk_weights" : "y_topk_weights"));
+                (weights ? "topk_weights (null only where the call has no tokens)"
+                         : "y_topk_weights"));
   if (weights) {
     status.check_ptr(extras.topk_weights, "combine topk_weights", 4);
     if (tokens > 0) status.check_ptr(extras.y_topk_weights, "combine y_topk_weights", 4);
